@@ -1,0 +1,145 @@
+"""The zoo coverage table: every entry of tests/zoo compiled with the pass, one row per model and dtype.
+
+`rope-fusion coverage` (or `python -m rope_fusion.coverage`) prints it; `--markdown` writes the form that
+COVERAGE.md holds. Needs a source checkout (the zoo lives in tests/zoo) plus diffusers and transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _zoo():
+    try:
+        from tests.zoo import entries, harness
+    except ImportError:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from tests.zoo import entries, harness
+    return entries, harness
+
+
+def status_of(entry, res) -> str:
+    if res.failure:
+        return "expected failure" if entry.expect_failure else "compile failed"
+    if res.errors:
+        return "pass error"
+    if res.err_pass > res.tol:
+        return "WRONG NUMERICS"
+    if entry.category == "should":
+        if res.sites == 0:
+            return "left alone (should)"
+        return "fused (should)" if res.sites == entry.compiled_sites else "partial (should)"
+    if (res.sites == entry.compiled_sites and res.kernels == entry.compiled_kernels
+            and res.qk_kernels == entry.compiled_qk and not res.products_after):
+        bad = [s for s in res.sources if entry.source_file not in s]
+        return "ok" if not bad else "ok (source?)"
+    if res.sites == 0:
+        return "not fused"
+    if res.sites == entry.compiled_sites:
+        return "not grouped" if res.products_after == [] else "left arithmetic"
+    return "partial"
+
+
+def coverage_rows(names=None, dtypes=None, full: bool = False, progress=None) -> list[dict]:
+    """Run every zoo entry (graph level; `full` adds the full-compile entries) and return table rows."""
+    import torch
+
+    entries, harness = _zoo()
+    rows = []
+    ref64: dict = {}
+    for e in entries.ENTRIES:
+        if names and e.name not in names:
+            continue
+        modes = [False] + ([True] if full and e.full_compile else [])
+        for mode in modes:
+            for dt in (("float32",) if mode else e.dtypes):
+                if dtypes and dt not in dtypes:
+                    continue
+                res = harness.run_entry(e, getattr(torch, dt), full=mode, ref64_cache=ref64)
+                row = {
+                    "model": e.name, "category": e.category, "variant": f"{dt} {'inductor' if mode else 'graph'}",
+                    "expected": e.sites, "compiled": e.compiled_sites, "fused": res.sites,
+                    "kernels": res.kernels, "expected_kernels": e.compiled_kernels,
+                    "qk": res.qk_kernels, "graphs": res.graphs, "err": res.err_pass, "err_eager": res.err_eager,
+                    "tol": res.tol, "status": status_of(e, res), "seconds": res.seconds,
+                    "left": len(res.products_after), "misses": res.misses, "failure": res.failure,
+                    "errors": res.errors, "note": e.compile_note or e.expect_failure,
+                    "products_after": res.products_after,
+                }
+                rows.append(row)
+                if progress:
+                    progress(row)
+    return rows
+
+
+def _fmt(x: float) -> str:
+    return "-" if x != x else f"{x:.1e}"
+
+
+def format_table(rows, markdown: bool = False) -> str:
+    head = ["model", "cat", "variant", "sites", "fused", "kernels (qk)", "graphs", "max err", "eager err",
+            "status"]
+    body = []
+    for r in rows:
+        sites = str(r["expected"]) if r["compiled"] == r["expected"] else f"{r['expected']} ({r['compiled']} compiled)"
+        body.append([r["model"], r["category"], r["variant"], sites, str(r["fused"]),
+                     f"{r['kernels']}/{r['expected_kernels']} ({r['qk']})", str(r["graphs"]), _fmt(r["err"]),
+                     _fmt(r["err_eager"]), r["status"]])
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(b) + " |" for b in body]
+    else:
+        w = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+        lines = ["  ".join(h.ljust(w[i]) for i, h in enumerate(head))]
+        lines += ["  ".join(c.ljust(w[i]) for i, c in enumerate(b)) for b in body]
+    return "\n".join(lines)
+
+
+def format_details(rows) -> str:
+    out = []
+    for r in rows:
+        if r["status"] in ("ok", "left alone (should)", "fused (should)") and not r["note"]:
+            continue
+        out.append(f"- **{r['model']}** {r['variant']}: {r['status']}" + (f"; {r['note']}" if r["note"] else ""))
+        if r["failure"]:
+            out.append(f"  - failure: `{r['failure']}`")
+        for e in r["errors"][:3]:
+            out.append(f"  - pass error: `{e}`")
+        for reason, src in r["misses"][:6]:
+            out.append(f"  - miss at {src}: {reason}")
+        if r["products_after"] and r["status"] not in ("ok",):
+            srcs = sorted({s for _, s in r["products_after"]})
+            out.append(f"  - {r['left']} table x activation products left at {', '.join(srcs[:6])}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="rope-fusion coverage", description=__doc__.splitlines()[0])
+    ap.add_argument("models", nargs="*", help="entry names (default: all)")
+    ap.add_argument("--dtype", action="append", help="float32 / bfloat16 (default: each entry's own)")
+    ap.add_argument("--full", action="store_true", help="also compile full_compile entries through Inductor")
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+
+    def progress(r):
+        print(f"  {r['model']:24s} {r['variant']:18s} {r['status']:20s} {r['seconds']:.1f}s", file=sys.stderr)
+
+    rows = coverage_rows(args.models or None, args.dtype, args.full, progress)
+    print(format_table(rows, args.markdown))
+    details = format_details(rows)
+    if details:
+        print("\n" + details)
+    must = [r for r in rows if r["category"] == "must"]
+    ok = sum(r["status"] == "ok" for r in must)
+    sites = sum(r["compiled"] for r in must)
+    fused = sum(min(r["fused"], r["compiled"]) for r in must)
+    print(f"\nmust: {ok}/{len(must)} rows fully fused, {fused}/{sites} sites; wall {time.perf_counter() - t0:.0f}s")
+    return 0 if ok == len(must) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

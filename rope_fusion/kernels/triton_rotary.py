@@ -1,0 +1,388 @@
+"""Triton kernels for the fused rotary op (the `triton` backend on CUDA / ROCm).
+
+Why these kernels look the way they do (DESIGN.md section 3, measured on the H200):
+- RoPE is pure data movement, so the only goal is the copy floor. Every x access is a contiguous run: NeoX
+  rows are loaded as their two halves, interleaved rows are loaded whole and their pairs split in registers
+  (`tl.reshape` + `tl.split`, then `tl.join` to store). Loading pairs with stride 2 or through a computed
+  partner index was 1.5-4.6x the floor.
+- One program per token (per index of the dims along which the tables vary); the program loads its table
+  row once and loops over the head blocks of q and then of k, so tables are read once and reused across all
+  heads of both tensors, and q and k take one launch whatever their head counts.
+- Tables are arbitrary strided views that broadcast against x (a slice of a packed table, the real part of
+  complex freqs): they are never copied; their broadcast strides (0 on broadcast dims) go to the kernel.
+- Head dims that are not powers of two (80, 96, ...) are padded to one with masks.
+
+The host side (`_plan`) maps any layout onto the kernel's fixed form: up to three "token" dims, taken by the
+grid, and one "head" dim, looped over inside a program (the innermost dim along which the tables are
+constant). It works on fake tensors too, because `triton_op` uses the same function as the fake kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # an optional backend: the registry tolerates this
+    raise ImportError(f"rope_fusion.kernels.triton_rotary needs triton: {e}") from e
+
+from torch.library import triton_op, wrap_triton
+
+from ..ops.backends import Backend, SiteSpec, register_backend
+from ..ops.library import register_eager_kernel
+from ..ops.reference import check_args, math_dtype
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 1024  # beyond this one row no longer fits a program's registers comfortably
+MAX_LOOP_HEADS = 512  # a broadcast dim longer than this is spread over the grid instead of looped over
+TILE_ELEMENTS = 4096  # target size of the register tile (heads x padded lanes) of one loop step
+MIN_PROGRAMS = 1024  # below this many tokens, head blocks are also spread over the grid
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
+    N1, N2, HQ, HK, NSPLIT,
+    sq0, sq1, sq2, sqh, sqo0, sqo1, sqo2, sqoh,
+    sk0, sk1, sk2, skh, sko0, sko1, sko2, skoh,
+    sc0, sc1, sc2, scd, ss0, ss1, ss2, ssd,
+    ROT: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, NSIDES: tl.constexpr, INTERLEAVED: tl.constexpr, FULL_TABLES: tl.constexpr,
+    CONJ: tl.constexpr, MATH_FP64: tl.constexpr,
+):
+    """Rotate the rows of one token of q (and k): grid = (tokens, NSPLIT head-block groups)."""
+    HALF: tl.constexpr = ROT // 2
+    if MATH_FP64:
+        cdt = tl.float64
+    else:
+        cdt = tl.float32
+    tok = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    i2 = tok % N2
+    rest = tok // N2
+    i1 = rest % N1
+    i0 = rest // N1
+
+    # The table row of this token: loaded once, reused by every head of q and k.
+    jt = tl.arange(0, HALF_PAD)
+    tmask = jt < HALF
+    if FULL_TABLES:
+        if INTERLEAVED:
+            ia = 2 * jt
+            ib = 2 * jt + 1
+        else:
+            ia = jt
+            ib = jt + HALF
+    else:
+        ia = jt
+        ib = jt
+    c_row = cos_ptr + i0 * sc0 + i1 * sc1 + i2 * sc2
+    s_row = sin_ptr + i0 * ss0 + i1 * ss1 + i2 * ss2
+    ca = tl.load(c_row + ia * scd, mask=tmask, other=0.0).to(cdt)[None, :]
+    sa = tl.load(s_row + ia * ssd, mask=tmask, other=0.0).to(cdt)[None, :]
+    if FULL_TABLES:
+        cb = tl.load(c_row + ib * scd, mask=tmask, other=0.0).to(cdt)[None, :]
+        sb = tl.load(s_row + ib * ssd, mask=tmask, other=0.0).to(cdt)[None, :]
+    else:
+        cb = ca
+        sb = sa
+    if CONJ:
+        sa = -sa
+        sb = -sb
+
+    hoffs = tl.arange(0, BLOCK_H)
+    j = tl.arange(0, HALF_PAD)[None, :]
+    lanes = tl.arange(0, 2 * HALF_PAD)[None, :]
+    for side in tl.static_range(NSIDES):
+        # side 0 is q, side 1 is k: a compile-time choice, so each side's code has its own dtypes.
+        if side == 0:
+            x_row = q_ptr + i0 * sq0 + i1 * sq1 + i2 * sq2
+            o_row = qo_ptr + i0 * sqo0 + i1 * sqo1 + i2 * sqo2
+            sxh = sqh
+            soh = sqoh
+            nheads = HQ
+        else:
+            x_row = k_ptr + i0 * sk0 + i1 * sk1 + i2 * sk2
+            o_row = ko_ptr + i0 * sko0 + i1 * sko1 + i2 * sko2
+            sxh = skh
+            soh = skoh
+            nheads = HK
+        for hb in range(split, (nheads + BLOCK_H - 1) // BLOCK_H, NSPLIT):
+            heads = hb * BLOCK_H + hoffs
+            hmask = (heads < nheads)[:, None]
+            xp = x_row + heads.to(tl.int64)[:, None] * sxh
+            op = o_row + heads.to(tl.int64)[:, None] * soh
+            if INTERLEAVED:
+                m = hmask & (lanes < ROT)
+                v = tl.load(xp + lanes, mask=m, other=0.0).to(cdt)
+                a, b = tl.split(tl.reshape(v, (BLOCK_H, HALF_PAD, 2)))
+            else:
+                m = hmask & (j < HALF)
+                a = tl.load(xp + j, mask=m, other=0.0).to(cdt)
+                b = tl.load(xp + HALF + j, mask=m, other=0.0).to(cdt)
+            oa = a * ca - b * sa
+            ob = b * cb + a * sb
+            if INTERLEAVED:
+                o = tl.reshape(tl.join(oa, ob), (BLOCK_H, 2 * HALF_PAD))
+                tl.store(op + lanes, o.to(op.dtype.element_ty), mask=m)
+            else:
+                tl.store(op + j, oa.to(op.dtype.element_ty), mask=m)
+                tl.store(op + HALF + j, ob.to(op.dtype.element_ty), mask=m)
+            if TAIL_PAD > 0:
+                tail = ROT + tl.arange(0, TAIL_PAD)[None, :]
+                mt = hmask & (tail < HEAD_DIM)
+                t = tl.load(xp + tail, mask=mt, other=0.0)
+                tl.store(op + tail, t.to(op.dtype.element_ty), mask=mt)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host side: map any layout onto (3 token dims) x (1 head dim) x lanes.
+
+
+def _is_true(cond: Any) -> bool:
+    """True only when known without adding a guard (sizes may be symbolic under dynamic shapes)."""
+    if isinstance(cond, bool):
+        return cond
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(cond)
+
+
+def _hint(v: Any, default: int) -> int:
+    return v if isinstance(v, int) else default
+
+
+@dataclasses.dataclass
+class _Plan:
+    tokens: list  # 3 sizes, outermost first
+    x_strides: list  # per tensor: 4 strides (3 token dims, head dim) of x
+    o_strides: list  # per tensor: the same for its output
+    heads: list  # per tensor: its head count
+    c_strides: list  # 3 token strides + last-dim stride of cos
+    s_strides: list  # the same for sin
+
+
+def _plan(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], cos: torch.Tensor,
+          sin: torch.Tensor) -> _Plan | None:
+    """One launch's geometry for tensors that share tables, or None if they cannot share one grid."""
+    lead = [tuple(x.shape[:-1]) for x in xs]
+    n = len(lead[0])
+    if any(len(s) != n for s in lead):
+        return None
+    width = cos.shape[-1]
+    c_exp = [cos.expand(*s, width).stride() for s in lead]
+    s_exp = [sin.expand(*s, width).stride() for s in lead]
+    differ = [i for i in range(n) if any(not _is_true(s[i] == lead[0][i]) for s in lead)]
+    if len(differ) > 1:
+        return None
+    if differ:
+        head = differ[0]
+    else:
+        cands = [i for i in range(n)
+                 if all(_is_true(st[i] == 0) for st in c_exp + s_exp)
+                 and not _is_true(lead[0][i] == 1) and _hint(lead[0][i], MAX_LOOP_HEADS + 1) <= MAX_LOOP_HEADS]
+        head = min(cands, key=lambda i: (_hint(abs(xs[0].stride(i)), 1 << 62), -i)) if cands else None
+
+    # Token dims: every other non-unit dim, with the strides of every tensor that walks it.
+    dims = []  # (size, [strides...]) with strides ordered: x0, o0, x1, o1, ..., cos, sin
+    for i in range(n):
+        if i == head or _is_true(lead[0][i] == 1):
+            continue
+        strides = []
+        for x, o in zip(xs, outs):
+            strides += [x.stride(i), o.stride(i)]
+        strides += [c_exp[0][i], s_exp[0][i]]
+        if any(not _is_true(c[i] == c_exp[0][i]) for c in c_exp) or \
+           any(not _is_true(s[i] == s_exp[0][i]) for s in s_exp):
+            return None
+        dims.append((lead[0][i], strides))
+    merged: list = []
+    for size, strides in dims:
+        if merged:
+            psize, pstrides = merged[-1]
+            if all(_is_true(ps == st * size) for ps, st in zip(pstrides, strides)):
+                merged[-1] = (psize * size, strides)
+                continue
+        merged.append((size, strides))
+    if len(merged) > 3:
+        return None
+    nstr = 2 * len(xs) + 2
+    while len(merged) < 3:
+        merged.insert(0, (1, [0] * nstr))
+    tokens = [m[0] for m in merged]
+
+    def column(k: int) -> list:
+        return [m[1][k] for m in merged]
+
+    x_strides, o_strides, heads = [], [], []
+    for t, (x, o) in enumerate(zip(xs, outs)):
+        if head is None:
+            x_strides.append(column(2 * t) + [0])
+            o_strides.append(column(2 * t + 1) + [0])
+            heads.append(1)
+        else:
+            x_strides.append(column(2 * t) + [x.stride(head)])
+            o_strides.append(column(2 * t + 1) + [o.stride(head)])
+            heads.append(x.shape[head])
+    return _Plan(tokens, x_strides, o_strides, heads, column(nstr - 2) + [cos.stride(-1)],
+                 column(nstr - 1) + [sin.stride(-1)])
+
+
+def _block_heads(heads: Sequence[Any], lanes_pad: int) -> int:
+    """Heads per loop step: a tile near TILE_ELEMENTS with little padding waste over q's and k's heads."""
+    hs = [_hint(h, 16) for h in heads if _hint(h, 16) > 0]
+    cap = max(1, TILE_ELEMENTS // lanes_pad)
+    top = min(cap, triton.next_power_of_2(max(hs)))
+    best = 1
+    bh = 1
+    while bh <= top:
+        padded = sum(-(-h // bh) * bh for h in hs)
+        if padded <= sum(hs) * 1.125:
+            best = bh
+        bh *= 2
+    return best
+
+
+def _num_warps(tile: int) -> int:
+    return 8 if tile >= 8192 else 4 if tile >= 2048 else 2 if tile >= 512 else 1
+
+
+def _prepare(x: torch.Tensor) -> torch.Tensor:
+    """The kernel reads lanes with unit stride; anything else is made contiguous first."""
+    if x.shape[-1] > 1 and not _is_true(x.stride(-1) == 1):
+        return x.contiguous()
+    return x
+
+
+def _launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, rotary_dim: int,
+            full_tables: bool, conjugate: bool, out_dtype: torch.dtype, kernel: Any = None,
+            block_h: int | None = None, num_warps: int | None = None) -> list:
+    """Rotate 1 or 2 tensors sharing tables; one launch when their geometry allows it, else one each."""
+    xs = [_prepare(x) for x in xs]
+    outs = [torch.empty(x.shape, dtype=out_dtype, device=x.device) for x in xs]
+    groups: list = [list(range(len(xs)))]
+    plan = _plan(xs, outs, cos, sin)
+    if plan is None and len(xs) > 1:
+        groups = [[i] for i in range(len(xs))]
+    for group in groups:
+        gx = [xs[i] for i in group]
+        go = [outs[i] for i in group]
+        if any(_is_true(x.numel() == 0) for x in gx):
+            continue
+        c, s = cos, sin
+        p = _plan(gx, go, c, s) if len(groups) > 1 else plan
+        if p is None:  # more than 3 token dims that do not merge: materialize (rare, correct)
+            gx = [x.contiguous() for x in gx]
+            c = cos.expand(*gx[0].shape[:-1], cos.shape[-1]).contiguous()
+            s = sin.expand(*gx[0].shape[:-1], sin.shape[-1]).contiguous()
+            p = _plan(gx, go, c, s)
+            assert p is not None
+        _launch_plan(p, gx, go, c, s, interleaved=interleaved, rotary_dim=rotary_dim,
+                     full_tables=full_tables, conjugate=conjugate, kernel=kernel, block_h=block_h,
+                     num_warps=num_warps)
+    return outs
+
+
+def _launch_plan(p: _Plan, xs: list, outs: list, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool,
+                 rotary_dim: int, full_tables: bool, conjugate: bool, kernel: Any, block_h: int | None,
+                 num_warps: int | None) -> None:
+    head_dim = xs[0].shape[-1]
+    half_pad = triton.next_power_of_2(max(1, rotary_dim // 2))
+    tail_pad = triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
+    bh = block_h or _block_heads(p.heads, 2 * half_pad)
+    nblocks = max(-(-_hint(h, 1) // bh) for h in p.heads)
+    ntok = p.tokens[0] * p.tokens[1] * p.tokens[2]
+    nsplit = 1
+    if isinstance(ntok, int) and ntok < MIN_PROGRAMS:
+        nsplit = max(1, min(nblocks, -(-MIN_PROGRAMS // max(ntok, 1))))
+    q, k = xs[0], xs[-1]
+    qo, ko = outs[0], outs[-1]
+    sk = p.x_strides[-1] if len(xs) > 1 else [0, 0, 0, 0]
+    sko = p.o_strides[-1] if len(xs) > 1 else [0, 0, 0, 0]
+    hk = p.heads[-1] if len(xs) > 1 else 0
+    wide = math_dtype(q, cos, sin, outs[0].dtype) == torch.float64 or (
+        len(xs) > 1 and math_dtype(k, cos, sin, outs[0].dtype) == torch.float64)
+    fn = wrap_triton(_rotary_kernel) if kernel is None else kernel
+    fn[(ntok, nsplit)](
+        q, k, qo, ko, cos, sin,
+        p.tokens[1], p.tokens[2], p.heads[0], hk, nsplit,
+        *p.x_strides[0], *p.o_strides[0], *sk, *sko,
+        *p.c_strides, *p.s_strides,
+        ROT=rotary_dim, HEAD_DIM=head_dim, HALF_PAD=half_pad, TAIL_PAD=tail_pad, BLOCK_H=bh,
+        NSIDES=len(xs), INTERLEAVED=interleaved, FULL_TABLES=full_tables, CONJ=conjugate, MATH_FP64=wide,
+        num_warps=num_warps or _num_warps(bh * 2 * half_pad),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ops, eager kernels and the backend.
+
+
+@triton_op("rope_fusion::rotary_triton", mutates_args=())
+def rotary_triton(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool,
+    rotary_dim: int,
+    full_tables: bool,
+    conjugate: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`rope_fusion::rotary` as one Triton launch (Inductor sees the kernel itself)."""
+    check_args(x, cos, sin, rotary_dim, full_tables, out_dtype)
+    return _launch([x], cos, sin, interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full_tables,
+                   conjugate=conjugate, out_dtype=out_dtype)[0]
+
+
+@triton_op("rope_fusion::rotary_qk_triton", mutates_args=())
+def rotary_qk_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool,
+    rotary_dim: int,
+    full_tables: bool,
+    conjugate: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_fusion::rotary_qk`: q and k (head counts may differ) in one Triton launch."""
+    check_args(q, cos, sin, rotary_dim, full_tables, out_dtype, name="q")
+    check_args(k, cos, sin, rotary_dim, full_tables, out_dtype, name="k")
+    qo, ko = _launch([q, k], cos, sin, interleaved=interleaved, rotary_dim=rotary_dim,
+                     full_tables=full_tables, conjugate=conjugate, out_dtype=out_dtype)
+    return qo, ko
+
+
+def _eager_rotary(x, cos, sin, **kw) -> torch.Tensor:
+    return rotary_triton(x, cos, sin, **kw)
+
+
+def _eager_rotary_qk(q, k, cos, sin, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    return rotary_qk_triton(q, k, cos, sin, **kw)
+
+
+def supports(spec: SiteSpec) -> bool:
+    """Sites this backend takes: GPU tensors of float dtypes and a static head dim the kernel can hold."""
+    if spec.device_type != "cuda":  # ROCm tensors also have device type "cuda"
+        return False
+    if not all(d in SUPPORTED_DTYPES for d in (spec.x_dtype, spec.table_dtype, spec.out_dtype)):
+        return False
+    head_dim = spec.x_shape[-1] if spec.x_shape else None
+    if not isinstance(head_dim, int) or not isinstance(spec.rotary_dim, int):
+        return False
+    return 0 < spec.rotary_dim <= head_dim <= MAX_HEAD_DIM and spec.rotary_dim % 2 == 0
+
+
+register_backend(Backend("triton", torch.ops.rope_fusion.rotary_triton.default,
+                         torch.ops.rope_fusion.rotary_qk_triton.default, supports))
+register_eager_kernel("cuda", rotary=_eager_rotary, rotary_qk=_eager_rotary_qk)
+
+__all__ = ["rotary_triton", "rotary_qk_triton", "supports"]

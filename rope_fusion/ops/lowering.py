@@ -1,0 +1,84 @@
+"""Inductor lowering of the rotary ops: one pointwise node per rotated tensor.
+
+The inner function loads x at the lane and at its partner (index arithmetic with ModularIndexing, so
+every load stays in bounds) and the tables at the lane or pair index; Inductor then fuses the node with
+its neighbours (casts, norms) into one generated kernel. On the GPU this form of access is slower than
+the hand-written Triton kernel (DESIGN.md section 3), so there it is the fallback, not the default.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._inductor import ir
+from torch._inductor.lowering import register_lowering, to_dtype
+from torch._inductor.utils import sympy_index_symbol  # noqa: F401  (import check for old torch)
+from torch._inductor.virtualized import ops
+from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+
+from .library import rotary, rotary_qk  # noqa: F401  (defines the ops)
+from .reference import check_args
+
+
+def _compute_dtype(x, cos, sin, out_dtype):
+    wide = torch.float64 in (x.get_dtype(), cos.get_dtype(), sin.get_dtype())
+    return torch.float64 if wide and out_dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _rotary_pointwise(x, cos, sin, interleaved, rotary_dim, full_tables, conjugate, out_dtype):
+    size = list(x.get_size())
+    nd = len(size)
+    head = size[-1]
+    r = rotary_dim
+    half = r // 2
+    cd = _compute_dtype(x, cos, sin, out_dtype)
+    x_load = x.make_loader()
+    tables = []
+    for t in (cos, sin):
+        tsize = list(t.get_size())
+        offset = nd - len(tsize)
+        tables.append((t.make_loader(), tsize, offset))
+
+    def table_index(tsize, offset, idx, lane):
+        out = []
+        for i, s in enumerate(tsize[:-1]):
+            out.append(0 if s == 1 else idx[offset + i])
+        out.append(lane)
+        return out
+
+    def inner_fn(idx):
+        *lead, d = idx
+        if interleaved:
+            partner = d + 1 - 2 * ModularIndexing(d, 1, 2)
+            is_second = ModularIndexing(d, 1, 2)
+            pair = ModularIndexing(d, 2, half)
+        else:
+            partner = ModularIndexing(d + half, 1, r)
+            is_second = ModularIndexing(d, half, 2)
+            pair = ModularIndexing(d, 1, half)
+        lane = ModularIndexing(d, 1, r) if full_tables else pair
+        xv = ops.to_dtype(x_load([*lead, d]), cd)
+        xp = ops.to_dtype(x_load([*lead, partner]), cd)
+        (cl, cs, co), (sl, ss, so) = tables
+        c = ops.to_dtype(cl(table_index(cs, co, lead, lane)), cd)
+        s = ops.to_dtype(sl(table_index(ss, so, lead, lane)), cd)
+        second = ops.index_expr(is_second, torch.int32)
+        sign_pos = ops.eq(second, ops.constant(0 if conjugate else 1, torch.int32))
+        xs = ops.mul(xp, s)
+        rot = ops.where(sign_pos, ops.add(ops.mul(xv, c), xs), ops.sub(ops.mul(xv, c), xs))
+        if r < head:
+            in_rot = ops.lt(ops.index_expr(d, torch.int64), ops.constant(r, torch.int64))
+            rot = ops.where(in_rot, rot, xv)
+        return ops.to_dtype(rot, out_dtype)
+
+    return ir.Pointwise.create(device=x.get_device(), dtype=out_dtype, inner_fn=inner_fn, ranges=size)
+
+
+@register_lowering(torch.ops.rope_fusion.rotary.default, type_promotion_kind=None)
+def _lower_rotary(x, cos, sin, *, interleaved, rotary_dim, full_tables, conjugate, out_dtype):
+    return _rotary_pointwise(x, cos, sin, interleaved, rotary_dim, full_tables, conjugate, out_dtype)
+
+
+@register_lowering(torch.ops.rope_fusion.rotary_qk.default, type_promotion_kind=None)
+def _lower_rotary_qk(q, k, cos, sin, *, interleaved, rotary_dim, full_tables, conjugate, out_dtype):
+    return (_rotary_pointwise(q, cos, sin, interleaved, rotary_dim, full_tables, conjugate, out_dtype),
+            _rotary_pointwise(k, cos, sin, interleaved, rotary_dim, full_tables, conjugate, out_dtype))

@@ -1,0 +1,68 @@
+"""Small polynomials over lane atoms: the entries of the lane algebra.
+
+An atom names one lane of one source tensor: (node name, k, as_real, flat), where the source's last k dims
+form its lane grid, `flat` indexes that grid in row-major order and `as_real` says the source is complex
+and is read through view_as_real (its grid then ends in the re/im dim of size 2). A polynomial maps a
+monomial (a sorted tuple of atoms) to its coefficient. RoPE needs degree 2 at most; anything larger is cut
+off by the interpreter, so these stay tiny and plain dicts are fast enough.
+"""
+
+from __future__ import annotations
+
+Atom = tuple  # (name: str, k: int, as_real: bool, flat: int)
+Poly = dict  # {tuple[Atom, ...]: float}
+
+MAX_DEGREE = 3
+MAX_TERMS = 8
+
+
+def const(c: float) -> Poly:
+    return {(): float(c)} if c != 0 else {}
+
+
+def atom(a: Atom) -> Poly:
+    return {(a,): 1.0}
+
+
+def add(p: Poly, q: Poly, alpha: float = 1.0) -> Poly:
+    out = dict(p)
+    for m, c in q.items():
+        v = out.get(m, 0.0) + alpha * c
+        if v == 0.0:
+            out.pop(m, None)
+        else:
+            out[m] = v
+    return out
+
+
+def scale(p: Poly, c: float) -> Poly:
+    if c == 0.0:
+        return {}
+    return {m: v * c for m, v in p.items()}
+
+
+def mul(p: Poly, q: Poly) -> Poly | None:
+    """Product, or None when it grows past the degree/term caps (the value becomes opaque)."""
+    out: Poly = {}
+    for m1, c1 in p.items():
+        for m2, c2 in q.items():
+            m = tuple(sorted(m1 + m2))
+            if len(m) > MAX_DEGREE:
+                return None
+            v = out.get(m, 0.0) + c1 * c2
+            if v == 0.0:
+                out.pop(m, None)
+            else:
+                out[m] = v
+    if len(out) > MAX_TERMS:
+        return None
+    return out
+
+
+def remap(p: Poly, fn) -> Poly:
+    """Rename atoms (used when a value's lane grid absorbs a leading dim)."""
+    out: Poly = {}
+    for m, c in p.items():
+        nm = tuple(sorted(fn(a) for a in m))
+        out[nm] = out.get(nm, 0.0) + c
+    return out

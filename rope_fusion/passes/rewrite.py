@@ -1,0 +1,255 @@
+"""Rewriting a post-grad graph: pick the largest rotations, pair q with k, emit fused nodes, report.
+
+Every new node gets a fake-tensor `val` (Inductor lowers from it) and the stack trace of the node it
+replaces (depyf and the report show where the RoPE came from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..ops import backends as B
+from . import lanes as L
+from .matcher import Acceptor, Match, TableRef, dtype_name, looks_like_rotation, source_line
+from .report import Kernel, Miss, Report, Site
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_EXACT_UPCASTS = {
+    (torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.bfloat16, torch.float64),
+    (torch.float16, torch.float64), (torch.float32, torch.float64),
+}
+
+
+def find_matches(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]], L.LaneInterpreter]:
+    """The rotations to replace (largest first in graph order) and the near misses."""
+    interp = L.LaneInterpreter(graph)
+    interp.run()
+    acc = Acceptor(interp)
+    accepted: dict = {}
+    rejected: dict = {}
+    for node, v in interp.values.items():
+        if not isinstance(v, L.LaneValue) or not looks_like_rotation(v):
+            continue
+        r = acc.accept(node, v)
+        if isinstance(r, Match):
+            accepted[node] = r
+        else:
+            rejected[node] = r
+    chosen = [m for node, m in accepted.items()
+              if any(u not in accepted for u in node.users) or not node.users]
+    interesting = set(accepted) | set(rejected)
+    misses = []
+    for node, reason in rejected.items():
+        if any(u in interesting for u in node.users):
+            continue  # only the largest rotation-looking value is a near miss
+        if any(acc.depends_on(a, node) for a in accepted):
+            continue
+        misses.append((node, reason))
+    chosen.sort(key=lambda m: acc.order[m.node])
+    return chosen, misses, interp
+
+
+class _Emitter:
+    """Creates nodes with fake values, before a given node."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        vals = [n.meta.get("val") for n in graph.nodes]
+        self.fake_mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+
+    def call(self, target, args, kwargs=None, like: fx.Node | None = None) -> fx.Node:
+        kwargs = kwargs or {}
+        node = self.graph.call_function(target, tuple(args), kwargs)
+
+        def val(a):
+            if isinstance(a, fx.Node):
+                return a.meta["val"]
+            if isinstance(a, (list, tuple)):
+                return type(a)(val(x) for x in a)
+            return a
+
+        if self.fake_mode is not None:
+            with self.fake_mode:
+                node.meta["val"] = target(*val(list(args)), **val(kwargs))
+        else:
+            node.meta["val"] = target(*val(list(args)), **val(kwargs))
+        if like is not None:
+            for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+                if key in like.meta:
+                    node.meta[key] = like.meta[key]
+        return node
+
+    def size_args(self, base: fx.Node, dims: range, like) -> list:
+        """Sizes of base's dims as ints or sym_size nodes (FX args cannot hold SymInts)."""
+        shape = base.meta["val"].shape
+        out = []
+        for i in dims:
+            s = shape[i]
+            c = L.as_int(s)
+            out.append(c if c is not None else self.call(aten.sym_size.int, (base, i), like=like))
+        return out
+
+    def flatten_tail(self, base: fx.Node, k: int, like) -> fx.Node:
+        """base with its last k dims merged into one (k == 1: base itself; k == 0: a trailing 1 added)."""
+        if k == 1:
+            return base
+        if k == 0:
+            return self.call(aten.unsqueeze.default, (base, -1), like=like)
+        shape = base.meta["val"].shape
+        nd = len(shape)
+        lead = self.size_args(base, range(nd - k), like)
+        n = 1
+        for s in shape[nd - k:]:
+            n *= L.as_int(s)
+        return self.call(aten.reshape.default, (base, lead + [n]), like=like)
+
+
+def _source_base(em: _Emitter, node: fx.Node, as_real: bool, like) -> fx.Node:
+    return em.call(aten.view_as_real.default, (node,), like=like) if as_real else node
+
+
+def _table_view(em: _Emitter, nodes: dict, t: TableRef, like) -> fx.Node:
+    base = _source_base(em, nodes[t.name], t.as_real, like)
+    flat = em.flatten_tail(base, t.k, like)
+    n = L.as_int(flat.meta["val"].shape[-1])
+    if t.start == 0 and t.step == 1 and t.width == n:
+        return flat
+    end = t.start + t.step * (t.width - 1) + 1
+    return em.call(aten.slice.Tensor, (flat, -1, t.start, end, t.step), like=like)
+
+
+def _x_input(em: _Emitter, nodes: dict, m: Match, like) -> fx.Node:
+    x = nodes[m.x_name]
+    # an exact upcast of x changes nothing: the fused op computes in fp32 (fp64 when the subgraph did)
+    if (not m.x_as_real and x.target is prims.convert_element_type.default
+            and isinstance(x.args[0], fx.Node)
+            and (x.args[0].meta["val"].dtype, x.meta["val"].dtype) in _EXACT_UPCASTS):
+        x = x.args[0]
+    base = _source_base(em, x, m.x_as_real, like)
+    return em.flatten_tail(base, m.x_k, like)
+
+
+def _unflatten(em: _Emitter, out: fx.Node, target: fx.Node, k: int, like) -> fx.Node:
+    if k == 1:
+        return out
+    shape = target.meta["val"].shape
+    nd = len(shape)
+    sizes = em.size_args(out, range(len(out.meta["val"].shape) - 1), like) + [L.as_int(s) for s in shape[nd - k:]]
+    return em.call(aten.reshape.default, (out, sizes), like=like)
+
+
+@dataclasses.dataclass
+class _Site:
+    match: Match
+    x: fx.Node | None = None
+    cos: fx.Node | None = None
+    sin: fx.Node | None = None
+
+
+def _params(m: Match, out_dtype) -> dict:
+    return dict(interleaved=m.interleaved, rotary_dim=m.rotary_dim, full_tables=m.full_tables,
+                conjugate=m.conjugate, out_dtype=out_dtype)
+
+
+def _out_dtype(m: Match) -> torch.dtype:
+    return m.node.meta["val"].dtype
+
+
+def _spec(m: Match, nodes: dict, paired: bool) -> B.SiteSpec:
+    xv = nodes[m.x_name].meta["val"]
+    tv = nodes[m.cos.name].meta["val"]
+    return B.SiteSpec(xv.device.type, tuple(xv.shape), xv.dtype, tv.dtype, _out_dtype(m), m.interleaved,
+                      m.rotary_dim, m.full_tables, m.conjugate, paired)
+
+
+def _pair_up(matches: list[Match], order: dict, nodes: dict) -> list[tuple[Match, ...]]:
+    """Group matches that share tables and options into (q, k) pairs where the graph order allows."""
+    groups: list[tuple[Match, ...]] = []
+    used = set()
+    for i, a in enumerate(matches):
+        if i in used:
+            continue
+        partner = None
+        for j in range(i + 1, len(matches)):
+            b = matches[j]
+            if j in used or b.node is a.node:
+                continue
+            if (a.cos.key, a.sin.key, a.interleaved, a.rotary_dim, a.full_tables, a.conjugate, a.head_dim,
+                    a.wide) != (b.cos.key, b.sin.key, b.interleaved, b.rotary_dim, b.full_tables,
+                                b.conjugate, b.head_dim, b.wide):
+                continue
+            if _out_dtype(a) != _out_dtype(b) or a.x_name == b.x_name:
+                continue
+            inputs = [nodes[a.x_name], nodes[b.x_name], nodes[a.cos.name], nodes[a.sin.name]]
+            users = list(a.node.users) + list(b.node.users)
+            if not users or max(order[n] for n in inputs) >= min(order[u] for u in users):
+                continue
+            partner = j
+            break
+        if partner is None:
+            groups.append((a,))
+        else:
+            used.add(partner)
+            groups.append((a, matches[partner]))
+    return groups
+
+
+def fuse_graph(graph: fx.Graph, report: Report, graph_index: int, backend: str = "auto",
+               fuse_qk: bool = True) -> None:
+    matches, misses, interp = find_matches(graph)
+    nodes = interp.nodes
+    for node, reason in misses:
+        report.misses.append(Miss(graph_index, node.name, reason, source_line(node)))
+    if not matches:
+        return
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    groups = _pair_up(matches, order, nodes) if fuse_qk else [(m,) for m in matches]
+    em = _Emitter(graph)
+    for group in groups:
+        first_user = min((u for m in group for u in m.node.users), key=lambda u: order[u], default=None)
+        anchor = group[0].node if len(group) == 1 else first_user
+        if anchor is None:
+            anchor = group[-1].node.next
+        spec = _spec(group[0], nodes, len(group) == 2)
+        be = B.choose_backend(backend, spec)
+        with graph.inserting_before(anchor):
+            xs = [_x_input(em, nodes, m, m.node) for m in group]
+            m0 = group[0]
+            cos = _table_view(em, nodes, m0.cos, m0.node)
+            sin = _table_view(em, nodes, m0.sin, m0.node)
+            if m0.wide and _out_dtype(m0) in (torch.float32, torch.float64):
+                dts = {x.meta["val"].dtype for x in xs} | {cos.meta["val"].dtype, sin.meta["val"].dtype}
+                if torch.float64 not in dts:
+                    xs = [em.call(prims.convert_element_type.default, (x, torch.float64), like=m0.node)
+                          for x in xs]
+            params = _params(m0, _out_dtype(m0))
+            if len(group) == 1:
+                outs = [em.call(be.rotary, (xs[0], cos, sin), params, like=m0.node)]
+                op_name = "rope_fusion.rotary"
+            else:
+                pair = em.call(be.rotary_qk, (xs[0], xs[1], cos, sin), params, like=m0.node)
+                outs = [em.call(operator.getitem, (pair, i), like=m.node) for i, m in enumerate(group)]
+                op_name = "rope_fusion.rotary_qk"
+            finals = [_unflatten(em, o, m.node, m.value_k, m.node) for o, m in zip(outs, group)]
+        kernel_index = len(report.kernels)
+        site_ids = []
+        for role, (m, new) in zip(("q", "k") if len(group) == 2 else ("x",), zip(group, finals)):
+            m.node.replace_all_uses_with(new)
+            xv = nodes[m.x_name].meta["val"]
+            site_ids.append(len(report.sites))
+            report.sites.append(Site(
+                graph=graph_index, node=m.node.name, style="interleaved" if m.interleaved else "neox",
+                rotary_dim=m.rotary_dim, head_dim=m.head_dim, table_form="full" if m.full_tables else "half",
+                conjugate=m.conjugate, x_dtype=dtype_name(xv.dtype),
+                table_dtype=dtype_name(cos.meta["val"].dtype), out_dtype=dtype_name(_out_dtype(m)),
+                shape=tuple(str(s) for s in m.node.meta["val"].shape), source=source_line(m.node),
+                kernel=kernel_index, role=role))
+        report.kernels.append(Kernel(graph_index, op_name, be.name, site_ids))
+    graph.eliminate_dead_code()
+    graph.lint()
