@@ -18,7 +18,7 @@ class SiteSpec:
     """What a backend needs to decide whether it can take a site (all from fake tensors)."""
 
     device_type: str
-    x_shape: tuple
+    x_shape: tuple  # ints, None where the size is symbolic
     x_dtype: torch.dtype
     table_dtype: torch.dtype
     out_dtype: torch.dtype

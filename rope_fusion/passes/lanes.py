@@ -34,7 +34,13 @@ class LaneValue:
     __slots__ = ("shape", "k", "entries", "is_complex", "wide")
 
     def __init__(self, shape: tuple, k: int, entries: list, is_complex: bool = False, wide: bool = False):
-        self.shape = tuple(shape)
+        shape = tuple(shape)
+        if k:
+            grid = tuple(as_int(g, specialize=True) for g in shape[len(shape) - k:])
+            if None in grid:
+                raise Unsupported("symbolic lane dims")
+            shape = shape[: len(shape) - k] + grid
+        self.shape = shape
         self.k = k
         self.entries = entries
         self.is_complex = is_complex
@@ -223,10 +229,17 @@ class LaneInterpreter:
         return fn
 
     def ensure_dim_in_grid(self, v: LaneValue, dim: int) -> LaneValue:
+        """Lane ops along a leading dim pull that dim into the grid only when it borders the grid and has
+        size 2: a pair dim kept outside the head dim (`x.reshape(..., 2, D/2)` sliced along -2) is lanes in
+        disguise; a sequence or head dim is not, and its slices become new sources instead."""
         nd = len(v.shape) - (1 if v.is_complex else 0)
         d = _norm_dim(dim, nd)
         need = len(v.shape) - d
-        return self.promote(v, need) if v.k < need else v
+        if need <= v.k:
+            return v
+        if need > v.k + 1 or as_int(v.shape[d]) != 2:
+            raise Unsupported("lane op on a leading dim")
+        return self.promote(v, need)
 
 
 def _node_is_wide(node) -> bool:
@@ -249,6 +262,11 @@ def _check_float(node) -> None:
 
 # -- elementwise ---------------------------------------------------------------------------------
 
+def _is_gather(v: LaneValue) -> bool:
+    """Every lane is one source lane: a table or a view of x, not arithmetic."""
+    return all(e is not None and len(e) == 1 and len(next(iter(e))) == 1 for e in v.entries)
+
+
 def _broadcast_entries(v: LaneValue, grid: tuple) -> list:
     """v's entries over `grid` (same rank), replicating size-1 grid dims."""
     if tuple(v.grid) == tuple(grid):
@@ -264,6 +282,16 @@ def _broadcast_entries(v: LaneValue, grid: tuple) -> list:
 def _align(I: LaneInterpreter, node, vals: list) -> tuple:
     """Promote operands to one grid rank and broadcast them to the node's grid."""
     shape = _out_shape(node)
+    args = list(node.args[: len(vals)])
+    ks = [v.k for v in vals]
+    if len(set(ks)) > 1 and not any(v.is_complex for v in vals):
+        low = min(ks)
+        for i, v in enumerate(vals):
+            if v.k > low and isinstance(args[i], fx.Node) and _is_gather(v):
+                try:
+                    vals[i] = I.raw(args[i], max(low, 1))
+                except Unsupported:
+                    pass
     k = max(v.k for v in vals)
     k = min(k, len(shape))
     vals = [I.promote(v, k) if v.k < k and len(v.shape) > v.k else v for v in vals]
@@ -450,6 +478,10 @@ def rule_reshape(I, node):
         raise Unsupported("complex reshape")
     new = _out_shape(node)
     old = v.shape
+    if len(new) >= v.k and tuple(as_int(d) for d in new[len(new) - v.k:]) == tuple(v.grid):
+        if len(new) == len(old) and all(same_dim(a, b) for a, b in zip(old, new)):
+            return LaneValue(new, v.k, v.entries, False, v.wide)
+        raise Unsupported("reshape of leading dims only: the result is a new source")
     p = 0
     while p < min(len(old), len(new)) and same_dim(old[p], new[p]):
         p += 1
@@ -478,8 +510,7 @@ def rule_unsqueeze(I, node):
         return LaneValue((1,) + v.shape, v.k, v.entries, False, v.wide)
     first_grid = nd_new - v.k - 1  # insertion points at or after this go into the grid
     if pos < first_grid:
-        v = I.promote(v, len(v.shape) - pos)
-        first_grid = nd_new - v.k - 1
+        raise Unsupported("unsqueeze between leading dims: the result is a new source")
     shape = v.shape[:pos] + (1,) + v.shape[pos:]
     return LaneValue(shape, v.k + 1, v.entries, False, v.wide)
 
@@ -494,7 +525,8 @@ def rule_squeeze(I, node):
     dims = sorted({_norm_dim(d, nd) for d in dims if as_int(v.shape[_norm_dim(d, nd)]) == 1})
     if not dims:
         return rule_identity(I, node)
-    v = I.promote(v, nd - dims[0])
+    if dims[0] < nd - v.k:
+        raise Unsupported("squeeze of a leading dim: the result is a new source")
     shape = tuple(s for i, s in enumerate(v.shape) if i not in dims)
     return LaneValue(shape, v.k - len(dims), v.entries, False, v.wide)
 
@@ -527,7 +559,8 @@ def _permute(I, node, perm):
     moved = [i for i in range(nd) if perm[i] != i]
     if not moved:
         return rule_identity(I, node)
-    v = I.promote(v, nd - min(moved))
+    if min(moved) < nd - v.k:
+        raise Unsupported("permute of leading dims: the result is a new source")
     start = nd - v.k
     gperm = [p - start for p in perm[start:]]
     grid = v.grid
@@ -589,7 +622,7 @@ def rule_slice(I, node):
         if (start in (0, None)) and step == 1 and (end is None or (isinstance(size, int) and end >= size)
                                                     or end >= 2**62):
             return rule_identity(I, node)
-        v = I.promote(v, nd - d)
+        v = I.ensure_dim_in_grid(v, d)
     axis = d - (nd - v.k)
     picks = _slice_picks(v.grid[axis], start, end, step)
     entries = _take(v, axis, picks, True)
@@ -710,6 +743,8 @@ def rule_cat(I, node):
 def _scatter(I, node, base_v, src_v, d, picks):
     nd = len(base_v.shape)
     base_v = I.ensure_dim_in_grid(base_v, d)
+    if src_v.k > base_v.k:
+        base_v = I.promote(base_v, src_v.k)
     k = base_v.k
     axis = d - (nd - k)
     src_v = I.promote(src_v, k) if src_v.k < k else src_v

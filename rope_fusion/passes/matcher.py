@@ -10,11 +10,13 @@ reason for the rejection (reported as a near miss when the value otherwise looks
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.fx as fx
 
 from . import lanes as L
+from . import poly as P
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +39,8 @@ class TableRef:
 class Match:
     node: fx.Node  # the node whose value is the rotation (to be replaced)
     value_k: int  # grid dims of the accepted value: the op's output is unflattened to them
-    x_name: str
+    blocks: tuple  # grid dims outside the rotated lanes (e.g. heads of a [B,S,H*D] x), broadcast over
+    x_name: str  # a source node, or a node whose computed value is x
     x_k: int
     x_as_real: bool
     head_dim: int
@@ -61,23 +64,41 @@ def _affine(flats: list) -> tuple | None:
 
 
 def looks_like_rotation(v: L.LaneValue) -> bool:
-    """Some lane is a sum of two products that share a source: worth a near-miss record."""
+    """Some lane adds two products that read different lanes of one tensor: worth a near-miss record."""
     for e in v.entries:
-        if e is None or len(e) != 2:
+        if e is None or len(e) < 2:
             continue
-        (m1, _), (m2, _) = e.items()
-        if len(m1) == 2 and len(m2) == 2 and {a[:3] for a in m1} & {a[:3] for a in m2}:
-            return True
+        mons = [m for m in e if len(m) >= 2]
+        for i, m1 in enumerate(mons):
+            for m2 in mons[i + 1:]:
+                for a in m1:
+                    for b in m2:
+                        if a[:3] == b[:3] and a[3] != b[3]:
+                            return True
     return False
 
 
+class _XLanes:
+    """x as the matcher sees it: lane i of the flattened grid is `entry(i)`."""
+
+    def __init__(self, name, k, as_real, entries=None):
+        self.name, self.k, self.as_real, self.entries = name, k, as_real, entries
+
+    def entry(self, i: int):
+        if self.entries is None:
+            return {((self.name, self.k, self.as_real, i),): 1.0}
+        return self.entries[i]
+
+
 class Acceptor:
-    """Checks lane values for rotary form; remembers ancestry queries across a graph."""
+    """Checks lane values for rotary form; caches graph queries across one graph."""
 
     def __init__(self, interp: L.LaneInterpreter):
         self.I = interp
         self.order = {n: i for i, n in enumerate(interp.graph.nodes)}
         self._anc: dict = {}
+        self._gather: dict | None = None
+        self._by_entry0: dict | None = None
 
     def depends_on(self, node: fx.Node, src: fx.Node) -> bool:
         """True when `src` is an ancestor of `node` (or the node itself)."""
@@ -103,85 +124,103 @@ class Acceptor:
     def accept(self, node: fx.Node, v: L.LaneValue) -> Match | str:
         reason = "not a rotation"
         while v is not None:
-            r = self._accept_flat(node, v)
-            if isinstance(r, Match):
-                return r
-            reason = r
+            if any(e is None for e in v.entries):
+                d = next(i for i, e in enumerate(v.entries) if e is None)
+                return f"lane {d} is never written"
+            if v.is_complex:
+                return "complex result"
+            for m in range(v.k, 0, -1):
+                r = self._accept_blocks(node, v, m)
+                if isinstance(r, Match):
+                    return r
+                reason = r
             v = L.demote(self.I, v)
         return reason
 
-    def _accept_flat(self, node: fx.Node, v: L.LaneValue) -> Match | str:
+    # -- x candidates ------------------------------------------------------------------------------
+    def _x_candidates(self, p1: dict, v: L.LaneValue, total: int) -> list:
+        out = []
+        if len(p1) == 1:
+            (m, c), = p1.items()
+            if len(m) == 1 and c == 1.0 and m[0][3] == 0:
+                a = m[0]
+                out.append(_XLanes(a[0], a[1], a[2]))
+        if self._by_entry0 is None:
+            self._by_entry0 = {}
+            for n, xv in self.I.values.items():
+                if isinstance(xv, L.LaneValue) and not xv.is_complex and xv.entries and xv.entries[0]:
+                    self._by_entry0.setdefault(P.signature(xv.entries[0]), []).append(n)
+        for n in self._by_entry0.get(P.signature(p1), []):
+            xv = self.I.values[n]
+            if len(xv.entries) == total and len(xv.lead) == len(v.lead):
+                out.append(_XLanes(n.name, xv.k, False, xv.entries))
+        return out
+
+    def _accept_blocks(self, node, v, m) -> Match | str:
         E = v.entries
-        n = len(E)
-        if v.is_complex:
-            return "complex result"
+        n = math.prod(v.grid[v.k - m:])
+        nblocks = len(E) // n
         if n < 2:
             return "fewer than two lanes"
-        for d, e in enumerate(E):
-            if e is None:
-                return f"lane {d} is never written"
         e0 = E[0]
-        if len(e0) != 2 or any(len(m) != 2 for m in e0):
-            return "lane 0 is not a sum of two products"
-        (m1, _), (m2, _) = e0.items()
-        candidates = sorted({a[:3] for a in m1} & {a[:3] for a in m2})
-        if not candidates:
-            return "the two products of lane 0 share no tensor"
-        reason = "not a rotation"
-        for X in candidates:
-            r = self._accept_x(node, v, X)
-            if isinstance(r, Match):
-                return r
-            reason = r
+        atoms0 = sorted(P.atoms_of(e0))
+        reason = "lane 0 is not x times a table plus x times a table"
+        for ac in atoms0:
+            p1 = P.cofactor(e0, ac)
+            if not p1:
+                continue
+            for xl in self._x_candidates(p1, v, len(E)):
+                r = self._accept_x(node, v, m, n, nblocks, xl)
+                if isinstance(r, Match):
+                    return r
+                reason = r
         return reason
 
-    def _accept_x(self, node, v, X) -> Match | str:
-        E = v.entries
-        n = len(E)
+    def _split(self, e, xd, xp):
+        """e == c1*a*xd + c2*b*xp for atoms a, b: return ((a, c1), (b, c2)) or None."""
+        ca = cb = None
+        for a in P.atoms_of(e):
+            q = P.cofactor(e, a)
+            r1 = P.ratio(q, xd)
+            if r1 is not None and ca is None:
+                ca = (a, r1)
+                continue
+            r2 = P.ratio(q, xp)
+            if r2 is not None and cb is None:
+                cb = (a, r2)
+        if ca is None or cb is None or ca[0] == cb[0]:
+            return None
+        rebuilt = P.add(P.scale(P.mul(P.atom(ca[0]), xd) or {}, ca[1]),
+                        P.scale(P.mul(P.atom(cb[0]), xp) or {}, cb[1]))
+        if rebuilt != e and not _close(rebuilt, e):
+            return None
+        return ca, cb
 
-        def copy_lane(e, d):
-            return len(e) == 1 and e.get(((*X, d),)) == 1.0
+    def _accept_x(self, node, v, m, n, nblocks, xl: _XLanes) -> Match | str:
+        E = v.entries
+
+        def is_copy(i):
+            return _close(E[i], xl.entry(i))
 
         R = n
         for d in range(n):
-            if copy_lane(E[d], d):
+            if is_copy(d):
                 R = d
                 break
         if R < 2 or R % 2:
             return f"rotated lanes end at {R}, not an even count"
-        for d in range(R, n):
-            if not copy_lane(E[d], d):
-                return f"lane {d} past the rotated part is not a copy of x"
-
-        def split(e):
-            """[(x_flat, table_atom, coef)] or None."""
-            out = []
-            if len(e) != 2:
-                return None
-            for m, c in e.items():
-                if len(m) != 2:
-                    return None
-                xs = [a for a in m if a[:3] == X]
-                if len(xs) != 1:
-                    return None
-                t = m[0] if m[1] is xs[0] else m[1]
-                out.append((xs[0][3], t, c))
-            return out
-
-        t0 = split(E[0])
-        if t0 is None:
-            return "lane 0 is not x times a table plus x times a table"
-        partners = {f for f, _, _ in t0 if f != 0}
-        if len(partners) != 1:
-            return "lane 0 does not pair with exactly one other lane"
-        p0 = partners.pop()
         half = R // 2
-        if p0 == half:
-            interleaved = False
-        elif p0 == 1:
-            interleaved = True
-        else:
-            return f"lane 0 pairs with lane {p0}: neither NeoX ({half}) nor interleaved (1)"
+        # the partner of lane 0 decides the style
+        e0 = E[0]
+        x0 = xl.entry(0)
+        style = None
+        for interleaved, p0 in ((False, half), (True, 1)):
+            if self._split(e0, x0, xl.entry(p0)) is not None:
+                style = interleaved
+                break
+        if style is None:
+            return "lane 0 pairs with neither lane R/2 (NeoX) nor lane 1 (interleaved)"
+        interleaved = style
 
         def partner(d):
             return d ^ 1 if interleaved else (d + half) % R
@@ -191,64 +230,123 @@ class Acceptor:
 
         C, S = [], []
         conj = None
-        for d in range(R):
-            t = split(E[d])
-            if t is None:
-                return f"lane {d} is not x times a table plus x times a table"
-            own = [x for x in t if x[0] == d]
-            other = [x for x in t if x[0] == partner(d)]
-            if len(own) != 1 or len(other) != 1:
-                return f"lane {d} does not combine x[{d}] with x[{partner(d)}]"
-            _, c_atom, c_coef = own[0]
-            _, s_atom, s_coef = other[0]
-            if c_coef != 1.0 or abs(s_coef) != 1.0:
-                return f"lane {d} has coefficients {c_coef}, {s_coef} instead of 1 and +-1"
-            if c_atom == s_atom:
-                return f"lane {d} multiplies both x lanes by the same table entry"
-            rotation_sign = -1.0 if first_of_pair(d) else 1.0
-            this_conj = s_coef != rotation_sign
-            if conj is None:
-                conj = this_conj
-            elif conj != this_conj:
-                return f"lane {d} has the sign pattern of neither a rotation nor its inverse"
-            C.append(c_atom)
-            S.append(s_atom)
-        c_keys, s_keys = {a[:3] for a in C}, {a[:3] for a in S}
-        if len(c_keys) != 1 or len(s_keys) != 1:
-            return "table entries come from more than one tensor"
-        x_node = self.I.nodes[X[0]]
-        for key in (c_keys | s_keys):
+        for b in range(nblocks):
+            base = b * n
+            for d in range(R):
+                sp = self._split(E[base + d], xl.entry(base + d), xl.entry(base + partner(d)))
+                if sp is None:
+                    return f"lane {d} does not combine x[{d}] and x[{partner(d)}] with one table entry each"
+                (ca, cc), (sa, sc) = sp
+                if cc <= 0:
+                    return f"lane {d}: x[{d}] enters with a negative factor"
+                if ca == sa:
+                    return f"lane {d} multiplies both x lanes by the same table entry"
+                rotation_sign = -1.0 if first_of_pair(d) else 1.0
+                this_conj = (sc > 0) != (rotation_sign > 0)
+                if conj is None:
+                    conj = this_conj
+                elif conj != this_conj:
+                    return f"lane {d} has the sign pattern of neither a rotation nor its inverse"
+                c_entry, s_entry = (ca, cc), (sa, abs(sc))
+                if b == 0:
+                    C.append(c_entry)
+                    S.append(s_entry)
+                elif C[d] != c_entry or S[d] != s_entry:
+                    return "the tables differ between heads of x"
+            for d in range(R, n):
+                if not is_copy(base + d):
+                    return f"lane {d} past the rotated part is not a copy of x"
+        x_node = self.I.nodes[xl.name]
+        for key in {a[:3] for a, _ in C} | {a[:3] for a, _ in S}:
             tnode = self.I.nodes[key[0]]
             if tnode is x_node:
                 return "the table is x itself"
             if self.depends_on(tnode, x_node):
                 return f"the table {tnode.name} depends on x"
-        refs = self._tables(C, S, R, interleaved, first_of_pair, partner)
+        refs = self._tables(C, S, R, first_of_pair, partner)
         if isinstance(refs, str):
             return refs
         cos, sin, full = refs
-        xval = L._meta(x_node)
-        xshape = tuple(xval.shape) + ((2,) if X[2] else ())
-        xk = X[1]
-        x_lead = xshape[: len(xshape) - xk]
-        if len(x_lead) != len(v.lead) or not all(L.same_dim(a, b) for a, b in zip(x_lead, v.lead)):
-            return "x is broadcast to the output shape"
-        return Match(node, v.k, X[0], xk, X[2], n, R, interleaved, full, bool(conj), cos, sin, v.wide)
+        for t in (cos, sin):
+            if not self._broadcasts(t, v.lead):
+                return f"the table {t.name} does not broadcast against x"
+        if xl.entries is None:
+            xval = L._meta(x_node)
+            xshape = tuple(xval.shape) + ((2,) if xl.as_real else ())
+            x_lead = xshape[: len(xshape) - xl.k]
+            if len(x_lead) != len(v.lead) or not all(L.same_dim(a, b) for a, b in zip(x_lead, v.lead)):
+                return "x is broadcast to the output shape"
+            if math.prod(L._ints(xshape[len(xshape) - xl.k:])) != len(E):
+                return "x has a different lane count"
+        else:
+            xv = self.I.values[x_node]
+            x_lead = xv.lead
+            if len(x_lead) == len(v.lead) and not all(L.same_dim(a, b) for a, b in zip(x_lead, v.lead)):
+                return "x is broadcast to the output shape"
+        blocks = tuple(v.grid[: v.k - m])
+        return Match(node, v.k, blocks, xl.name, xl.k, xl.as_real, n, R, interleaved, full, bool(conj),
+                     cos, sin, v.wide)
 
-    def _tables(self, C, S, R, interleaved, first_of_pair, partner):
+    # -- tables ------------------------------------------------------------------------------------
+    def _broadcasts(self, t: TableRef, lead: tuple) -> bool:
+        val = L._meta(self.I.nodes[t.name])
+        shape = tuple(val.shape) + ((2,) if t.as_real else ())
+        t_lead = shape[: len(shape) - t.k]
+        if len(t_lead) > len(lead):
+            return False
+        return all(L.as_int(a) == 1 or L.same_dim(a, b) for a, b in zip(reversed(t_lead), reversed(lead)))
+
+    def _tables(self, C, S, R, first_of_pair, partner):
         firsts = [d for d in range(R) if first_of_pair(d)]
         halfable = all(C[d] == C[partner(d)] and S[d] == S[partner(d)] for d in firsts)
         if halfable:
-            cf = _affine([C[d][3] for d in firsts])
-            sf = _affine([S[d][3] for d in firsts])
-            if cf and sf:
-                w = R // 2
-                return (TableRef(*C[0][:3], cf[0], cf[1], w), TableRef(*S[0][:3], sf[0], sf[1], w), False)
-        cf = _affine([a[3] for a in C])
-        sf = _affine([a[3] for a in S])
-        if cf and sf:
-            return (TableRef(*C[0][:3], cf[0], cf[1], R), TableRef(*S[0][:3], sf[0], sf[1], R), True)
+            c = self._table([C[d] for d in firsts])
+            s = self._table([S[d] for d in firsts])
+            if c and s:
+                return c, s, False
+        c, s = self._table(C), self._table(S)
+        if c and s:
+            return c, s, True
         return "table lanes are not a strided view of one tensor"
+
+    def _table(self, entries: list) -> TableRef | None:
+        """A view that reads the table `entries` ((atom, coef) per lane): a strided slice of one source,
+        or a node that computes exactly those entries."""
+        atoms = [a for a, _ in entries]
+        keys = {a[:3] for a in atoms}
+        if len(keys) == 1 and all(c == 1.0 for _, c in entries):
+            aff = _affine([a[3] for a in atoms])
+            if aff:
+                return TableRef(*atoms[0][:3], aff[0], aff[1], len(atoms))
+        key = tuple(P.signature({(a,): c}) for a, c in entries)
+        hit = self._gathered().get(key)
+        if hit is not None:
+            node, k = hit
+            return TableRef(node.name, k, False, 0, 1, len(atoms))
+        return None
+
+    def _gathered(self) -> dict:
+        """Nodes whose lanes are single table entries (a table assembled in the graph from several
+        tensors, e.g. the per-axis frequencies of a video model, or scaled), keyed by lane signature."""
+        if self._gather is None:
+            self._gather = {}
+            for node, v in self.I.values.items():
+                if not isinstance(v, L.LaneValue) or v.is_complex:
+                    continue
+                while v is not None:
+                    if all(e is not None and len(e) == 1 and len(next(iter(e))) == 1 for e in v.entries):
+                        key = tuple(P.signature(e) for e in v.entries)
+                        self._gather.setdefault(key, (node, v.k))
+                        v = L.demote(self.I, v)
+                    else:
+                        v = None
+        return self._gather
+
+
+def _close(p: dict, q: dict) -> bool:
+    if p.keys() != q.keys():
+        return False
+    return all(abs(p[m] - q[m]) <= 1e-12 * max(1.0, abs(q[m])) for m in p)
 
 
 def source_line(node: fx.Node) -> str:

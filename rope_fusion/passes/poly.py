@@ -12,8 +12,8 @@ from __future__ import annotations
 Atom = tuple  # (name: str, k: int, as_real: bool, flat: int)
 Poly = dict  # {tuple[Atom, ...]: float}
 
-MAX_DEGREE = 3
-MAX_TERMS = 8
+MAX_DEGREE = 6
+MAX_TERMS = 16
 
 
 def const(c: float) -> Poly:
@@ -66,3 +66,40 @@ def remap(p: Poly, fn) -> Poly:
         nm = tuple(sorted(fn(a) for a in m))
         out[nm] = out.get(nm, 0.0) + c
     return out
+
+
+def cofactor(p: Poly, a: Atom) -> Poly:
+    """The polynomial q with p = a*q + (terms without a); a appears at most once per monomial here."""
+    out: Poly = {}
+    for m, c in p.items():
+        if a in m:
+            i = m.index(a)
+            rest = m[:i] + m[i + 1:]
+            out[rest] = out.get(rest, 0.0) + c
+    return out
+
+
+def atoms_of(p: Poly) -> set:
+    return {a for m in p for a in m}
+
+
+def ratio(p: Poly, q: Poly) -> float | None:
+    """c with p == c*q (q nonzero), else None."""
+    if not q or len(p) != len(q):
+        return None
+    c = None
+    for m, v in q.items():
+        pv = p.get(m)
+        if pv is None:
+            return None
+        r = pv / v
+        if c is None:
+            c = r
+        elif abs(r - c) > 1e-12 * max(1.0, abs(c)):
+            return None
+    return c
+
+
+def signature(p: Poly) -> frozenset:
+    """p with the atoms' grid ranks dropped: equal for a value and its promoted first block."""
+    return frozenset((tuple((a[0], a[2], a[3]) for a in m), c) for m, c in p.items())

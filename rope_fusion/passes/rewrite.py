@@ -48,8 +48,8 @@ def find_matches(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]
     for node, reason in rejected.items():
         if any(u in interesting for u in node.users):
             continue  # only the largest rotation-looking value is a near miss
-        if any(acc.depends_on(a, node) for a in accepted):
-            continue
+        if any(acc.depends_on(a, node) or acc.depends_on(node, a) for a in accepted):
+            continue  # part of, or built on, a fused rotation
         misses.append((node, reason))
     chosen.sort(key=lambda m: acc.order[m.node])
     return chosen, misses, interp
@@ -114,14 +114,16 @@ def _source_base(em: _Emitter, node: fx.Node, as_real: bool, like) -> fx.Node:
     return em.call(aten.view_as_real.default, (node,), like=like) if as_real else node
 
 
-def _table_view(em: _Emitter, nodes: dict, t: TableRef, like) -> fx.Node:
+def _table_view(em: _Emitter, nodes: dict, t: TableRef, blocks: tuple, like) -> fx.Node:
     base = _source_base(em, nodes[t.name], t.as_real, like)
-    flat = em.flatten_tail(base, t.k, like)
-    n = L.as_int(flat.meta["val"].shape[-1])
-    if t.start == 0 and t.step == 1 and t.width == n:
-        return flat
-    end = t.start + t.step * (t.width - 1) + 1
-    return em.call(aten.slice.Tensor, (flat, -1, t.start, end, t.step), like=like)
+    view = em.flatten_tail(base, t.k, like)
+    n = L.as_int(view.meta["val"].shape[-1])
+    if not (t.start == 0 and t.step == 1 and t.width == n):
+        end = t.start + t.step * (t.width - 1) + 1
+        view = em.call(aten.slice.Tensor, (view, -1, t.start, end, t.step), like=like)
+    for _ in blocks:  # the same table for every head of x
+        view = em.call(aten.unsqueeze.default, (view, -2), like=like)
+    return view
 
 
 def _x_input(em: _Emitter, nodes: dict, m: Match, like) -> fx.Node:
@@ -132,15 +134,21 @@ def _x_input(em: _Emitter, nodes: dict, m: Match, like) -> fx.Node:
             and (x.args[0].meta["val"].dtype, x.meta["val"].dtype) in _EXACT_UPCASTS):
         x = x.args[0]
     base = _source_base(em, x, m.x_as_real, like)
-    return em.flatten_tail(base, m.x_k, like)
+    flat = em.flatten_tail(base, m.x_k, like)
+    if not m.blocks:
+        return flat
+    nd = len(flat.meta["val"].shape)
+    sizes = em.size_args(flat, range(nd - 1), like) + list(m.blocks) + [m.head_dim]
+    return em.call(aten.reshape.default, (flat, sizes), like=like)
 
 
 def _unflatten(em: _Emitter, out: fx.Node, target: fx.Node, k: int, like) -> fx.Node:
-    if k == 1:
+    if tuple(out.meta["val"].shape) == tuple(target.meta["val"].shape):
         return out
     shape = target.meta["val"].shape
     nd = len(shape)
-    sizes = em.size_args(out, range(len(out.meta["val"].shape) - 1), like) + [L.as_int(s) for s in shape[nd - k:]]
+    lead_len = nd - k
+    sizes = em.size_args(out, range(lead_len), like) + [L.as_int(s) for s in shape[nd - k:]]
     return em.call(aten.reshape.default, (out, sizes), like=like)
 
 
@@ -164,7 +172,8 @@ def _out_dtype(m: Match) -> torch.dtype:
 def _spec(m: Match, nodes: dict, paired: bool) -> B.SiteSpec:
     xv = nodes[m.x_name].meta["val"]
     tv = nodes[m.cos.name].meta["val"]
-    return B.SiteSpec(xv.device.type, tuple(xv.shape), xv.dtype, tv.dtype, _out_dtype(m), m.interleaved,
+    shape = tuple(L.as_int(d) for d in xv.shape)  # None for a symbolic dim
+    return B.SiteSpec(xv.device.type, shape, xv.dtype, tv.dtype, _out_dtype(m), m.interleaved,
                       m.rotary_dim, m.full_tables, m.conjugate, paired)
 
 
@@ -181,8 +190,8 @@ def _pair_up(matches: list[Match], order: dict, nodes: dict) -> list[tuple[Match
             if j in used or b.node is a.node:
                 continue
             if (a.cos.key, a.sin.key, a.interleaved, a.rotary_dim, a.full_tables, a.conjugate, a.head_dim,
-                    a.wide) != (b.cos.key, b.sin.key, b.interleaved, b.rotary_dim, b.full_tables,
-                                b.conjugate, b.head_dim, b.wide):
+                    a.wide, len(a.blocks)) != (b.cos.key, b.sin.key, b.interleaved, b.rotary_dim, b.full_tables,
+                                               b.conjugate, b.head_dim, b.wide, len(b.blocks)):
                 continue
             if _out_dtype(a) != _out_dtype(b) or a.x_name == b.x_name:
                 continue
@@ -221,8 +230,8 @@ def fuse_graph(graph: fx.Graph, report: Report, graph_index: int, backend: str =
         with graph.inserting_before(anchor):
             xs = [_x_input(em, nodes, m, m.node) for m in group]
             m0 = group[0]
-            cos = _table_view(em, nodes, m0.cos, m0.node)
-            sin = _table_view(em, nodes, m0.sin, m0.node)
+            cos = _table_view(em, nodes, m0.cos, m0.blocks, m0.node)
+            sin = _table_view(em, nodes, m0.sin, m0.blocks, m0.node)
             if m0.wide and _out_dtype(m0) in (torch.float32, torch.float64):
                 dts = {x.meta["val"].dtype for x in xs} | {cos.meta["val"].dtype, sin.meta["val"].dtype}
                 if torch.float64 not in dts:
