@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype or ("float32" if args.device == "cpu" else "bfloat16"))
     model, inputs = tiny_wan(args.device, dtype)
 
-    with torch.no_grad():
+    # a cache hit would skip the pass (and its report) on a second run of this script
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
         torch._dynamo.reset()
         t0 = time.perf_counter()
         plain = torch.compile(model)(**inputs)[0]

@@ -12,7 +12,7 @@ import torch
 from torch._inductor import ir
 from torch._inductor.lowering import register_lowering, to_dtype
 from torch._inductor.utils import sympy_index_symbol  # noqa: F401  (import check for old torch)
-from torch._inductor.virtualized import ops
+from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 from .library import rotary, rotary_qk  # noqa: F401  (defines the ops)
@@ -65,7 +65,7 @@ def _rotary_pointwise(x, cos, sin, interleaved, rotary_dim, full_tables, conjuga
         sign_pos = ops.eq(second, ops.constant(0 if conjugate else 1, torch.int32))
         xs = ops.mul(xp, s)
         rot = ops.where(sign_pos, ops.add(ops.mul(xv, c), xs), ops.sub(ops.mul(xv, c), xs))
-        if r < head:
+        if not V.graph.sizevars.statically_known_equals(head, r):
             in_rot = ops.lt(ops.index_expr(d, torch.int64), ops.constant(r, torch.int64))
             rot = ops.where(in_rot, rot, xv)
         return ops.to_dtype(rot, out_dtype)

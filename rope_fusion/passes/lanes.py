@@ -128,6 +128,62 @@ def _norm_dim(d: int, nd: int) -> int:
 
 # -- the interpreter -------------------------------------------------------------------------------
 
+class Structure:
+    """Structural identity: the same pure op on structurally identical inputs computes the same tensor.
+
+    Models rebuild the same table view in every call of their apply function (`cos[..., 0::2]` twice,
+    `freqs.unsqueeze(1)` once for q and once for k); as sources these must be one tensor, or a rotation
+    would seem to read two tables. Keys are interned to small ints so that they stay cheap to hash.
+    """
+
+    def __init__(self):
+        self._id: dict = {}
+        self._intern: dict = {}
+        self.first: dict = {}  # id -> first node with that structure
+
+    def id(self, node: fx.Node) -> int:
+        stack = [node]
+        while stack:
+            n = stack[-1]
+            if n in self._id:
+                stack.pop()
+                continue
+            pending = [a for a in n.all_input_nodes if a not in self._id]
+            if pending and self._pure(n):
+                stack.extend(pending)
+                continue
+            stack.pop()
+            key = (n.target, self._freeze(n.args), self._freeze(n.kwargs)) if self._pure(n) else ("node", n)
+            try:
+                i = self._intern.setdefault(key, len(self._intern))
+            except TypeError:  # an unhashable constant: the node is only itself
+                i = self._intern.setdefault(("node", n), len(self._intern))
+            self._id[n] = i
+            self.first.setdefault(i, n)
+        return self._id[node]
+
+    @staticmethod
+    def _pure(n: fx.Node) -> bool:
+        if n.op != "call_function" or n.is_impure():
+            return False
+        tags = getattr(n.target, "tags", ())
+        return torch.Tag.nondeterministic_seeded not in tags
+
+    def _freeze(self, a):
+        if isinstance(a, fx.Node):
+            return ("#", self._id[a])
+        if isinstance(a, (list, tuple)):
+            return tuple(self._freeze(x) for x in a)
+        if isinstance(a, dict):
+            return tuple(sorted((k, self._freeze(v)) for k, v in a.items()))
+        if isinstance(a, torch.SymInt):
+            return ("sym", str(a))
+        return a
+
+    def canonical(self, node: fx.Node) -> fx.Node:
+        return self.first[self.id(node)]
+
+
 class LaneInterpreter:
     """Computes a LaneValue for every node it can; `values` maps node -> LaneValue (or list)."""
 
@@ -137,6 +193,7 @@ class LaneInterpreter:
         self.values: dict = {}
         self._raw: dict = {}
         self.nodes: dict = {}
+        self.structure = Structure()
 
     def run(self) -> None:
         for node in self.graph.nodes:
@@ -167,7 +224,8 @@ class LaneInterpreter:
         raise Unsupported(f"argument {arg!r}")
 
     def raw(self, node: fx.Node, k: int = 1) -> LaneValue:
-        """The node as a source: each lane is an atom of itself."""
+        """The node as a source: each lane is an atom of (the first node structurally equal to) itself."""
+        node = self.structure.canonical(node)
         key = (node, k)
         if key in self._raw:
             return self._raw[key]
@@ -175,6 +233,8 @@ class LaneInterpreter:
         if not isinstance(val, torch.Tensor):
             raise Unsupported("no tensor meta")
         is_complex = val.dtype.is_complex
+        if is_complex and val.is_conj():
+            raise Unsupported("a lazily conjugated view")
         if not (val.dtype.is_floating_point or is_complex):
             raise Unsupported("not a float tensor")
         shape = tuple(val.shape) + ((2,) if is_complex else ())
@@ -242,6 +302,15 @@ class LaneInterpreter:
         return self.promote(v, need)
 
 
+def _lane_int(a):
+    """A slice bound or size along a lane dim: an int, or a symbolic value specialized to its hint."""
+    if a is None or isinstance(a, int):
+        return a
+    val = _meta(a) if isinstance(a, fx.Node) else a
+    out = as_int(val, specialize=True)
+    return out if out is not None else a
+
+
 def _node_is_wide(node) -> bool:
     val = _meta(node)
     return isinstance(val, torch.Tensor) and val.dtype in WIDE
@@ -282,16 +351,6 @@ def _broadcast_entries(v: LaneValue, grid: tuple) -> list:
 def _align(I: LaneInterpreter, node, vals: list) -> tuple:
     """Promote operands to one grid rank and broadcast them to the node's grid."""
     shape = _out_shape(node)
-    args = list(node.args[: len(vals)])
-    ks = [v.k for v in vals]
-    if len(set(ks)) > 1 and not any(v.is_complex for v in vals):
-        low = min(ks)
-        for i, v in enumerate(vals):
-            if v.k > low and isinstance(args[i], fx.Node) and _is_gather(v):
-                try:
-                    vals[i] = I.raw(args[i], max(low, 1))
-                except Unsupported:
-                    pass
     k = max(v.k for v in vals)
     k = min(k, len(shape))
     vals = [I.promote(v, k) if v.k < k and len(v.shape) > v.k else v for v in vals]
@@ -509,6 +568,10 @@ def rule_unsqueeze(I, node):
     if pos == 0:
         return LaneValue((1,) + v.shape, v.k, v.entries, False, v.wide)
     first_grid = nd_new - v.k - 1  # insertion points at or after this go into the grid
+    if pos == first_grid and _is_gather(v) and v.k < len(v.shape):
+        # a table or x gaining a broadcast dim (`cos.unsqueeze(-2)`): a new source, so that every use of
+        # the table sees the same lanes whatever rank the other operand has
+        raise Unsupported("unsqueeze in front of the lanes of a plain tensor")
     if pos < first_grid:
         raise Unsupported("unsqueeze between leading dims: the result is a new source")
     shape = v.shape[:pos] + (1,) + v.shape[pos:]
@@ -615,6 +678,8 @@ def rule_slice(I, node):
         raise Unsupported("complex slice")
     nd = len(v.shape)
     d = _norm_dim(dim, nd)
+    if d >= nd - v.k:  # bounds along a lane dim are lane indices: fix them at their value
+        start, end, step = (_lane_int(a) for a in (start, end, step))
     if not all(isinstance(s, int) or s is None for s in (start, end, step)):
         raise Unsupported("symbolic slice")
     if d < nd - v.k:
@@ -636,7 +701,7 @@ def rule_select(I, node):
         raise Unsupported("complex select")
     nd = len(v.shape)
     d = _norm_dim(node.args[1], nd)
-    idx = node.args[2]
+    idx = _lane_int(node.args[2])
     if not isinstance(idx, int):
         raise Unsupported("symbolic index")
     v = I.ensure_dim_in_grid(v, d)
@@ -674,14 +739,14 @@ def _split(I, node, sizes_of):
 
 
 def rule_split(I, node):
-    n = node.args[1]
+    n = _lane_int(node.args[1])
     if not isinstance(n, int):
         raise Unsupported("symbolic split")
     return _split(I, node, lambda size: [n] * ((size + n - 1) // n))
 
 
 def rule_split_with_sizes(I, node):
-    sizes = list(node.args[1])
+    sizes = [_lane_int(a) for a in node.args[1]]
     if not all(isinstance(s, int) for s in sizes):
         raise Unsupported("symbolic split")
     return _split(I, node, lambda size: sizes)
@@ -770,9 +835,11 @@ def _scatter(I, node, base_v, src_v, d, picks):
 def rule_slice_scatter(I, node):
     base, src = node.args[:2]
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-    start = node.args[3] if len(node.args) > 3 else node.kwargs.get("start")
-    end = node.args[4] if len(node.args) > 4 else node.kwargs.get("end")
-    step = node.args[5] if len(node.args) > 5 else node.kwargs.get("step", 1)
+    start = _lane_int(node.args[3] if len(node.args) > 3 else node.kwargs.get("start"))
+    end = _lane_int(node.args[4] if len(node.args) > 4 else node.kwargs.get("end"))
+    step = _lane_int(node.args[5] if len(node.args) > 5 else node.kwargs.get("step", 1))
+    if not all(isinstance(a, int) or a is None for a in (start, end, step)):
+        raise Unsupported("symbolic scatter")
     _check_float(node)
     bv, sv = I.value(base), I.value(src)
     if bv.is_complex or sv.is_complex:
@@ -823,7 +890,19 @@ def rule_view_as_real(I, node):
     return LaneValue(v.shape, v.k, v.entries, False, v.wide)
 
 
+def rule_conj(I, node):
+    v = I.value(node.args[0])
+    if not v.is_complex:
+        raise Unsupported("conj of a real tensor")
+    entries = [None if e is None else (P.scale(e, -1.0) if i % 2 else e) for i, e in enumerate(v.entries)]
+    return LaneValue(v.shape, v.k, entries, True, v.wide)
+
+
 RULES: dict = {
+    aten._conj.default: rule_conj,
+    aten.conj.default: rule_conj,
+    aten.conj_physical.default: rule_conj,
+    aten.resolve_conj.default: rule_identity,
     aten.add.Tensor: rule_add,
     aten.sub.Tensor: rule_sub,
     aten.rsub.Scalar: rule_rsub,

@@ -165,15 +165,18 @@ class Acceptor:
         e0 = E[0]
         atoms0 = sorted(P.atoms_of(e0))
         reason = "lane 0 is not x times a table plus x times a table"
+        cands = []
         for ac in atoms0:
             p1 = P.cofactor(e0, ac)
-            if not p1:
-                continue
-            for xl in self._x_candidates(p1, v, len(E)):
-                r = self._accept_x(node, v, m, n, nblocks, xl)
-                if isinstance(r, Match):
-                    return r
-                reason = r
+            if p1:
+                cands.extend(self._x_candidates(p1, v, len(E)))
+        # a source tensor before a computed one: x, not its rotate_half, is what the op should read
+        cands.sort(key=lambda xl: xl.entries is not None)
+        for xl in cands:
+            r = self._accept_x(node, v, m, n, nblocks, xl)
+            if isinstance(r, Match):
+                return r
+            reason = r
         return reason
 
     def _split(self, e, xd, xp):

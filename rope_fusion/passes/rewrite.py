@@ -177,8 +177,12 @@ def _spec(m: Match, nodes: dict, paired: bool) -> B.SiteSpec:
                       m.rotary_dim, m.full_tables, m.conjugate, paired)
 
 
-def _pair_up(matches: list[Match], order: dict, nodes: dict) -> list[tuple[Match, ...]]:
+def _pair_up(matches: list[Match], order: dict, nodes: dict, st: L.Structure) -> list[tuple[Match, ...]]:
     """Group matches that share tables and options into (q, k) pairs where the graph order allows."""
+
+    def table_key(t: TableRef):
+        return (st.id(nodes[t.name]), t.k, t.as_real, t.start, t.step, t.width)
+
     groups: list[tuple[Match, ...]] = []
     used = set()
     for i, a in enumerate(matches):
@@ -189,9 +193,10 @@ def _pair_up(matches: list[Match], order: dict, nodes: dict) -> list[tuple[Match
             b = matches[j]
             if j in used or b.node is a.node:
                 continue
-            if (a.cos.key, a.sin.key, a.interleaved, a.rotary_dim, a.full_tables, a.conjugate, a.head_dim,
-                    a.wide, len(a.blocks)) != (b.cos.key, b.sin.key, b.interleaved, b.rotary_dim, b.full_tables,
-                                               b.conjugate, b.head_dim, b.wide, len(b.blocks)):
+            if (a.interleaved, a.rotary_dim, a.full_tables, a.conjugate, a.head_dim, a.wide, a.blocks) != (
+                    b.interleaved, b.rotary_dim, b.full_tables, b.conjugate, b.head_dim, b.wide, b.blocks):
+                continue
+            if table_key(a.cos) != table_key(b.cos) or table_key(a.sin) != table_key(b.sin):
                 continue
             if _out_dtype(a) != _out_dtype(b) or a.x_name == b.x_name:
                 continue
@@ -218,7 +223,7 @@ def fuse_graph(graph: fx.Graph, report: Report, graph_index: int, backend: str =
     if not matches:
         return
     order = {n: i for i, n in enumerate(graph.nodes)}
-    groups = _pair_up(matches, order, nodes) if fuse_qk else [(m,) for m in matches]
+    groups = _pair_up(matches, order, nodes, interp.structure) if fuse_qk else [(m,) for m in matches]
     em = _Emitter(graph)
     for group in groups:
         first_user = min((u for m in group for u in m.node.users), key=lambda u: order[u], default=None)

@@ -1,0 +1,90 @@
+"""rope_fusion in vLLM: the two ways to put the pass into vLLM's compilation config.
+
+1. Python (the object):
+
+    import rope_fusion
+    from vllm import LLM
+    llm = LLM(model, compilation_config={
+        "inductor_compile_config": {"post_grad_custom_post_pass": rope_fusion.vllm_pass}})
+
+2. CLI (a qualified name, resolved by vLLM as __import__("rope_fusion").__dict__["vllm_pass"]):
+
+    vllm serve MODEL -cc.inductor_passes.post_grad_custom_post_pass=rope_fusion.vllm_pass
+    # or the JSON form
+    vllm serve MODEL --compilation-config '{"inductor_passes": {"post_grad_custom_post_pass": "rope_fusion.vllm_pass"}}'
+
+What fused is logged on the `rope_fusion` logger, one INFO line per compiled graph (vLLM compiles in its
+engine process, on a copy of the pass, so `rope_fusion.vllm_pass.report` of your process stays empty):
+
+    fused 64 sites in 32 kernels, 0 near misses
+
+Usage of this script:
+
+    python examples/vllm_config.py --check           # build both configs (needs vllm.config importable; no GPU)
+    python examples/vllm_config.py --model Qwen/Qwen3-0.6B   # run a prompt with the pass (GPU + full vLLM)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import rope_fusion
+
+CLI_FLAG = "-cc.inductor_passes.post_grad_custom_post_pass=rope_fusion.vllm_pass"
+
+
+def python_form() -> dict:
+    """The compilation_config argument of vllm.LLM."""
+    return {"inductor_compile_config": {"post_grad_custom_post_pass": rope_fusion.vllm_pass}}
+
+
+def check() -> int:
+    """Build a vLLM CompilationConfig from each form and show that both hold rope_fusion.vllm_pass."""
+    from pydantic import TypeAdapter
+    from vllm.config import CompilationConfig
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from_python = CompilationConfig(**python_form())
+    parser = FlexibleArgumentParser()
+    parser.add_argument("--compilation-config", "-cc",
+                        type=lambda v: TypeAdapter(CompilationConfig).validate_json(v))
+    from_cli = parser.parse_args([CLI_FLAG]).compilation_config
+    for name, cc in (("python", from_python), ("cli", from_cli)):
+        p = cc.inductor_compile_config["post_grad_custom_post_pass"]
+        print(f"{name:6s}: {type(p).__module__}.{type(p).__name__} uuid={p.uuid()} "
+              f"is rope_fusion.vllm_pass: {p is rope_fusion.vllm_pass}")
+        if p is not rope_fusion.vllm_pass:
+            return 1
+    return 0
+
+
+def run(model: str, prompt: str) -> int:
+    from vllm import LLM, SamplingParams
+
+    logging.basicConfig(level=logging.INFO)
+    logging.getLogger("rope_fusion").setLevel(logging.INFO)
+    llm = LLM(model, compilation_config=python_form())
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))
+    print(out[0].outputs[0].text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="build both config forms, run nothing")
+    ap.add_argument("--model", help="a model to run one prompt with (GPU and a full vLLM install)")
+    ap.add_argument("--prompt", default="The rotary position embedding is")
+    args = ap.parse_args(argv)
+    if args.model:
+        return run(args.model, args.prompt)
+    if args.check:
+        return check()
+    print("Python: LLM(model, compilation_config=%r)" % python_form())
+    print(f"CLI:    vllm serve MODEL {CLI_FLAG}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
