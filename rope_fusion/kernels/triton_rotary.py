@@ -248,7 +248,7 @@ def _block_heads(heads: Sequence[Any], lanes_pad: int) -> int:
 
 
 def _num_warps(tile: int) -> int:
-    return 8 if tile >= 8192 else 4 if tile >= 2048 else 2 if tile >= 512 else 1
+    return 8 if tile >= 8192 else 4 if tile >= 512 else 2
 
 
 def _prepare(x: torch.Tensor) -> torch.Tensor:
@@ -258,38 +258,71 @@ def _prepare(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+_LAUNCH_CACHE: dict = {}  # geometry key -> launches; keeps the host side of a repeated call to a few us
+
+
 def _launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, rotary_dim: int,
             full_tables: bool, conjugate: bool, out_dtype: torch.dtype, kernel: Any = None,
             block_h: int | None = None, num_warps: int | None = None) -> list:
     """Rotate 1 or 2 tensors sharing tables; one launch when their geometry allows it, else one each."""
     xs = [_prepare(x) for x in xs]
     outs = [torch.empty(x.shape, dtype=out_dtype, device=x.device) for x in xs]
-    groups: list = [list(range(len(xs)))]
+    fn = wrap_triton(_rotary_kernel) if kernel is None else kernel
+    opts = (interleaved, rotary_dim, full_tables, conjugate, out_dtype, block_h, num_warps)
+    try:
+        key = (tuple((tuple(x.shape), x.stride(), x.dtype) for x in xs), tuple(cos.shape), cos.stride(),
+               cos.dtype, tuple(sin.shape), sin.stride(), sin.dtype, opts)
+        hash(key)
+    except TypeError:  # symbolic sizes: plan every time
+        key = None
+    launches = _LAUNCH_CACHE.get(key) if key is not None else None
+    if launches is None:
+        launches = _make_launches(xs, outs, cos, sin, *opts)
+        if launches is not None and key is not None:
+            if len(_LAUNCH_CACHE) > 4096:
+                _LAUNCH_CACHE.clear()
+            _LAUNCH_CACHE[key] = launches
+    if launches is not None:
+        for group, grid, scalars, meta in launches:
+            q, k, qo, ko = xs[group[0]], xs[group[-1]], outs[group[0]], outs[group[-1]]
+            fn[grid](q, k, qo, ko, cos, sin, *scalars, **meta)
+        return outs
+    # More than 3 token dims that do not merge: materialize x and tables (rare, correct), one launch each.
+    for i, x in enumerate(xs):
+        if _is_true(x.numel() == 0):
+            continue
+        x = x.contiguous()
+        c = cos.expand(*x.shape[:-1], cos.shape[-1]).contiguous()
+        s = sin.expand(*x.shape[:-1], sin.shape[-1]).contiguous()
+        p = _plan([x], [outs[i]], c, s)
+        assert p is not None
+        grid, scalars, meta = _launch_args(p, [x], [outs[i]], c, s, *opts)
+        fn[grid](x, x, outs[i], outs[i], c, s, *scalars, **meta)
+    return outs
+
+
+def _make_launches(xs: list, outs: list, cos: torch.Tensor, sin: torch.Tensor, *opts: Any) -> list | None:
+    """[(tensor indices, grid, scalar args, meta args)]: one entry for q and k together when possible."""
+    groups = [list(range(len(xs)))]
     plan = _plan(xs, outs, cos, sin)
     if plan is None and len(xs) > 1:
         groups = [[i] for i in range(len(xs))]
+    launches = []
     for group in groups:
         gx = [xs[i] for i in group]
         go = [outs[i] for i in group]
         if any(_is_true(x.numel() == 0) for x in gx):
             continue
-        c, s = cos, sin
-        p = _plan(gx, go, c, s) if len(groups) > 1 else plan
-        if p is None:  # more than 3 token dims that do not merge: materialize (rare, correct)
-            gx = [x.contiguous() for x in gx]
-            c = cos.expand(*gx[0].shape[:-1], cos.shape[-1]).contiguous()
-            s = sin.expand(*gx[0].shape[:-1], sin.shape[-1]).contiguous()
-            p = _plan(gx, go, c, s)
-            assert p is not None
-        _launch_plan(p, gx, go, c, s, interleaved=interleaved, rotary_dim=rotary_dim,
-                     full_tables=full_tables, conjugate=conjugate, kernel=kernel, block_h=block_h,
-                     num_warps=num_warps)
-    return outs
+        p = _plan(gx, go, cos, sin) if len(groups) > 1 else plan
+        if p is None:
+            return None
+        launches.append((group, *_launch_args(p, gx, go, cos, sin, *opts)))
+    return launches
 
 
-def _launch_plan(p: _Plan, xs: list, outs: list, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool,
-                 rotary_dim: int, full_tables: bool, conjugate: bool, kernel: Any, block_h: int | None,
-                 num_warps: int | None) -> None:
+def _launch_args(p: _Plan, xs: list, outs: list, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+                 rotary_dim: int, full_tables: bool, conjugate: bool, out_dtype: torch.dtype,
+                 block_h: int | None, num_warps: int | None) -> tuple:
     head_dim = xs[0].shape[-1]
     half_pad = triton.next_power_of_2(max(1, rotary_dim // 2))
     tail_pad = triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
@@ -299,23 +332,16 @@ def _launch_plan(p: _Plan, xs: list, outs: list, cos: torch.Tensor, sin: torch.T
     nsplit = 1
     if isinstance(ntok, int) and ntok < MIN_PROGRAMS:
         nsplit = max(1, min(nblocks, -(-MIN_PROGRAMS // max(ntok, 1))))
-    q, k = xs[0], xs[-1]
-    qo, ko = outs[0], outs[-1]
     sk = p.x_strides[-1] if len(xs) > 1 else [0, 0, 0, 0]
     sko = p.o_strides[-1] if len(xs) > 1 else [0, 0, 0, 0]
     hk = p.heads[-1] if len(xs) > 1 else 0
-    wide = math_dtype(q, cos, sin, outs[0].dtype) == torch.float64 or (
-        len(xs) > 1 and math_dtype(k, cos, sin, outs[0].dtype) == torch.float64)
-    fn = wrap_triton(_rotary_kernel) if kernel is None else kernel
-    fn[(ntok, nsplit)](
-        q, k, qo, ko, cos, sin,
-        p.tokens[1], p.tokens[2], p.heads[0], hk, nsplit,
-        *p.x_strides[0], *p.o_strides[0], *sk, *sko,
-        *p.c_strides, *p.s_strides,
-        ROT=rotary_dim, HEAD_DIM=head_dim, HALF_PAD=half_pad, TAIL_PAD=tail_pad, BLOCK_H=bh,
-        NSIDES=len(xs), INTERLEAVED=interleaved, FULL_TABLES=full_tables, CONJ=conjugate, MATH_FP64=wide,
-        num_warps=num_warps or _num_warps(bh * 2 * half_pad),
-    )
+    wide = any(math_dtype(x, cos, sin, out_dtype) == torch.float64 for x in xs)
+    scalars = (p.tokens[1], p.tokens[2], p.heads[0], hk, nsplit, *p.x_strides[0], *p.o_strides[0], *sk, *sko,
+               *p.c_strides, *p.s_strides)
+    meta = dict(ROT=rotary_dim, HEAD_DIM=head_dim, HALF_PAD=half_pad, TAIL_PAD=tail_pad, BLOCK_H=bh,
+                NSIDES=len(xs), INTERLEAVED=interleaved, FULL_TABLES=full_tables, CONJ=conjugate,
+                MATH_FP64=wide, num_warps=num_warps or _num_warps(bh * 2 * half_pad))
+    return (ntok, nsplit), scalars, meta
 
 
 # ---------------------------------------------------------------------------------------------------------

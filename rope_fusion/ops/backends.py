@@ -66,6 +66,8 @@ def choose_backend(requested: str, spec: SiteSpec) -> Backend:
     _load_optional_backends()
     if requested == "auto":
         order = AUTO_ORDER.get(spec.device_type, ["inductor"])
+        if spec.device_type in ("cuda", "hip") and not _large(spec):
+            order = ["inductor"]
     else:
         order = [requested]
     for name in order + ["inductor"]:
@@ -73,6 +75,23 @@ def choose_backend(requested: str, spec: SiteSpec) -> Backend:
         if b is not None and b.supports(spec):
             return b
     return _BACKENDS["inductor"]
+
+
+# On the H200 (BENCHMARKS.md) the Triton kernel beats the Inductor lowering once a site moves about a GB
+# (1.03-1.05x the copy floor against 1.11-1.44x); below that the op call's fixed host cost decides, and
+# the lowering, which Inductor launches itself, wins. Sizes that are not known at compile time count as
+# small.
+TRITON_MIN_BYTES = 768 * 2**20
+
+
+def _large(spec: SiteSpec) -> bool:
+    if any(d is None for d in spec.x_shape):
+        return False
+    numel = 1
+    for d in spec.x_shape:
+        numel *= d
+    elem = torch.empty((), dtype=spec.x_dtype).element_size()
+    return numel * elem * 2 * (2 if spec.paired else 1) >= TRITON_MIN_BYTES
 
 
 _loaded = False

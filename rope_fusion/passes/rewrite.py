@@ -26,7 +26,7 @@ _EXACT_UPCASTS = {
 }
 
 
-def find_matches(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]], L.LaneInterpreter]:
+def find_matches(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]], Acceptor]:
     """The rotations to replace (largest first in graph order) and the near misses."""
     interp = L.LaneInterpreter(graph)
     interp.run()
@@ -52,7 +52,7 @@ def find_matches(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]
             continue  # part of, or built on, a fused rotation
         misses.append((node, reason))
     chosen.sort(key=lambda m: acc.order[m.node])
-    return chosen, misses, interp
+    return chosen, misses, acc
 
 
 class _Emitter:
@@ -177,7 +177,7 @@ def _spec(m: Match, nodes: dict, paired: bool) -> B.SiteSpec:
                       m.rotary_dim, m.full_tables, m.conjugate, paired)
 
 
-def _pair_up(matches: list[Match], order: dict, nodes: dict, st: L.Structure) -> list[tuple[Match, ...]]:
+def _pair_up(matches: list[Match], acc: Acceptor, nodes: dict, st: L.Structure) -> list[tuple[Match, ...]]:
     """Group matches that share tables and options into (q, k) pairs where the graph order allows."""
 
     def table_key(t: TableRef):
@@ -193,16 +193,16 @@ def _pair_up(matches: list[Match], order: dict, nodes: dict, st: L.Structure) ->
             b = matches[j]
             if j in used or b.node is a.node:
                 continue
-            if (a.interleaved, a.rotary_dim, a.full_tables, a.conjugate, a.head_dim, a.wide, a.blocks) != (
-                    b.interleaved, b.rotary_dim, b.full_tables, b.conjugate, b.head_dim, b.wide, b.blocks):
+            if (a.interleaved, a.rotary_dim, a.full_tables, a.conjugate, a.head_dim, a.wide, len(a.blocks)) != (
+                    b.interleaved, b.rotary_dim, b.full_tables, b.conjugate, b.head_dim, b.wide, len(b.blocks)):
                 continue
             if table_key(a.cos) != table_key(b.cos) or table_key(a.sin) != table_key(b.sin):
                 continue
             if _out_dtype(a) != _out_dtype(b) or a.x_name == b.x_name:
                 continue
             inputs = [nodes[a.x_name], nodes[b.x_name], nodes[a.cos.name], nodes[a.sin.name]]
-            users = list(a.node.users) + list(b.node.users)
-            if not users or max(order[n] for n in inputs) >= min(order[u] for u in users):
+            # one launch for both is possible unless an input of one needs the other's result
+            if any(acc.depends_on(i, r.node) for i in inputs for r in (a, b)):
                 continue
             partner = j
             break
@@ -216,20 +216,23 @@ def _pair_up(matches: list[Match], order: dict, nodes: dict, st: L.Structure) ->
 
 def fuse_graph(graph: fx.Graph, report: Report, graph_index: int, backend: str = "auto",
                fuse_qk: bool = True) -> None:
-    matches, misses, interp = find_matches(graph)
+    matches, misses, acc = find_matches(graph)
+    interp = acc.I
     nodes = interp.nodes
     for node, reason in misses:
         report.misses.append(Miss(graph_index, node.name, reason, source_line(node)))
     if not matches:
         return
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    groups = _pair_up(matches, order, nodes, interp.structure) if fuse_qk else [(m,) for m in matches]
+    order = acc.order
+    groups = _pair_up(matches, acc, nodes, interp.structure) if fuse_qk else [(m,) for m in matches]
     em = _Emitter(graph)
     for group in groups:
-        first_user = min((u for m in group for u in m.node.users), key=lambda u: order[u], default=None)
-        anchor = group[0].node if len(group) == 1 else first_user
-        if anchor is None:
-            anchor = group[-1].node.next
+        if len(group) == 1:
+            anchor = group[0].node
+        else:  # after the last input of either; users that came earlier are moved by the sort below
+            m0 = group[0]
+            inputs = [nodes[m.x_name] for m in group] + [nodes[m0.cos.name], nodes[m0.sin.name]]
+            anchor = max(inputs, key=lambda n: order[n]).next
         spec = _spec(group[0], nodes, len(group) == 2)
         be = B.choose_backend(backend, spec)
         with graph.inserting_before(anchor):
@@ -265,5 +268,8 @@ def fuse_graph(graph: fx.Graph, report: Report, graph_index: int, backend: str =
                 shape=tuple(str(s) for s in m.node.meta["val"].shape), source=source_line(m.node),
                 kernel=kernel_index, role=role))
         report.kernels.append(Kernel(graph_index, op_name, be.name, site_ids))
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    stable_topological_sort(graph)
     graph.eliminate_dead_code()
     graph.lint()

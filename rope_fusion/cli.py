@@ -1,0 +1,235 @@
+"""The `rope-fusion` console script.
+
+    rope-fusion explain MODULE:CALLABLE [--backend B] [--no-qk] [--dynamic] [--plain]
+        import MODULE (from the current directory too), call CALLABLE() -> (model, example_inputs),
+        compile the model with a RopeFusionPass, run it once and print the report as tables.
+        example_inputs: a tuple/list of positional args, a dict of keyword args, or (args, kwargs).
+        Exit 0 when it ran (whatever fused), 2 when the callable could not be loaded, 1 when it failed.
+    rope-fusion bench [ARGS...]
+        run benchmarks/kernels.py with ARGS when a GPU is present; a message and exit 2 otherwise.
+
+Subcommands are registered with `@command(name, help, configure)` on a function `(args) -> int`;
+`configure(parser)` adds its arguments. A `passthrough` command gets the raw rest of the command line as
+`args.args`. Adding a subcommand is one decorated function, nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import subprocess
+import sys
+from typing import Any, Callable
+
+_COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[Any], int], bool]] = {}
+
+
+def command(name: str, help: str, configure: Callable[[argparse.ArgumentParser], None] | None = None,
+            passthrough: bool = False):
+    """Register `fn(args) -> exit code` as the subcommand `name`; `configure(parser)` adds its options."""
+    def register(fn: Callable[[Any], int]) -> Callable[[Any], int]:
+        _COMMANDS[name] = (help, configure or (lambda p: None), fn, passthrough)
+        return fn
+    return register
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="rope-fusion", description="RoPE fusion for torch.compile: tools.")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (help_, configure, _, _) in _COMMANDS.items():
+        configure(sub.add_parser(name, help=help_, description=help_))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _COMMANDS and _COMMANDS[argv[0]][3]:  # passthrough: the rest, unparsed
+        return _COMMANDS[argv[0]][2](argparse.Namespace(command=argv[0], args=argv[1:]))
+    args = build_parser().parse_args(argv)
+    return _COMMANDS[args.command][2](args)
+
+
+# -- explain ------------------------------------------------------------------------------------------
+
+def load_callable(spec: str) -> Callable[[], Any]:
+    """`package.module:attr` (attr may be dotted); the current directory is importable, like `python -m`."""
+    if ":" not in spec:
+        raise ValueError(f"expected MODULE:CALLABLE, got {spec!r}")
+    mod_name, attr = spec.split(":", 1)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    obj: Any = importlib.import_module(mod_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{spec} is not callable")
+    return obj
+
+
+def split_inputs(inputs: Any) -> tuple[tuple, dict]:
+    """(args, kwargs) from what the callable returned as example inputs."""
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if (isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[0], (tuple, list))
+            and isinstance(inputs[1], dict)):
+        return tuple(inputs[0]), dict(inputs[1])
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def run_explain(target: Callable[[], Any], backend: str = "auto", fuse_qk: bool = True,
+                dynamic: bool | None = None):
+    """Build, compile with a fresh pass (caches off, so the pass runs) and run once: (pass, output)."""
+    import torch
+
+    from .passes.rope_pass import RopeFusionPass
+
+    made = target()
+    if not (isinstance(made, (tuple, list)) and len(made) == 2):
+        raise ValueError("the callable must return (model, example_inputs)")
+    model, inputs = made
+    args, kwargs = split_inputs(inputs)
+    p = RopeFusionPass(backend=backend, fuse_qk=fuse_qk)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False), torch.no_grad():
+        compiled = torch.compile(model, dynamic=dynamic, options={"post_grad_custom_post_pass": p})
+        out = compiled(*args, **kwargs)
+    return p, out
+
+
+_SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
+
+
+def short_source(source: str) -> str:
+    """file:line relative to site-packages or to the current directory, for narrow tables."""
+    marker = "site-packages" + os.sep
+    if marker in source:
+        return source.split(marker, 1)[1]
+    cwd = os.getcwd() + os.sep
+    return source[len(cwd):] if source.startswith(cwd) else source
+
+
+def _dt(name: str) -> str:
+    return _SHORT_DTYPES.get(name, name)
+
+
+def print_report(report: Any, title: str, plain: bool = False, file: Any = None) -> None:
+    """The report as rich tables (sites, kernels, near misses, errors), or report.table() without rich."""
+    file = file or sys.stdout
+    try:
+        if plain:
+            raise ImportError
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title, file=file)
+        print(report.table(), file=file)
+        return
+    console = Console(file=file, width=max(140, Console(file=file).width))
+    console.print(f"[bold]{title}[/bold]: {report.graphs} graph(s), {report.summary()}")
+    if report.sites:
+        t = Table(title="fused sites")
+        for col in ("#", "graph", "role", "style", "R/D", "tables", "dtypes x/tables/out", "kernel", "source"):
+            t.add_column(col, overflow="fold")
+        for i, s in enumerate(report.sites):
+            k = report.kernels[s.kernel] if 0 <= s.kernel < len(report.kernels) else None
+            t.add_row(str(i), str(s.graph), s.role, s.style + (" conj" if s.conjugate else ""),
+                      f"{s.rotary_dim}/{s.head_dim}", s.table_form,
+                      f"{_dt(s.x_dtype)}/{_dt(s.table_dtype)}/{_dt(s.out_dtype)}",
+                      f"{s.kernel} {k.op.split('.')[-1]} [{k.backend}]" if k else "?", short_source(s.source))
+        console.print(t)
+    if report.kernels:
+        t = Table(title="kernels")
+        for col in ("#", "graph", "op", "backend", "sites"):
+            t.add_column(col)
+        for i, k in enumerate(report.kernels):
+            t.add_row(str(i), str(k.graph), k.op, k.backend, ", ".join(map(str, k.sites)))
+        console.print(t)
+    if report.misses:
+        t = Table(title="near misses (left unchanged)")
+        for col in ("graph", "node", "reason", "source"):
+            t.add_column(col, overflow="fold")
+        for m in report.misses:
+            t.add_row(str(m.graph), m.node, m.reason, short_source(m.source))
+        console.print(t)
+    if report.errors:
+        t = Table(title="errors (graph left unchanged)")
+        t.add_column("graph")
+        t.add_column("error", overflow="fold")
+        for e in report.errors:
+            t.add_row(str(e.graph), e.error)
+        console.print(t)
+
+
+def _explain_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", metavar="MODULE:CALLABLE",
+                   help="a callable returning (model, example_inputs), e.g. examples.wan_demo:tiny_wan")
+    p.add_argument("--backend", default="auto", choices=("auto", "inductor", "triton", "npu"))
+    p.add_argument("--no-qk", dest="fuse_qk", action="store_false", help="do not pair q and k")
+    p.add_argument("--dynamic", action="store_true", default=None, help="torch.compile(dynamic=True)")
+    p.add_argument("--plain", action="store_true", help="plain text instead of rich tables")
+
+
+@command("explain", "compile MODULE:CALLABLE with the pass and print what fused, and what did not",
+         _explain_options)
+def explain(args: Any) -> int:
+    try:
+        target = load_callable(args.target)
+    except Exception as e:
+        print(f"rope-fusion explain: cannot load {args.target}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    try:
+        p, _ = run_explain(target, backend=args.backend, fuse_qk=args.fuse_qk, dynamic=args.dynamic)
+    except Exception as e:
+        print(f"rope-fusion explain: {args.target} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print_report(p.report, f"rope_fusion explain {args.target}", plain=args.plain)
+    return 0
+
+
+# -- bench ------------------------------------------------------------------------------------------------
+
+def find_benchmark() -> str | None:
+    """benchmarks/kernels.py of the source tree this package comes from, or of the current directory."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for root in (here, os.getcwd()):
+        path = os.path.join(root, "benchmarks", "kernels.py")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def gpu_present() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.device_count() > 0)
+
+
+def _bench_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to benchmarks/kernels.py (e.g. --quick)")
+
+
+@command("bench", "run the kernel benchmark (benchmarks/kernels.py) on the GPU; arguments pass through",
+         _bench_options, passthrough=True)
+def bench(args: Any) -> int:
+    rest = list(args.args)
+    path = find_benchmark()
+    if path is not None and ("-h" in rest or "--help" in rest):
+        return subprocess.call([sys.executable, path, *rest])
+    if not gpu_present():
+        print("rope-fusion bench: no GPU here (torch.cuda.is_available() is False); the kernel benchmark "
+              "times CUDA/ROCm kernels. For a CPU smoke test run: python -m benchmarks.kernels --quick",
+              file=sys.stderr)
+        return 2
+    if path is None:
+        print("rope-fusion bench: benchmarks/kernels.py not found (run from a source checkout)", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, path, *rest])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

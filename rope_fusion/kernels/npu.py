@@ -1,0 +1,265 @@
+"""Ascend NPU bridge: the fused rotary op as torch_npu's own RoPE kernels.
+
+`rope_fusion::rotary_npu` and `rope_fusion::rotary_qk_npu` have the signatures of `rotary` / `rotary_qk`
+(DESIGN.md section 2); the pass emits them for sites on an NPU device (`AUTO_ORDER["npu"]`). They call
+
+- `torch.ops.npu.npu_rotary_mul(x, r1, r2, rotary_mode)`: out = x*r1 + rotate(x)*r2, rotate = cat(-x2, x1)
+  for 'half' (NeoX pairs) or interleaved stack(-x_odd, x_even) for 'interleave'; 4-D x, tables of the full
+  width (one entry per lane) that broadcast against x. A q/k pair is two calls.
+- `torch.ops.npu.npu_apply_rotary_pos_emb(q, k, cos, sin, layout, rotary_mode)`: q and k in one call, for
+  the cases its documentation allows: layout BSND (4-D) or TND (3-D), rotary_mode 'half', head dim 64 or
+  128 and fully rotated, q, k, tables and output of one dtype, inference (it has no backward: it is only
+  reached through these ops, which the pass emits into post-grad graphs, after autograd). It writes q and k
+  in place, so it gets fresh copies.
+
+How a site maps onto them:
+- tables get the full width the NPU ops expect: half tables (one entry per pair) are duplicated along the
+  lane dim, `[c, c]` for 'half' and `c0 c0 c1 c1 ...` for 'interleave' (a copy of the table only, never of
+  anything the size of x); leading dims are padded with views (`t[None, ...]`), never expanded over heads.
+- partial rotary (rotary_dim < head dim): the head slice is rotated and the tail is concatenated unchanged.
+- conjugate (rotation by minus the angle): sin is negated.
+- dtypes: the op computes in the inputs' dtype; when x and tables differ (bf16 x, fp32 tables) both go to
+  the promoted dtype, and the result is cast once to out_dtype.
+- a case the documented layout constraints exclude (x of more than 4 dims, table broadcast patterns the op
+  does not list, B or N >= 1000, head dim >= 896, ...) runs the reference composite (plain aten ops, which
+  run on the NPU too): correct, unfused.
+
+torch_npu cannot be imported without the CANN runtime, so nothing here imports it: the ops are looked up in
+the namespace `OP_NAMESPACE` ("npu", where torch_npu registers them) when called. Tests set it to a
+namespace of stand-in ops with the same schemas and the documented semantics and check the bridge on CPU.
+This path is verified against the documented semantics of the torch_npu ops, not on Ascend hardware.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from ..ops.backends import Backend, SiteSpec, register_backend
+from ..ops.library import register_eager_kernel
+from ..ops.reference import check_args, rotary_reference
+
+OP_NAMESPACE = "npu"
+"""Where `npu_rotary_mul` / `npu_apply_rotary_pos_emb` are looked up (torch.ops.<namespace>.<op>)."""
+
+NPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+APPLY_HEAD_DIMS = (64, 128)  # npu_apply_rotary_pos_emb's documented head dims
+MAX_HEAD_DIM = 896  # npu_rotary_mul: D < 896 and even
+MAX_BN = 1000  # npu_rotary_mul: B, N < 1000 ('half'), B * N < 1000 ('interleave')
+
+# Dims of B, N, S in a 4-D x, per layout, in the order tried.
+_LAYOUTS = {"BSND": (0, 2, 1), "BNSD": (0, 1, 2), "SBND": (1, 2, 0)}
+# Which of B, N, S a table may carry (the others must be 1), from npu_rotary_mul's constraints:
+# 'half': 11SD / B1SD / BNSD for BNSD x (likewise 1S1D / BS1D / BSND, S11D / SB1D / SBND); 'interleave': S only.
+_TABLE_DIMS = {False: ({"S"}, {"B", "S"}, {"B", "N", "S"}), True: ({"S"},)}
+
+stats: collections.Counter = collections.Counter()
+"""How many calls took each path: 'rotary_mul', 'apply_rotary_pos_emb', 'reference' (for tests and debugging)."""
+
+
+def _ops():
+    return getattr(torch.ops, OP_NAMESPACE)
+
+
+def full_width(t: torch.Tensor, rotary_dim: int, interleaved: bool, full_tables: bool) -> torch.Tensor:
+    """The table with one entry per lane (width rotary_dim), as npu_rotary_mul reads it."""
+    if full_tables:
+        return t
+    half = t.shape[-1]
+    if interleaved:  # c0 c0 c1 c1 ...
+        return t.unsqueeze(-1).expand(*t.shape, 2).reshape(*t.shape[:-1], 2 * half)
+    return t.unsqueeze(-2).expand(*t.shape[:-1], 2, half).reshape(*t.shape[:-1], 2 * half)  # [c, c]
+
+
+def _pad(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    """A view of t with leading dims of size 1 up to ndim dims."""
+    return t[(None,) * (ndim - t.dim())] if t.dim() < ndim else t
+
+
+def rotary_mul_layout(x_shape: tuple, t_shape: tuple, interleaved: bool) -> str | None:
+    """The layout under which npu_rotary_mul documents support for a 4-D x and table, or None."""
+    if len(x_shape) != 4 or len(t_shape) != 4:
+        return None
+    d = x_shape[-1]
+    if d % 2 or d >= MAX_HEAD_DIM or t_shape[-1] != d:
+        return None
+    for name, (b, n, s) in _LAYOUTS.items():
+        dims = tuple(zip("BNS", (b, n, s)))
+        if not any(all(t_shape[i] == (x_shape[i] if letter in allowed else 1) for letter, i in dims)
+                   for allowed in _TABLE_DIMS[interleaved]):
+            continue
+        bb, nn, ss = x_shape[b], x_shape[n], x_shape[s]
+        if interleaved and bb * nn >= MAX_BN:
+            continue
+        if not interleaved and (bb >= MAX_BN or nn >= MAX_BN):
+            continue
+        if name == "BNSD" and bb * nn > 8 * ss:  # documented as unsupported for BNSD
+            continue
+        return name
+    return None
+
+
+def _compute_dtype(x: torch.Tensor, t: torch.Tensor) -> torch.dtype | None:
+    cd = x.dtype if x.dtype == t.dtype else torch.promote_types(x.dtype, t.dtype)
+    return cd if cd in NPU_DTYPES else None
+
+
+def rotary_via_rotary_mul(x, cos, sin, *, interleaved, rotary_dim, full_tables, conjugate, out_dtype):
+    """One tensor through npu_rotary_mul; None when the documented constraints exclude the case."""
+    if x.dim() > 4:
+        return None
+    cd = _compute_dtype(x, cos)
+    if cd is None or sin.dtype != cos.dtype:
+        return None
+    xr = x[..., :rotary_dim] if rotary_dim < x.shape[-1] else x
+    c = full_width(cos, rotary_dim, interleaved, full_tables)
+    s = full_width(sin, rotary_dim, interleaved, full_tables)
+    if conjugate:
+        s = -s
+    x4, c4, s4 = _pad(xr, 4), _pad(c, 4), _pad(s, 4)
+    if c4.dim() != 4 or rotary_mul_layout(tuple(x4.shape), tuple(c4.shape), interleaved) is None:
+        return None
+    x4 = x4.to(cd).contiguous()
+    c4, s4 = c4.to(cd), s4.to(cd)
+    mode = "interleave" if interleaved else "half"
+    rot = _ops().npu_rotary_mul(x4, c4, s4, mode)
+    stats["rotary_mul"] += 1
+    rot = rot.reshape(xr.shape).to(out_dtype)
+    if rotary_dim < x.shape[-1]:
+        rot = torch.cat((rot, x[..., rotary_dim:].to(out_dtype)), dim=-1)
+    return rot
+
+
+def apply_layout(q, k, cos, sin, *, interleaved, rotary_dim, full_tables, out_dtype) -> str | None:
+    """'BSND' or 'TND' where npu_apply_rotary_pos_emb's documented constraints hold, else None."""
+    if interleaved or rotary_dim != q.shape[-1] or q.shape[-1] not in APPLY_HEAD_DIMS:
+        return None
+    if not (q.dtype == k.dtype == cos.dtype == sin.dtype == out_dtype) or q.dtype not in NPU_DTYPES:
+        return None
+    if q.dim() != k.dim() or q.shape[-1] != k.shape[-1]:
+        return None
+    t_shape = tuple(_pad(cos, q.dim()).shape[:-1])
+    if len(t_shape) != q.dim() - 1:
+        return None
+    if q.dim() == 4:  # BSND: tables [B|1, S|1, 1, D]
+        if q.shape[:2] != k.shape[:2] or t_shape[2] != 1:
+            return None
+        return "BSND"
+    if q.dim() == 3:  # TND: tables [T|1, 1, D]
+        if q.shape[0] != k.shape[0] or t_shape[1] != 1:
+            return None
+        return "TND"
+    return None
+
+
+def rotary_qk_via_apply(q, k, cos, sin, *, layout, full_tables, conjugate):
+    """q and k through npu_apply_rotary_pos_emb (in place on fresh copies)."""
+    d = q.shape[-1]
+    c = full_width(cos, d, False, full_tables)
+    s = full_width(sin, d, False, full_tables)
+    if conjugate:
+        s = -s
+    c, s = _pad(c, q.dim()), _pad(s, q.dim())
+    table_shape = (*q.shape[:2], 1, d) if layout == "BSND" else (q.shape[0], 1, d)
+    c = c.expand(table_shape).contiguous()
+    s = s.expand(table_shape).contiguous()
+    qo = q.clone(memory_format=torch.contiguous_format)
+    ko = k.clone(memory_format=torch.contiguous_format)
+    qo, ko = _ops().npu_apply_rotary_pos_emb(qo, ko, c, s, layout, "half")
+    stats["apply_rotary_pos_emb"] += 1
+    return qo, ko
+
+
+# -- the ops the pass emits ------------------------------------------------------------------------------
+
+def _rotary_impl(x, cos, sin, kw) -> torch.Tensor:
+    out = rotary_via_rotary_mul(x, cos, sin, **kw)
+    if out is None:
+        stats["reference"] += 1
+        out = rotary_reference(x, cos, sin, **kw).contiguous()
+    return out
+
+
+@torch.library.custom_op("rope_fusion::rotary_npu", mutates_args=())
+def rotary_npu(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool,
+    rotary_dim: int,
+    full_tables: bool,
+    conjugate: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`rope_fusion::rotary` as npu_rotary_mul."""
+    kw = dict(interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full_tables, conjugate=conjugate,
+              out_dtype=out_dtype)
+    check_args(x, cos, sin, rotary_dim, full_tables, out_dtype)
+    return _rotary_impl(x, cos, sin, kw)
+
+
+@rotary_npu.register_fake
+def _rotary_npu_fake(x, cos, sin, *, interleaved, rotary_dim, full_tables, conjugate, out_dtype):
+    check_args(x, cos, sin, rotary_dim, full_tables, out_dtype)
+    return x.new_empty(x.shape, dtype=out_dtype)
+
+
+@torch.library.custom_op("rope_fusion::rotary_qk_npu", mutates_args=())
+def rotary_qk_npu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool,
+    rotary_dim: int,
+    full_tables: bool,
+    conjugate: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_fusion::rotary_qk` as one npu_apply_rotary_pos_emb where allowed, else two npu_rotary_mul."""
+    kw = dict(interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full_tables, conjugate=conjugate,
+              out_dtype=out_dtype)
+    check_args(q, cos, sin, rotary_dim, full_tables, out_dtype, name="q")
+    check_args(k, cos, sin, rotary_dim, full_tables, out_dtype, name="k")
+    layout = apply_layout(q, k, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim,
+                          full_tables=full_tables, out_dtype=out_dtype)
+    if layout is not None:
+        return rotary_qk_via_apply(q, k, cos, sin, layout=layout, full_tables=full_tables, conjugate=conjugate)
+    return _rotary_impl(q, cos, sin, kw), _rotary_impl(k, cos, sin, kw)
+
+
+@rotary_qk_npu.register_fake
+def _rotary_qk_npu_fake(q, k, cos, sin, *, interleaved, rotary_dim, full_tables, conjugate, out_dtype):
+    check_args(q, cos, sin, rotary_dim, full_tables, out_dtype, name="q")
+    check_args(k, cos, sin, rotary_dim, full_tables, out_dtype, name="k")
+    return q.new_empty(q.shape, dtype=out_dtype), k.new_empty(k.shape, dtype=out_dtype)
+
+
+def supports(spec: SiteSpec) -> bool:
+    """Sites on an NPU device in fp16/bf16/fp32 with x of at most 4 dims (others fall back to inductor)."""
+    if spec.device_type != "npu":
+        return False
+    if not all(d in NPU_DTYPES for d in (spec.x_dtype, spec.table_dtype, spec.out_dtype)):
+        return False
+    return len(spec.x_shape) <= 4
+
+
+def _eager_rotary(x, cos, sin, **kw):
+    return rotary_via_rotary_mul(x, cos, sin, **kw)  # None: the library falls back to the reference
+
+
+def _eager_rotary_qk(q, k, cos, sin, **kw):
+    if q.dtype not in NPU_DTYPES or k.dtype not in NPU_DTYPES or cos.dtype not in NPU_DTYPES:
+        return None
+    return rotary_qk_npu(q, k, cos, sin, **kw)
+
+
+register_backend(Backend("npu", torch.ops.rope_fusion.rotary_npu.default,
+                         torch.ops.rope_fusion.rotary_qk_npu.default, supports))
+register_eager_kernel("npu", rotary=_eager_rotary, rotary_qk=_eager_rotary_qk)
+
+__all__ = ["OP_NAMESPACE", "rotary_npu", "rotary_qk_npu", "supports", "full_width", "rotary_mul_layout",
+           "apply_layout", "stats"]

@@ -1,0 +1,135 @@
+"""The `rope-fusion` console script: `explain MODULE:CALLABLE` and `bench`."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rope_fusion import cli
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class TinyAttention(torch.nn.Module):
+    """q/k projections, per-head QK RMSNorm, NeoX RoPE on both (tables shared), [B, S, H, D]."""
+
+    def __init__(self, dim=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.q = torch.nn.Linear(dim, dim)
+        self.k = torch.nn.Linear(dim, dim)
+        self.norm_q = torch.nn.RMSNorm(dim // heads)
+        self.norm_k = torch.nn.RMSNorm(dim // heads)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = self.norm_q(self.q(x).view(b, s, self.heads, -1))
+        k = self.norm_k(self.k(x).view(b, s, self.heads, -1))
+        q = q * cos + _rotate_half(q) * sin  # the RoPE line
+        k = k * cos + _rotate_half(k) * sin
+        return q, k
+
+
+def tiny_rope():
+    """The explain callable: (model, example_inputs)."""
+    torch.manual_seed(0)
+    ang = torch.rand(6, 1, 8) * 6
+    ang = torch.cat((ang, ang), -1)
+    return TinyAttention().eval(), (torch.randn(1, 6, 32), ang.cos(), ang.sin())
+
+
+def tiny_rope_kwargs():
+    model, (x, cos, sin) = tiny_rope()
+    return model, {"x": x, "cos": cos, "sin": sin}
+
+
+def _rope_line() -> str:
+    with open(__file__) as f:
+        n = next(i for i, ln in enumerate(f, 1) if "# the RoPE line" in ln)
+    return f"test_cli.py:{n}"
+
+
+def test_explain_prints_the_report(capsys, monkeypatch):
+    monkeypatch.chdir(HERE)
+    assert cli.main(["explain", "test_cli:tiny_rope", "--plain"]) == 0
+    out = capsys.readouterr().out
+    assert "fused 2 sites in 1 kernels, 0 near misses" in out
+    assert "rope_fusion.rotary_qk" in out and _rope_line() in out
+
+
+def test_explain_rich_table_and_kwargs(capsys, monkeypatch):
+    pytest.importorskip("rich")
+    monkeypatch.chdir(HERE)
+    assert cli.main(["explain", "test_cli:tiny_rope_kwargs"]) == 0
+    out = capsys.readouterr().out
+    assert "fused sites" in out and "kernels" in out and "rotary_qk" in out and "neox" in out
+    assert "fused 2 sites in 1 kernels" in out
+    assert "┃" in out or "|" in out  # a table, not the plain listing
+
+
+def test_explain_bad_target(capsys):
+    assert cli.main(["explain", "no_such_module_xyz:f"]) == 2
+    assert cli.main(["explain", "no_colon"]) == 2
+    assert "cannot load" in capsys.readouterr().err
+
+
+def test_console_script_explain():
+    """The installed entry point (`rope-fusion` = rope_fusion.cli:main), run as a user would."""
+    exe = os.path.join(os.path.dirname(sys.executable), "rope-fusion")
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "rope_fusion.cli"]
+    r = subprocess.run(cmd + ["explain", "test_cli:tiny_rope"], cwd=HERE, capture_output=True, text=True,
+                       timeout=240, env=dict(os.environ, COLUMNS="160"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "fused 2 sites in 1 kernels" in r.stdout and "rotary_qk" in r.stdout
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "examples", "wan_demo.py"))
+                    or importlib.util.find_spec("diffusers") is None, reason="needs examples/wan_demo.py + diffusers")
+def test_explain_wan_demo(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["explain", "examples.wan_demo:tiny_wan", "--plain"]) == 0
+    out = capsys.readouterr().out
+    assert "transformer_wan.py" in out and "rope_fusion.rotary_qk" in out
+
+
+def test_bench_without_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "gpu_present", lambda: False)
+    assert cli.main(["bench", "--quick"]) == 2
+    assert "no GPU" in capsys.readouterr().err
+
+
+def test_bench_forwards_to_the_kernel_benchmark(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli, "gpu_present", lambda: True)
+    monkeypatch.setattr(cli.subprocess, "call", lambda argv, **kw: calls.append(argv) or 0)
+    assert cli.main(["bench", "--quick", "--out", "x.json"]) == 0
+    if cli.find_benchmark() is None:
+        pytest.skip("no benchmarks/kernels.py in this tree")
+    (argv,) = calls
+    assert argv[0] == sys.executable and argv[1].endswith(os.path.join("benchmarks", "kernels.py"))
+    assert argv[2:] == ["--quick", "--out", "x.json"]
+
+
+def test_subcommands_are_a_registry():
+    seen = []
+
+    @cli.command("hello-test", "a test subcommand", lambda p: p.add_argument("--n", type=int, default=1))
+    def hello(args):
+        seen.append(args.n)
+        return 0
+
+    try:
+        assert cli.main(["hello-test", "--n", "3"]) == 0 and seen == [3]
+    finally:
+        del cli._COMMANDS["hello-test"]

@@ -1,0 +1,137 @@
+"""`rope_fusion.install()` reaches code that calls torch.compile itself, with no options (vllm-omni).
+
+vllm-omni compiles each repeated transformer block as `torch.compile(block.forward, dynamic=True)` with
+default Inductor settings; the helper below does the same. After `install()` such compiles are fused; after
+`uninstall()` they are not, and any pass configured before is back. Also: the one INFO line per graph on the
+`rope_fusion` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import rope_fusion
+
+
+def compile_repeated_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    """What vllm-omni does to a DiT: compile every block's forward, dynamic, no options."""
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward, dynamic=True)
+    return model
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim=64, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q = torch.nn.Linear(dim, dim)
+        self.k = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, -1).transpose(1, 2)  # [B, H, S, D]
+        k = self.k(x).view(b, s, self.heads, -1).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return x + (q * k).transpose(1, 2).reshape(b, s, -1)
+
+
+class Model(torch.nn.Module):
+    def __init__(self, n=2):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(n))
+
+    def forward(self, x, cos, sin):
+        for blk in self.blocks:
+            x = blk(x, cos, sin)
+        return x
+
+
+def _inputs(s=8):
+    torch.manual_seed(0)
+    ang = torch.rand(s, 8) * 6
+    ang = torch.cat((ang, ang), -1)  # full-neox tables [S, D]
+    return torch.randn(2, s, 64), ang.cos(), ang.sin()
+
+
+class Spy(CustomGraphPass):
+    """A post-grad pass that records which ops each graph holds when it runs."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, graph):
+        self.graphs.append([str(n.target) for n in graph.nodes if n.op == "call_function"])
+
+    def uuid(self):
+        return "spy"
+
+    def fused(self):
+        return [any(t.startswith("rope_fusion.") for t in g) for g in self.graphs]
+
+
+@pytest.fixture
+def fresh():
+    torch._dynamo.reset()
+    with inductor_config.patch(fx_graph_cache=False, post_grad_custom_post_pass=None), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def test_install_reaches_compiles_without_options(fresh, caplog):
+    caplog.set_level(logging.INFO, logger="rope_fusion")
+    torch.manual_seed(0)
+    model = Model().eval()
+    x, cos, sin = _inputs()
+    with torch.no_grad():
+        expected = model(x, cos, sin)
+        p = rope_fusion.install()
+        try:
+            assert inductor_config.post_grad_custom_post_pass is p
+            compiled = compile_repeated_blocks(Model().eval())
+            compiled.load_state_dict(model.state_dict())
+            out = compiled(x, cos, sin)
+            out2 = compiled(*_inputs(12))  # another sequence length: the dynamic graph is reused
+        finally:
+            rope_fusion.uninstall()
+    assert inductor_config.post_grad_custom_post_pass is None
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert out2.shape == (2, 12, 64)
+    # each compiled block graph: q and k in one kernel
+    assert p.report.graphs >= 1 and p.report.errors == []
+    assert len(p.report.kernels) == p.report.graphs and len(p.report.sites) == 2 * p.report.graphs, \
+        p.report.table()
+    assert all(k.op == "rope_fusion.rotary_qk" for k in p.report.kernels)
+    # logging: one INFO line per graph on the rope_fusion logger
+    lines = [r.getMessage() for r in caplog.records if r.name == "rope_fusion" and r.levelno == logging.INFO]
+    assert len(lines) == p.report.graphs, lines
+    assert all(re.search(r"fused 2 sites in 1 kernels, 0 near misses", ln) for ln in lines), lines
+
+
+def test_uninstall_stops_it_and_restores_the_previous_pass(fresh):
+    spy = Spy()
+    x, cos, sin = _inputs()
+    with inductor_config.patch(post_grad_custom_post_pass=spy), torch.no_grad():
+        p = rope_fusion.install()
+        assert inductor_config.post_grad_custom_post_pass is not spy  # chained: spy, then ours
+        compile_repeated_blocks(Model(n=1).eval())(x, cos, sin)
+        rope_fusion.uninstall()
+        assert inductor_config.post_grad_custom_post_pass is spy
+        assert len(p.report.kernels) == 1 and spy.fused() == [False]  # the spy ran first, on the unfused graph
+
+        torch._dynamo.reset()
+        compile_repeated_blocks(Model(n=1).eval())(x, cos, sin)
+    assert len(spy.graphs) == 2 and spy.fused() == [False, False]
+    assert len(p.report.kernels) == 1  # the uninstalled pass saw nothing more

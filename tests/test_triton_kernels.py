@@ -1,0 +1,399 @@
+"""The Triton rotary kernels against the reference semantics.
+
+On a machine without a GPU the kernels run under Triton's interpreter. `triton.jit` decides at decoration
+time whether a kernel is interpreted, so:
+- if the kernel module is not imported yet, it is imported here with TRITON_INTERPRET=1 set just for that
+  import (so the op path `torch.ops.rope_fusion.rotary_triton` itself is tested on CPU tensors);
+- in any case the CPU tests launch an interpreted copy of the same kernel function, so they stay valid when
+  another test module imported the kernels first (as compiled kernels) in the same pytest process.
+GPU tests run the compiled kernels on realistic shapes and skip without CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+_MOD = "rope_fusion.kernels.triton_rotary"
+if _MOD not in sys.modules and not torch.cuda.is_available():
+    import torch._higher_order_ops.triton_kernel_wrap  # noqa: F401  (keep torch's own kernels compiled)
+
+    _old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import rope_fusion.kernels.triton_rotary as tr
+    finally:
+        if _old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _old
+else:
+    import rope_fusion.kernels.triton_rotary as tr
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from rope_fusion.ops import backends  # noqa: E402
+from rope_fusion.ops.backends import SiteSpec  # noqa: E402
+from rope_fusion.ops.reference import rotary_reference  # noqa: E402
+
+OP_INTERPRETED = isinstance(tr._rotary_kernel, InterpretedFunction)
+KERNEL = tr._rotary_kernel if OP_INTERPRETED else InterpretedFunction(tr._rotary_kernel.fn)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# helpers
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Output buffers start as NaN, so an element the kernel fails to write shows up as NaN."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        if out.is_floating_point():
+            out.fill_(float("nan"))
+        return out
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real_empty
+
+
+def check(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool,
+          rotary_dim: int, full_tables: bool, conjugate: bool, out_dtype: torch.dtype) -> None:
+    """Compare with an fp64 evaluation: one rounding to out_dtype plus the math dtype's own error."""
+    assert out.dtype == out_dtype and out.shape == x.shape and out.is_contiguous()
+    assert not out.isnan().any(), "some output elements were never written"
+    exact = rotary_reference(x.double(), cos.double(), sin.double(), interleaved=interleaved,
+                             rotary_dim=rotary_dim, full_tables=full_tables, conjugate=conjugate,
+                             out_dtype=torch.float64)
+    wide = torch.float64 in (x.dtype, cos.dtype, sin.dtype) and out_dtype in (torch.float32, torch.float64)
+    eps_math = torch.finfo(torch.float64 if wide else torch.float32).eps
+    # Tables narrower than fp32 are exact in the math dtype; fp64 tables read in fp32 round once more.
+    if cos.dtype == torch.float64 and not wide:
+        eps_math *= 2
+    scale = x.abs().max().double() * (cos.abs().max().double() + sin.abs().max().double())
+    tol = torch.finfo(out_dtype).eps * exact.abs() + 4 * eps_math * scale + 1e-300
+    err = (out.double().cpu() - exact.cpu()).abs()
+    assert (err <= tol.cpu()).all(), f"max err {err.max().item():.3g}, max tol {tol.max().item():.3g}"
+
+
+def tables(lead: tuple, width: int, dtype=torch.float32, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.randn(*lead, width, dtype=dtype, device=device),
+            torch.randn(*lead, width, dtype=dtype, device=device))
+
+
+def run(xs: list, cos, sin, **kw) -> list:
+    with poisoned_outputs():
+        return tr._launch(xs, cos, sin, kernel=KERNEL, **kw)
+
+
+def run_and_check(xs: list, cos, sin, **kw) -> None:
+    outs = run(xs, cos, sin, **kw)
+    assert len(outs) == len(xs)
+    for x, out in zip(xs, outs):
+        check(out, x, cos, sin, **kw)
+
+
+def opts(interleaved=False, rotary_dim=None, full_tables=False, conjugate=False, out_dtype=torch.bfloat16,
+         head_dim=64) -> dict:
+    return dict(interleaved=interleaved, rotary_dim=rotary_dim or head_dim, full_tables=full_tables,
+                conjugate=conjugate, out_dtype=out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CPU: the kernel under the interpreter
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("full_tables", [False, True], ids=["half", "full"])
+@pytest.mark.parametrize("conjugate", [False, True], ids=["rot", "conj"])
+def test_styles_qk_gqa(interleaved, full_tables, conjugate):
+    """Every style/table/sign combination, q and k with different head counts in one launch, D=80."""
+    D, R = 80, 80
+    q = torch.randn(2, 3, 4, D, dtype=torch.bfloat16)
+    k = torch.randn(2, 3, 1, D, dtype=torch.bfloat16)
+    cos, sin = tables((1, 3, 1), R if full_tables else R // 2)
+    run_and_check([q, k], cos, sin, **opts(interleaved, R, full_tables, conjugate, head_dim=D))
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 32), (80, 40), (96, 96), (128, 64), (256, 256),
+                                                 (24, 24), (40, 16), (8, 2), (120, 120)])
+def test_head_and_rotary_dims(interleaved, head_dim, rotary_dim):
+    """Head dims that are and are not powers of two; partial rotary copies the tail in the same pass."""
+    x = torch.randn(3, 2, head_dim, dtype=torch.float16)
+    cos, sin = tables((3, 1), rotary_dim // 2)
+    run_and_check([x], cos, sin, **opts(interleaved, rotary_dim, out_dtype=torch.float16, head_dim=head_dim))
+
+
+@pytest.mark.parametrize("x_dtype,table_dtype,out_dtype", [
+    (torch.bfloat16, torch.float32, torch.bfloat16),
+    (torch.float16, torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16, torch.float32),
+    (torch.float32, torch.float32, torch.float32),
+    (torch.bfloat16, torch.float64, torch.bfloat16),  # complex128 spelling cast back: fp32 math
+    (torch.float32, torch.float64, torch.float32),  # fp64 math
+    (torch.float64, torch.float64, torch.float64),
+])
+def test_dtypes(x_dtype, table_dtype, out_dtype):
+    x = torch.randn(2, 3, 2, 32, dtype=x_dtype)
+    k = torch.randn(2, 3, 3, 32, dtype=x_dtype)
+    cos, sin = tables((3, 1), 32, dtype=table_dtype)
+    run_and_check([x, k], cos, sin, **opts(True, 32, full_tables=True, out_dtype=out_dtype, head_dim=32))
+
+
+def test_layout_bhsd():
+    """[B,H,S,D] with tables [1,1,S,W]: the head loop runs over H, tokens over (B,S)."""
+    q = torch.randn(2, 4, 5, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 5, 64, dtype=torch.bfloat16)
+    cos, sin = tables((1, 1, 5), 64)
+    run_and_check([q, k], cos, sin, **opts(False, 64, full_tables=True))
+
+
+def test_packed_tokens_and_flat_heads():
+    """[T,H,D] with [T,1,W] tables; and [B,S,H*D] with a table spanning all heads (every lane its own)."""
+    x = torch.randn(7, 3, 48, dtype=torch.bfloat16)
+    cos, sin = tables((7, 1), 24)
+    run_and_check([x], cos, sin, **opts(False, 48, head_dim=48))
+    y = torch.randn(2, 5, 96, dtype=torch.bfloat16)
+    cos, sin = tables((2, 5), 96)
+    run_and_check([y], cos, sin, **opts(True, 96, full_tables=True, head_dim=96))
+
+
+def test_per_head_and_per_batch_tables():
+    """Tables that vary along heads (Mochi) or batch (Helios): those dims become token dims."""
+    x = torch.randn(2, 3, 4, 32, dtype=torch.bfloat16)
+    cos, sin = tables((3, 4), 16)
+    run_and_check([x], cos, sin, **opts(True, 32, head_dim=32))
+    cos, sin = tables((2, 3, 1), 16)
+    run_and_check([x, x[:, :, :2]], cos, sin, **opts(False, 32, head_dim=32))
+
+
+def test_strided_table_views():
+    """Tables as the pass feeds them: `freqs[..., 0::2]`, view_as_real parts, a packed [cos|sin] slice."""
+    S, D = 5, 32
+    x = torch.randn(2, S, 3, D, dtype=torch.bfloat16)
+    k = torch.randn(2, S, 1, D, dtype=torch.bfloat16)
+    full = torch.randn(1, S, 1, D)
+    run_and_check([x, k], full[..., 0::2], full[..., 1::2], **opts(True, D, head_dim=D))
+    freqs = torch.polar(torch.ones(S, D // 2), torch.randn(S, D // 2)).view(1, S, 1, D // 2)
+    ri = torch.view_as_real(freqs)
+    run_and_check([x, k], ri[..., 0], ri[..., 1], **opts(True, D, head_dim=D))
+    packed = torch.randn(2, S, 2 * D).unsqueeze(-2)  # [B,S,1,2D]: per-batch cos then sin
+    cos, sin = packed.chunk(2, dim=-1)
+    run_and_check([x, k], cos[..., 0::2], sin[..., 1::2], **opts(True, D, head_dim=D))
+    run_and_check([x, k], cos, sin, **opts(True, D, full_tables=True, head_dim=D))
+    e = torch.randn(1, 1, 1, D // 2).expand(2, S, 1, D // 2)  # zero strides everywhere
+    run_and_check([x], e, e.flip(-1), **opts(False, D, head_dim=D))
+
+
+def test_strided_x():
+    """x as a slice of a packed qkv tensor, a transposed view, and with a non-unit last stride."""
+    qkv = torch.randn(2, 5, 3, 4, 64, dtype=torch.bfloat16)
+    q, k = qkv[:, :, 0], qkv[:, :, 1, :2]
+    cos, sin = tables((1, 5, 1), 32)
+    run_and_check([q, k], cos, sin, **opts(True, 64))
+    t = torch.randn(2, 4, 5, 64, dtype=torch.bfloat16).transpose(1, 2)  # [B,S,H,D] view of [B,H,S,D]
+    run_and_check([t], cos, sin, **opts(False, 64))
+    lanes_last = torch.randn(2, 5, 64, 4, dtype=torch.bfloat16).transpose(-1, -2)
+    assert lanes_last.stride(-1) != 1
+    run_and_check([lanes_last], cos, sin, **opts(True, 64))
+
+
+def test_unmergeable_dims_and_separate_launches():
+    """More token dims than the kernel holds (materialized fallback); q/k that cannot share one grid."""
+    x = torch.randn(2, 3, 2, 3, 2, 16, dtype=torch.float32).permute(0, 2, 1, 4, 3, 5)
+    cos, sin = tables((2, 2, 3, 2, 3), 8)
+    run_and_check([x], cos, sin, **opts(False, 16, out_dtype=torch.float32, head_dim=16))
+    q = torch.randn(3, 2, 16, dtype=torch.bfloat16)
+    k = torch.randn(1, 3, 1, 16, dtype=torch.bfloat16)
+    cos, sin = tables((3, 1), 8)
+    run_and_check([q, k], cos, sin, **opts(True, 16, head_dim=16))
+
+
+def test_mixed_qk_dtypes_and_empty():
+    q = torch.randn(2, 3, 2, 32, dtype=torch.bfloat16)
+    k = torch.randn(2, 3, 1, 32, dtype=torch.float32)
+    cos, sin = tables((3, 1), 16)
+    run_and_check([q, k], cos, sin, **opts(False, 32, out_dtype=torch.float32, head_dim=32))
+    e = torch.randn(0, 3, 2, 32, dtype=torch.bfloat16)
+    (out,) = run([e], cos, sin, **opts(False, 32, head_dim=32))
+    assert out.shape == e.shape
+
+
+@pytest.mark.skipif(not OP_INTERPRETED, reason="kernels were imported compiled by another test module")
+def test_ops_on_cpu_under_interpreter():
+    """The registered triton_ops themselves (what the pass emits) under the interpreter."""
+    q = torch.randn(2, 4, 3, 80, dtype=torch.bfloat16)
+    k = torch.randn(2, 4, 1, 80, dtype=torch.bfloat16)
+    cos, sin = tables((1, 4, 1), 40)
+    kw = opts(True, 80, head_dim=80)
+    with poisoned_outputs():
+        qo, ko = torch.ops.rope_fusion.rotary_qk_triton(q, k, cos, sin, **kw)
+        xo = torch.ops.rope_fusion.rotary_triton(q, cos, sin, **kw)
+    check(qo, q, cos, sin, **kw)
+    check(ko, k, cos, sin, **kw)
+    check(xo, q, cos, sin, **kw)
+
+
+def test_bad_arguments_raise_value_error():
+    x = torch.randn(2, 3, 32)
+    cos, sin = tables((2, 1), 10)
+    with pytest.raises(ValueError, match="cos"):
+        torch.ops.rope_fusion.rotary_triton(x, cos, sin, **opts(False, 32, out_dtype=torch.float32))
+
+
+def test_backend_registered_and_supports():
+    b = backends.get_backend("triton")
+    assert b is not None and b.rotary is torch.ops.rope_fusion.rotary_triton.default
+
+    def spec(**kw):
+        base = dict(device_type="cuda", x_shape=(2, 16, 8, 80), x_dtype=torch.bfloat16,
+                    table_dtype=torch.float32, out_dtype=torch.bfloat16, interleaved=True, rotary_dim=80,
+                    full_tables=False, conjugate=False, paired=True)
+        base.update(kw)
+        return SiteSpec(**base)
+
+    assert b.supports(spec())
+    assert b.supports(spec(table_dtype=torch.float64, x_shape=(4, 256)))
+    assert not b.supports(spec(device_type="cpu"))
+    assert not b.supports(spec(x_dtype=torch.int32))
+    assert not b.supports(spec(x_shape=(2, 4096), rotary_dim=4096))
+    assert backends.choose_backend("triton", spec(device_type="cpu")).name == "inductor"
+
+
+def test_host_side_runs_on_fake_tensors():
+    """triton_op uses the same function as its fake kernel: the host side must work on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 16, 4, 64, dtype=torch.bfloat16)[:, :, :, 0]
+        k = torch.empty(2, 8, 2, 64, dtype=torch.bfloat16)
+        cos = torch.empty(1, 8, 1, 32)
+        qo, ko = tr._launch([q, k], cos, cos, kernel=Recorder(), **opts(False, 64, out_dtype=torch.float32))
+        assert qo.shape == q.shape and qo.dtype == torch.float32 and qo.is_contiguous()
+        assert ko.shape == k.shape
+    assert len(launches) == 1
+    grid, args, kwargs = launches[0]
+    assert grid[0] == 16 and kwargs["NSIDES"] == 2 and args[8:10] == (16, 2)  # tokens (2*8), heads
+
+
+@pytest.mark.skipif(OP_INTERPRETED, reason="interpreted kernels cannot run on fake tensors")
+def test_fake_tensors_trace():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 16, 4, 64, dtype=torch.bfloat16)[:, :, :, 0]
+        k = torch.empty(2, 8, 2, 64, dtype=torch.bfloat16)
+        cos = torch.empty(1, 8, 1, 32)
+        qo, ko = torch.ops.rope_fusion.rotary_qk_triton(q, k, cos, cos, **opts(False, 64, out_dtype=torch.float32))
+        assert qo.shape == q.shape and qo.dtype == torch.float32 and qo.is_contiguous()
+        assert ko.shape == k.shape
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: compiled kernels on realistic shapes
+
+
+def _gpu_case(shape_q, shape_k, interleaved, full_tables, rotary_dim, dtype=torch.bfloat16):
+    q = torch.randn(*shape_q, dtype=dtype, device="cuda")
+    k = torch.randn(*shape_k, dtype=dtype, device="cuda")
+    width = rotary_dim if full_tables else rotary_dim // 2
+    cos, sin = tables((1, shape_q[1], 1), width, device="cuda")
+    kw = opts(interleaved, rotary_dim, full_tables, out_dtype=dtype)
+    return q, k, cos, sin, kw
+
+
+@cuda
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("shape,heads_k,rotary_dim,full_tables", [
+    ((2, 4096, 16, 80), 16, 80, False),
+    ((1, 4096, 40, 128), 40, 128, True),
+    ((64, 1, 32, 128), 8, 128, False),
+    ((2, 2048, 32, 128), 8, 64, True),
+    ((1, 1024, 8, 256), 8, 256, False),
+    ((2, 1024, 12, 96), 4, 96, False),
+])
+def test_gpu_realistic(interleaved, shape, heads_k, rotary_dim, full_tables):
+    shape_k = shape[:2] + (heads_k, shape[3])
+    q, k, cos, sin, kw = _gpu_case(shape, shape_k, interleaved, full_tables, rotary_dim)
+    qo, ko = torch.ops.rope_fusion.rotary_qk_triton(q, k, cos, sin, **kw)
+    check(qo, q, cos, sin, **kw)
+    check(ko, k, cos, sin, **kw)
+    xo = torch.ops.rope_fusion.rotary(q, cos, sin, **kw)  # the eager kernel registered for cuda
+    check(xo, q, cos, sin, **kw)
+
+
+@cuda
+def test_gpu_strided_tables_and_dtypes():
+    S, D = 2048, 128
+    x = torch.randn(2, S, 8, D, dtype=torch.float16, device="cuda")
+    full = torch.randn(1, S, 1, D, device="cuda", dtype=torch.float64)
+    kw = opts(True, D, out_dtype=torch.float16, head_dim=D)
+    qo, ko = torch.ops.rope_fusion.rotary_qk_triton(x, x[:, :, :2], full[..., 0::2], full[..., 1::2], **kw)
+    check(qo, x, full[..., 0::2], full[..., 1::2], **kw)
+    kw = opts(False, D, out_dtype=torch.float32, head_dim=D)
+    t = full.transpose(1, 2)  # [1,1,S,D] against x as [B,H,S,D]
+    (xo,) = tr._launch([x.transpose(1, 2)], t[..., :64], t[..., 64:], **kw)
+    check(xo, x.transpose(1, 2), t[..., :64], t[..., 64:], **kw)
+
+
+@cuda
+def test_gpu_one_launch_for_q_and_k():
+    q, k, cos, sin, kw = _gpu_case((64, 1, 32, 128), (64, 1, 8, 128), False, False, 128)
+    torch.ops.rope_fusion.rotary_qk_triton(q, k, cos, sin, **kw)
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.ops.rope_fusion.rotary_qk_triton(q, k, cos, sin, **kw)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = [e.name for e in kernels if "rotary" in e.name]
+    assert len(names) == 1, [e.name for e in kernels]
+
+
+@cuda
+def test_gpu_compiled_op_and_pass():
+    """Inductor calls the kernel inside a compiled graph; the pass with backend='triton' stays correct."""
+    import rope_fusion
+
+    q, k, cos, sin, kw = _gpu_case((2, 1024, 8, 128), (2, 1024, 2, 128), False, True, 128)
+
+    def direct(q, k, cos, sin):
+        return torch.ops.rope_fusion.rotary_qk_triton(q, k, cos, sin, **kw)
+
+    qo, ko = torch.compile(direct, fullgraph=True)(q, k, cos, sin)
+    check(qo, q, cos, sin, **kw)
+    check(ko, k, cos, sin, **kw)
+
+    def neox(q, k, cos, sin):
+        def rot(x):
+            a, b = x.chunk(2, dim=-1)
+            return torch.cat((-b, a), dim=-1)
+        c, s = cos.to(q.dtype), sin.to(q.dtype)
+        return q * c + rot(q) * s, k * c + rot(k) * s
+
+    p = rope_fusion.RopeFusionPass(backend="triton")
+    compiled = torch.compile(neox, options={"post_grad_custom_post_pass": p})
+    qo, ko = compiled(q, k, cos, sin)
+    eq, ek = neox(q, k, cos, sin)
+    torch.testing.assert_close(qo, eq, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(ko, ek, atol=0.05, rtol=0.02)

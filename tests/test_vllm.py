@@ -1,0 +1,247 @@
+"""`rope_fusion.vllm_pass` against the real vLLM 0.33 classes (installed with `pip install --no-deps vllm`).
+
+What vLLM does with a post-grad pass, and what is checked here:
+- `CompilationConfig.__post_init__` resolves `inductor_passes={"post_grad_custom_post_pass": "rope_fusion.vllm_pass"}`
+  as `__import__("rope_fusion").__dict__["vllm_pass"]` and keeps it only if it `isinstance(InductorPass)`
+  (else it wraps it in a CallableInductorPass). The CLI form `-cc.inductor_passes.post_grad_custom_post_pass=...`
+  reaches the same code through vLLM's FlexibleArgumentParser and pydantic.
+- `VllmBackend.configure_post_pass` asserts `isinstance(p, InductorPass)` for the Python dict form and adds
+  it to its `PostGradPassManager`, whose `uuid()` JSON-encodes the uuids of its passes.
+- The config is deep-copied, pickled and hashed (`normalize_value` calls `uuid()`).
+- The pass fuses vLLM's native RoPE (`RotaryEmbedding.forward_native`), written below from its description.
+
+Tests that need more of vLLM than its `inductor_pass` module (vllm.config needs cbor2, psutil, pyzmq,
+aiohttp, openai-harmony, ...) skip when those are missing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rope_fusion
+from rope_fusion.integrations import vllm as integ
+from rope_fusion.ops.reference import rotary_reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def InductorPass():
+    mod = pytest.importorskip("vllm.compilation.passes.inductor_pass")
+    return mod.InductorPass
+
+
+def _import_or_skip(name: str):
+    try:
+        return __import__(name, fromlist=["_"])
+    except Exception as e:  # missing pure-Python deps of vLLM: ImportError, or anything a partial install raises
+        pytest.skip(f"{name} is not importable here: {type(e).__name__}: {e}")
+
+
+# -- the class and its identity ----------------------------------------------------------------------------
+
+def test_vllm_pass_is_a_vllm_inductor_pass(InductorPass):
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    p = rope_fusion.vllm_pass
+    assert integ.HAVE_VLLM and integ.InductorPass is InductorPass
+    assert isinstance(p, InductorPass) and isinstance(p, rope_fusion.RopeFusionPass)
+    assert isinstance(p, CustomGraphPass)
+    assert rope_fusion.__dict__["vllm_pass"] is p  # what vLLM's resolver reads
+    assert p.is_applicable_for_range(None) is True
+    # vLLM's helpers still work on it (PostGradPassManager.uuid uses hash_dict over the pass uuids)
+    assert isinstance(p.uuid(), str)
+    assert len(InductorPass.hash_dict({"passes": [p.uuid()]})) == 64
+    assert p.hash_source("x") == InductorPass.hash_source("x")
+
+
+def test_string_resolution_as_vllm_does_it(InductorPass):
+    # vllm/config/compilation.py, CompilationConfig.__post_init__, for a str value of inductor_passes:
+    v = "rope_fusion.vllm_pass"
+    names = v.split(".")
+    module = ".".join(names[:-1])
+    func_name = names[-1]
+    func = __import__(module).__dict__[func_name]
+    assert func is rope_fusion.vllm_pass
+    assert isinstance(func, InductorPass)  # so vLLM keeps it as is (no CallableInductorPass wrapper)
+
+
+def test_compilation_config_resolves_the_string(InductorPass):
+    cfg = _import_or_skip("vllm.config")
+    cc = cfg.CompilationConfig(inductor_passes={"post_grad_custom_post_pass": "rope_fusion.vllm_pass"})
+    assert cc.inductor_compile_config["post_grad_custom_post_pass"] is rope_fusion.vllm_pass
+
+
+def test_cli_string_builds_a_compilation_config(InductorPass):
+    """`-cc.inductor_passes.post_grad_custom_post_pass=rope_fusion.vllm_pass`, parsed as `vllm serve` does."""
+    cfg = _import_or_skip("vllm.config")
+    argparse_utils = _import_or_skip("vllm.utils.argparse_utils")
+    from pydantic import TypeAdapter
+
+    argv = ["-cc.inductor_passes.post_grad_custom_post_pass=rope_fusion.vllm_pass"]
+    try:  # the whole EngineArgs parser when vLLM's serving deps are installed
+        from vllm.engine.arg_utils import EngineArgs
+        parser = EngineArgs.add_cli_args(argparse_utils.FlexibleArgumentParser())
+        argv = ["--model", "m"] + argv
+    except Exception:  # else the same -cc argument as EngineArgs declares it (arg_utils.parse_dataclass)
+        parser = argparse_utils.FlexibleArgumentParser()
+        parser.add_argument("--compilation-config", "-cc", default=None,
+                            type=lambda val: TypeAdapter(cfg.CompilationConfig).validate_json(val))
+    args = parser.parse_args(argv)
+    cc = args.compilation_config
+    assert isinstance(cc, cfg.CompilationConfig)
+    assert cc.inductor_passes == {"post_grad_custom_post_pass": "rope_fusion.vllm_pass"}
+    assert cc.inductor_compile_config["post_grad_custom_post_pass"] is rope_fusion.vllm_pass
+
+
+def test_python_dict_form_hashes_copies_and_reaches_the_pass_manager(InductorPass):
+    cfg = _import_or_skip("vllm.config")
+    p = rope_fusion.vllm_pass
+    cc = cfg.CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": p})
+    other = cfg.CompilationConfig(
+        inductor_compile_config={"post_grad_custom_post_pass": integ.VllmRopeFusionPass(fuse_qk=False)})
+    assert cc.compute_hash() != other.compute_hash()  # the hash sees the pass's uuid (options included)
+    again = cfg.CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": copy.deepcopy(p)})
+    assert cc.compute_hash() == again.compute_hash()
+    cc2 = copy.deepcopy(cc)
+    p2 = cc2.inductor_compile_config["post_grad_custom_post_pass"]
+    assert isinstance(p2, InductorPass) and p2.uuid() == p.uuid()
+    try:
+        from vllm.compilation.passes.pass_manager import PostGradPassManager
+    except Exception as e:
+        pytest.skip(f"vllm's pass manager is not importable here: {type(e).__name__}: {e}")
+    pm = PostGradPassManager()
+    pm.add(p)  # asserts isinstance(pass_, InductorPass)
+    assert pm.passes == [p]
+
+
+def test_uuid_deterministic_across_processes(InductorPass):
+    code = ("import json, rope_fusion; from rope_fusion.integrations.vllm import VllmRopeFusionPass as V; "
+            "print(json.dumps([rope_fusion.vllm_pass.uuid(), V(backend='inductor').uuid(), "
+            "V(fuse_qk=False).uuid(), type(rope_fusion.vllm_pass).__mro__[2].__module__]))")
+    env = dict(os.environ, PYTHONHASHSEED="123")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    V = integ.VllmRopeFusionPass
+    ours = [rope_fusion.vllm_pass.uuid(), V(backend="inductor").uuid(), V(fuse_qk=False).uuid()]
+    assert theirs[:3] == ours
+    assert len(set(ours)) == 3  # the options are covered
+    assert theirs[3] == "vllm.compilation.passes.inductor_pass"
+
+
+def test_deepcopy_and_pickle(InductorPass):
+    p = integ.VllmRopeFusionPass(backend="inductor", fuse_qk=False)
+    p.report.graphs = 3
+    for q in (copy.deepcopy(p), pickle.loads(pickle.dumps(p)), copy.copy(p)):
+        assert type(q) is integ.VllmRopeFusionPass and isinstance(q, InductorPass)
+        assert (q.backend, q.fuse_qk, q.uuid()) == ("inductor", False, p.uuid())
+        assert q.report is not p.report and q.report.graphs == 0
+    q = pickle.loads(pickle.dumps(rope_fusion.vllm_pass))
+    assert q.uuid() == rope_fusion.vllm_pass.uuid()
+
+
+def test_without_vllm_the_class_is_a_custom_graph_pass():
+    """No vLLM (or ROPE_FUSION_VLLM=0): a torch CustomGraphPass with the same uuid and the same API."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    cls = integ.make_pass_class(None)
+    p = cls()
+    assert isinstance(p, CustomGraphPass) and isinstance(p, rope_fusion.RopeFusionPass)
+    assert not any(k.__module__.startswith("vllm") for k in type(p).__mro__)
+    assert p.is_applicable_for_range(None) is True
+    assert p.uuid() == rope_fusion.vllm_pass.uuid()
+    q = copy.deepcopy(p)
+    assert type(q) is cls and q.uuid() == p.uuid()
+    if not integ.HAVE_VLLM:
+        assert type(rope_fusion.vllm_pass).__mro__[1:] == cls.__mro__[1:]
+
+
+# -- the pass on vLLM's native RoPE ------------------------------------------------------------------------
+
+def _apply_rotary_emb_torch(x, cos, sin, is_neox_style):
+    """vLLM's native rotation of one [T, H, R] tensor by half-width [T, R/2] tables."""
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    if is_neox_style:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+    else:
+        x1 = x[..., ::2]
+        x2 = x[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox_style:
+        return torch.cat((o1, o2), dim=-1)
+    return torch.stack((o1, o2), dim=-1).flatten(-2)
+
+
+class NativeRotaryEmbedding(torch.nn.Module):
+    """vLLM's RotaryEmbedding.forward_native: positions index a [max_pos, R] cos|sin cache."""
+
+    def __init__(self, head_size, rotary_dim, max_position, base, is_neox_style, dtype):
+        super().__init__()
+        self.head_size, self.rotary_dim, self.is_neox_style = head_size, rotary_dim, is_neox_style
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        freqs = torch.einsum("i,j->ij", torch.arange(max_position, dtype=torch.float), inv_freq)
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(self, positions, query, key):
+        positions = positions.flatten()
+        num_tokens = positions.shape[0]
+        cos_sin = self.cos_sin_cache.index_select(0, positions)
+        cos, sin = cos_sin.chunk(2, dim=-1)
+
+        query_shape = query.shape
+        query = query.view(num_tokens, -1, self.head_size)
+        query_rot = query[..., : self.rotary_dim]
+        query_pass = query[..., self.rotary_dim:]
+        query_rot = _apply_rotary_emb_torch(query_rot, cos, sin, self.is_neox_style)
+        query = torch.cat((query_rot, query_pass), dim=-1).reshape(query_shape)
+
+        key_shape = key.shape
+        key = key.view(num_tokens, -1, self.head_size)
+        key_rot = key[..., : self.rotary_dim]
+        key_pass = key[..., self.rotary_dim:]
+        key_rot = _apply_rotary_emb_torch(key_rot, cos, sin, self.is_neox_style)
+        key = torch.cat((key_rot, key_pass), dim=-1).reshape(key_shape)
+        return query, key
+
+
+@pytest.mark.parametrize("neox,rotary_dim", [(True, 64), (False, 64), (True, 32), (False, 48)],
+                         ids=["neox", "gptj", "neox-partial", "gptj-partial"])
+def test_fuses_vllm_native_rope(InductorPass, neox, rotary_dim):
+    head, hq, hk, tokens = 64, 4, 2, 7
+    torch.manual_seed(0)
+    rope = NativeRotaryEmbedding(head, rotary_dim, 32, 10000.0, neox, torch.float32)
+    positions = torch.randint(0, 32, (tokens,))
+    q, k = torch.randn(tokens, hq * head), torch.randn(tokens, hk * head)
+    p = copy.deepcopy(rope_fusion.vllm_pass)  # what vLLM runs is a copy of the configured pass
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled = torch.compile(rope, fullgraph=True, options={"post_grad_custom_post_pass": p})
+        qo, ko = compiled(positions, q, k)
+    assert len(p.report.sites) == 2 and len(p.report.kernels) == 1, p.report.table()
+    kern = p.report.kernels[0]
+    assert kern.op == "rope_fusion.rotary_qk", p.report.table()
+    for s in p.report.sites:
+        assert s.style == ("neox" if neox else "interleaved") and s.rotary_dim == rotary_dim
+        assert s.head_dim == head
+    cos, sin = rope.cos_sin_cache[positions].chunk(2, dim=-1)
+    kw = dict(interleaved=not neox, rotary_dim=rotary_dim, full_tables=False)
+    for out, x, h in ((qo, q, hq), (ko, k, hk)):
+        ref = rotary_reference(x.view(tokens, h, head), cos[:, None], sin[:, None], **kw).reshape(x.shape)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    eq, ek = rope(positions, q, k)
+    torch.testing.assert_close(qo, eq, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ko, ek, rtol=1e-5, atol=1e-5)
