@@ -255,8 +255,13 @@ def compile_model(model, pass_, capture: Capture, *, full: bool, table_re: str =
     import torch._functorch.config as fconfig
     fconfig.enable_autograd_cache = False
     if full:
-        return torch.compile(model, fullgraph=False, dynamic=False,
-                             options=_config_patches(pass_, capture, table_re))
+        # real Inductor (compile_fx with code generation), only recording the Dynamo placeholder names
+        from torch._inductor.compile_fx import compile_fx
+
+        def inductor(gm, example_inputs):
+            capture.graphs.append(GraphRecord([n.name for n in gm.graph.nodes if n.op == "placeholder"]))
+            return compile_fx(gm, example_inputs, config_patches=_config_patches(pass_, capture, table_re))
+        return torch.compile(model, fullgraph=False, dynamic=False, backend=inductor)
     return torch.compile(model, fullgraph=False, dynamic=False,
                          backend=graph_level_backend(pass_, capture, table_re))
 
