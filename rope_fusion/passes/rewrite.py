@@ -15,7 +15,7 @@ import torch.fx as fx
 from ..ops import backends as B
 from . import lanes as L
 from .matcher import Acceptor, Match, TableRef, dtype_name, looks_like_rotation, source_line
-from .report import Kernel, Miss, Report, Site
+from .report import GraphError, Kernel, Miss, Report, Site
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -214,6 +214,46 @@ def _pair_up(matches: list[Match], acc: Acceptor, nodes: dict, st: L.Structure) 
     return groups
 
 
+def _emit_kernel(em: _Emitter, be: B.Backend, xs, cos, sin, params, like) -> list | None:
+    """The Triton backend's kernel as Inductor's own user-kernel node (launched from generated code);
+    None where that is not possible here (symbolic sizes), and the op call is emitted instead."""
+    if be.name != "triton" or em.fake_mode is None:
+        return None
+    try:
+        from ..kernels.triton_graph import emit_triton
+    except ImportError:
+        return None
+    return emit_triton(em.graph, em.fake_mode, xs, cos, sin, params, like)
+
+
+def _emit_group(em: _Emitter, graph: fx.Graph, anchor: fx.Node, group: tuple, nodes: dict,
+                be: B.Backend) -> tuple[list, str, fx.Node]:
+    """New nodes for one site or q/k pair, before `anchor`: (nodes replacing each match, op name, cos view)."""
+    with graph.inserting_before(anchor):
+        xs = [_x_input(em, nodes, m, m.node) for m in group]
+        m0 = group[0]
+        cos = _table_view(em, nodes, m0.cos, m0.blocks, m0.node)
+        sin = _table_view(em, nodes, m0.sin, m0.blocks, m0.node)
+        if m0.wide and _out_dtype(m0) in (torch.float32, torch.float64):
+            dts = {x.meta["val"].dtype for x in xs} | {cos.meta["val"].dtype, sin.meta["val"].dtype}
+            if torch.float64 not in dts:
+                xs = [em.call(prims.convert_element_type.default, (x, torch.float64), like=m0.node)
+                      for x in xs]
+        params = _params(m0, _out_dtype(m0))
+        outs = _emit_kernel(em, be, xs, cos, sin, params, m0.node)
+        if outs is not None:
+            op_name = "rope_fusion.rotary_qk" if len(group) == 2 else "rope_fusion.rotary"
+        elif len(group) == 1:
+            outs = [em.call(be.rotary, (xs[0], cos, sin), params, like=m0.node)]
+            op_name = "rope_fusion.rotary"
+        else:
+            pair = em.call(be.rotary_qk, (xs[0], xs[1], cos, sin), params, like=m0.node)
+            outs = [em.call(operator.getitem, (pair, i), like=m.node) for i, m in enumerate(group)]
+            op_name = "rope_fusion.rotary_qk"
+        finals = [_unflatten(em, o, m.node, m.value_k, m.node) for o, m in zip(outs, group)]
+    return finals, op_name, cos
+
+
 def fuse_graph(graph: fx.Graph, report: Report, graph_index: int, backend: str = "auto",
                fuse_qk: bool = True) -> None:
     matches, misses, acc = find_matches(graph)
@@ -235,25 +275,14 @@ def fuse_graph(graph: fx.Graph, report: Report, graph_index: int, backend: str =
             anchor = max(inputs, key=lambda n: order[n]).next
         spec = _spec(group[0], nodes, len(group) == 2)
         be = B.choose_backend(backend, spec)
-        with graph.inserting_before(anchor):
-            xs = [_x_input(em, nodes, m, m.node) for m in group]
-            m0 = group[0]
-            cos = _table_view(em, nodes, m0.cos, m0.blocks, m0.node)
-            sin = _table_view(em, nodes, m0.sin, m0.blocks, m0.node)
-            if m0.wide and _out_dtype(m0) in (torch.float32, torch.float64):
-                dts = {x.meta["val"].dtype for x in xs} | {cos.meta["val"].dtype, sin.meta["val"].dtype}
-                if torch.float64 not in dts:
-                    xs = [em.call(prims.convert_element_type.default, (x, torch.float64), like=m0.node)
-                          for x in xs]
-            params = _params(m0, _out_dtype(m0))
-            if len(group) == 1:
-                outs = [em.call(be.rotary, (xs[0], cos, sin), params, like=m0.node)]
-                op_name = "rope_fusion.rotary"
-            else:
-                pair = em.call(be.rotary_qk, (xs[0], xs[1], cos, sin), params, like=m0.node)
-                outs = [em.call(operator.getitem, (pair, i), like=m.node) for i, m in enumerate(group)]
-                op_name = "rope_fusion.rotary_qk"
-            finals = [_unflatten(em, o, m.node, m.value_k, m.node) for o, m in zip(outs, group)]
+        known = set(graph.nodes)
+        try:
+            finals, op_name, cos = _emit_group(em, graph, anchor, group, nodes, be)
+        except Exception as e:  # this site stays as it was; the others still fuse
+            for n in reversed([n for n in graph.nodes if n not in known]):
+                graph.erase_node(n)
+            report.errors.append(GraphError(graph_index, f"{group[0].node.name}: {type(e).__name__}: {e}"))
+            continue
         kernel_index = len(report.kernels)
         site_ids = []
         for role, (m, new) in zip(("q", "k") if len(group) == 2 else ("x",), zip(group, finals)):

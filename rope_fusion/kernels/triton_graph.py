@@ -1,0 +1,109 @@
+"""Emit the Triton rotary kernel into a post-grad graph as Inductor's own user-kernel node.
+
+A `triton_op` becomes a direct kernel launch only when AOT tracing decomposes it; our pass runs after that,
+so a plain call of `rope_fusion::rotary_qk_triton` stays an opaque op whose every call pays the Python
+dispatcher and host planning (~0.1 ms on the H200, BENCHMARKS.md). Here the host side (`_launch`) is traced
+with make_fx on the node's fake values, and each traced `triton_kernel_wrapper_mutation` is turned into the
+functional `triton_kernel_wrapper_functional` that Inductor's later post-grad passes expect: Inductor then
+reinplaces it into the fresh output buffers and launches the kernel from its generated code.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._higher_order_ops.triton_kernel_wrap import (
+    triton_kernel_wrapper_functional,
+    triton_kernel_wrapper_mutation,
+)
+
+from .triton_rotary import _launch
+
+_OUT_ARGS = ("qo_ptr", "ko_ptr")
+
+
+def _concrete(t: torch.Tensor) -> bool:
+    return all(isinstance(s, int) for s in (*t.shape, *t.stride()))
+
+
+def emit_triton(graph: fx.Graph, fake_mode: Any, xs: list, cos: fx.Node, sin: fx.Node, params: dict,
+                like: fx.Node) -> list | None:
+    """Nodes computing the rotated xs (inserted at the graph's current insertion point), or None when the
+    site has symbolic sizes (the caller then emits the op call)."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inputs = [*xs, cos, sin]
+    vals = [a.meta["val"] for a in inputs]
+    if not all(_concrete(v) for v in vals):
+        return None
+    n = len(xs)
+
+    def fn(*args):
+        return tuple(_launch(list(args[:n]), args[n], args[n + 1], **params))
+
+    with fake_mode, enable_python_dispatcher():
+        gm = make_fx(fn, tracing_mode="real")(*vals)
+
+    env: dict = {}
+    placeholders = [p for p in gm.graph.nodes if p.op == "placeholder"]
+    for p, a in zip(placeholders, inputs):
+        env[p] = a
+
+    def arg(a):
+        return env[a] if isinstance(a, fx.Node) else a
+
+    def val(a):
+        if isinstance(a, fx.Node):
+            return a.meta["val"]
+        if isinstance(a, dict):
+            return {k: val(v) for k, v in a.items()}
+        if isinstance(a, (list, tuple)):
+            return type(a)(val(v) for v in a)
+        return a
+
+    outs = None
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            outs = [env[o] for o in node.args[0]]
+            break
+        if node.op != "call_function":
+            return None
+        if node.target is triton_kernel_wrapper_mutation:
+            kw = dict(node.kwargs)
+            kwargs = {k: arg(v) for k, v in kw["kwargs"].items()}
+            written = []
+            for name in _OUT_ARGS:
+                buf = kwargs.get(name)
+                if isinstance(buf, fx.Node) and buf not in [kwargs[w] for w in written]:
+                    written.append(name)
+            fkw = dict(kernel_idx=kw["kernel_idx"], constant_args_idx=kw["constant_args_idx"], grid=kw["grid"],
+                       tma_descriptor_metadata=kw["tma_descriptor_metadata"], kwargs=kwargs,
+                       tensors_to_clone=written)
+            func = graph.call_function(triton_kernel_wrapper_functional, (), fkw)
+            with fake_mode:
+                func.meta["val"] = triton_kernel_wrapper_functional(**val(fkw))
+            _copy_meta(func, like)
+            # later reads of a written buffer read the kernel's result instead
+            old = {n2: name for n2, name in ((node.kwargs["kwargs"][w], w) for w in written)}
+            for src, name in old.items():
+                got = graph.call_function(operator.getitem, (func, name))
+                got.meta["val"] = func.meta["val"][name]
+                _copy_meta(got, like)
+                env[src] = got
+            continue
+        new = graph.node_copy(node, arg)
+        _copy_meta(new, like)
+        env[node] = new
+    return outs
+
+
+def _copy_meta(node: fx.Node, like: fx.Node) -> None:
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
