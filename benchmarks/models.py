@@ -111,7 +111,7 @@ def _to(v: Any, device: str, dtype: torch.dtype) -> Any:
     return v
 
 
-def run_model(name: str, quick: bool, device: str, dtype: torch.dtype) -> dict:
+def run_model(name: str, quick: bool, device: str, dtype: torch.dtype, backend: str = "auto") -> dict:
     import rope_fusion
 
     rec: dict = {"model": name, "ms": {}, "err": {}, "fused": {}, "errors": {}}
@@ -124,7 +124,7 @@ def run_model(name: str, quick: bool, device: str, dtype: torch.dtype) -> dict:
     inputs = {k: _to(v, device, dtype) for k, v in inputs.items()}
     with torch.no_grad():
         want = m(**inputs)
-        variants: dict[str, tuple] = {"compile": (None,), "compile+pass": (rope_fusion.RopeFusionPass(),)}
+        variants: dict[str, tuple] = {"compile": (None,), "compile+pass": (rope_fusion.RopeFusionPass(backend=backend),)}
         for v, (p,) in variants.items():
             try:
                 torch._dynamo.reset()
@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny configs on the CPU (smoke test)")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--models", nargs="*", default=list(MODELS), help=f"subset of {list(MODELS)}")
+    ap.add_argument("--backend", default="auto", help="RopeFusionPass backend for the compile+pass column")
     args = ap.parse_args(argv)
     device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
     dtype = torch.bfloat16
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     result: dict = {"environment": environment(), "device": device, "records": []}
     for name in args.models:
-        rec = run_model(name, args.quick, device, dtype)
+        rec = run_model(name, args.quick, device, dtype, args.backend)
         result["records"].append(rec)
         write_json(args.out, result, quiet=True)
         print(f"[{time.perf_counter() - t_start:6.1f}s] {name}: {rec['ms']} speedup {rec.get('speedup')} "
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
              r["fused"].get("kernels"), r["err"].get("compile"), r["err"].get("compile+pass"),
              r["err"].get("pass-vs-compile"), "; ".join(f"{k}: {v[:60]}" for k, v in r["errors"].items())]
             for r in result["records"]]
-    print_table(f"models, {dtype}, ms per forward (median)", rows,
+    print_table(f"models, {dtype}, ms per forward (median), pass backend {args.backend}", rows,
                 ["model", "compile", "compile+pass", "speedup", "fused kernels", "err compile",
                  "err pass", "pass vs compile", "errors"])
     result["seconds"] = time.perf_counter() - t_start
