@@ -51,6 +51,7 @@ class Match:
     cos: TableRef
     sin: TableRef
     wide: bool  # the replaced subgraph computed in fp64
+    offset: int = 0  # lanes before the rotated part, copied unchanged
 
 
 def _affine(flats: list) -> tuple | None:
@@ -165,7 +166,7 @@ class Acceptor:
         e0 = E[0]
         atoms0 = sorted(P.atoms_of(e0))
         reason = "lane 0 is not x times a table plus x times a table"
-        cands = []
+        cands = list(self._x_candidates(e0, v, len(E)))  # lane 0 may be a plain copy of x
         for ac in atoms0:
             p1 = P.cofactor(e0, ac)
             if p1:
@@ -205,24 +206,29 @@ class Acceptor:
         def is_copy(i):
             return _close(E[i], xl.entry(i))
 
-        R = n
-        for d in range(n):
+        # lanes [0, P) copied, [P, P+R) rotated, the rest copied (P > 0: the rotated part comes after a
+        # pass-through head, as in LTX's padded tables or DeepSeek-V4's rope at the end)
+        P = 0
+        while P < n and is_copy(P):
+            P += 1
+        R = n - P
+        for d in range(P, n):
             if is_copy(d):
-                R = d
+                R = d - P
                 break
         if R < 2 or R % 2:
-            return f"rotated lanes end at {R}, not an even count"
+            return f"rotated lanes [{P}, {P + R}) are not an even count of at least 2"
         half = R // 2
-        # the partner of lane 0 decides the style
-        e0 = E[0]
-        x0 = xl.entry(0)
+        # the partner of the first rotated lane decides the style
+        e0 = E[P]
+        x0 = xl.entry(P)
         style = None
         for interleaved, p0 in ((False, half), (True, 1)):
-            if self._split(e0, x0, xl.entry(p0)) is not None:
+            if self._split(e0, x0, xl.entry(P + p0)) is not None:
                 style = interleaved
                 break
         if style is None:
-            return "lane 0 pairs with neither lane R/2 (NeoX) nor lane 1 (interleaved)"
+            return f"lane {P} pairs with neither lane {P}+R/2 (NeoX) nor lane {P + 1} (interleaved)"
         interleaved = style
 
         def partner(d):
@@ -234,7 +240,7 @@ class Acceptor:
         C, S = [], []
         conj = None
         for b in range(nblocks):
-            base = b * n
+            base = b * n + P
             for d in range(R):
                 sp = self._split(E[base + d], xl.entry(base + d), xl.entry(base + partner(d)))
                 if sp is None:
@@ -256,9 +262,9 @@ class Acceptor:
                     S.append(s_entry)
                 elif C[d] != c_entry or S[d] != s_entry:
                     return "the tables differ between heads of x"
-            for d in range(R, n):
+            for d in [*range(-P, 0), *range(R, n - P)]:
                 if not is_copy(base + d):
-                    return f"lane {d} past the rotated part is not a copy of x"
+                    return f"lane {P + d} outside the rotated part is not a copy of x"
         x_node = self.I.nodes[xl.name]
         for key in {a[:3] for a, _ in C} | {a[:3] for a, _ in S}:
             tnode = self.I.nodes[key[0]]
@@ -288,7 +294,7 @@ class Acceptor:
                 return "x is broadcast to the output shape"
         blocks = tuple(v.grid[: v.k - m])
         return Match(node, v.k, blocks, xl.name, xl.k, xl.as_real, n, R, interleaved, full, bool(conj),
-                     cos, sin, v.wide)
+                     cos, sin, v.wide, P)
 
     # -- tables ------------------------------------------------------------------------------------
     def _broadcasts(self, t: TableRef, lead: tuple) -> bool:

@@ -193,8 +193,8 @@ def _pair_up(matches: list[Match], acc: Acceptor, nodes: dict, st: L.Structure) 
             b = matches[j]
             if j in used or b.node is a.node:
                 continue
-            if (a.interleaved, a.rotary_dim, a.full_tables, a.conjugate, a.head_dim, a.wide, len(a.blocks)) != (
-                    b.interleaved, b.rotary_dim, b.full_tables, b.conjugate, b.head_dim, b.wide, len(b.blocks)):
+            if (a.interleaved, a.rotary_dim, a.full_tables, a.conjugate, a.head_dim, a.wide, len(a.blocks), a.offset) != (
+                    b.interleaved, b.rotary_dim, b.full_tables, b.conjugate, b.head_dim, b.wide, len(b.blocks), b.offset):
                 continue
             if table_key(a.cos) != table_key(b.cos) or table_key(a.sin) != table_key(b.sin):
                 continue
@@ -240,6 +240,13 @@ def _emit_group(em: _Emitter, graph: fx.Graph, anchor: fx.Node, group: tuple, no
                 xs = [em.call(prims.convert_element_type.default, (x, torch.float64), like=m0.node)
                       for x in xs]
         params = _params(m0, _out_dtype(m0))
+        heads = []
+        if m0.offset:  # rotate the lanes after the pass-through head, then put the head back in front
+            P, n = m0.offset, m0.head_dim
+            heads = [em.call(prims.convert_element_type.default,
+                             (em.call(aten.slice.Tensor, (x, -1, 0, P), like=m0.node), _out_dtype(m0)),
+                             like=m0.node) for x in xs]
+            xs = [em.call(aten.slice.Tensor, (x, -1, P, n), like=m0.node) for x in xs]
         outs = _emit_kernel(em, be, xs, cos, sin, params, m0.node)
         if outs is not None:
             op_name = "rope_fusion.rotary_qk" if len(group) == 2 else "rope_fusion.rotary"
@@ -250,6 +257,8 @@ def _emit_group(em: _Emitter, graph: fx.Graph, anchor: fx.Node, group: tuple, no
             pair = em.call(be.rotary_qk, (xs[0], xs[1], cos, sin), params, like=m0.node)
             outs = [em.call(operator.getitem, (pair, i), like=m.node) for i, m in enumerate(group)]
             op_name = "rope_fusion.rotary_qk"
+        if heads:
+            outs = [em.call(aten.cat.default, ([h, o], -1), like=m0.node) for h, o in zip(heads, outs)]
         finals = [_unflatten(em, o, m.node, m.value_k, m.node) for o, m in zip(outs, group)]
     return finals, op_name, cos
 

@@ -61,7 +61,6 @@ def check(entry, res) -> None:
 
 # Matcher gaps that the coverage table lists; each still must not change numerics (checked before the count).
 KNOWN_GAPS = {
-    "ltx": "interleaved RoPE over all H*D lanes with a [B,S,H*D] table after a norm across heads: rejected",
     "ltx2": "apply_interleaved_rotary_emb (transformer_ltx2.py:42) fuses 12 of 16 sites",
     "ltx2_split": "cross-attention sites sharing tables are grouped into 8 q/k kernels where 4 q/k + 8 single "
                   "kernels are counted",
