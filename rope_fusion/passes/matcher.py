@@ -153,7 +153,7 @@ class Acceptor:
                     self._by_entry0.setdefault(P.signature(xv.entries[0]), []).append(n)
         for n in self._by_entry0.get(P.signature(p1), []):
             xv = self.I.values[n]
-            if len(xv.entries) == total and len(xv.lead) == len(v.lead):
+            if len(xv.entries) == total and len(xv.lead) == len(v.lead) and None not in xv.entries:
                 out.append(_XLanes(n.name, xv.k, False, xv.entries))
         return out
 
@@ -182,6 +182,8 @@ class Acceptor:
 
     def _split(self, e, xd, xp):
         """e == c1*a*xd + c2*b*xp for atoms a, b: return ((a, c1), (b, c2)) or None."""
+        if not xd or not xp:
+            return None
         ca = cb = None
         for a in P.atoms_of(e):
             q = P.cofactor(e, a)
@@ -353,7 +355,7 @@ class Acceptor:
 
 
 def _close(p: dict, q: dict) -> bool:
-    if p.keys() != q.keys():
+    if p is None or q is None or p.keys() != q.keys():
         return False
     return all(abs(p[m] - q[m]) <= 1e-12 * max(1.0, abs(q[m])) for m in p)
 
@@ -372,6 +374,26 @@ def source_line(node: fx.Node) -> str:
                 continue
             best = f"{path}:{lineno}"
     return best or "<unknown>"
+
+
+_ARITHMETIC = (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor,
+               torch.ops.aten.addcmul.default)
+
+
+def rotation_source(node: fx.Node) -> str:
+    """Where the rotation's arithmetic was written: the replaced node may be a view or transpose that the
+    model applies afterwards (attention dispatch code), so look back for the nearest add/mul."""
+    seen, queue, i = {node}, [node], 0
+    while i < len(queue) and i < 64:
+        n = queue[i]
+        i += 1
+        if n.target in _ARITHMETIC and n.meta.get("stack_trace"):
+            return source_line(n)
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                queue.append(a)
+    return source_line(node)
 
 
 def dtype_name(dt: torch.dtype) -> str:

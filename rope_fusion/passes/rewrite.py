@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from ..ops import backends as B
 from . import lanes as L
-from .matcher import Acceptor, Match, TableRef, dtype_name, looks_like_rotation, source_line
+from .matcher import Acceptor, Match, TableRef, dtype_name, looks_like_rotation, rotation_source, source_line
 from .report import GraphError, Kernel, Miss, Report, Site
 
 aten = torch.ops.aten
@@ -177,11 +177,45 @@ def _spec(m: Match, nodes: dict, paired: bool) -> B.SiteSpec:
                       m.rotary_dim, m.full_tables, m.conjugate, paired)
 
 
+def _fake_mode_of(val):
+    import contextlib
+
+    mode = torch._guards.detect_fake_mode([val])
+    return mode if mode is not None else contextlib.nullcontext()
+
+
+def _op_view(node: fx.Node, t: TableRef, blocks: tuple):
+    """(storage, geometry, dtype) of the table view the op would read, from fake tensors; None if unknown."""
+    try:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        val = node.meta["val"]
+        with _fake_mode_of(val):
+            view = torch.view_as_real(val) if t.as_real else val
+            if t.k != 1:
+                view = view.reshape(*view.shape[: view.dim() - t.k], -1)
+            view = view[..., t.start: t.start + t.step * (t.width - 1) + 1: t.step]
+            for _ in blocks:
+                view = view.unsqueeze(-2)
+        geometry = tuple(L.as_int(d) for d in (*view.shape, *view.stride(), view.storage_offset()))
+        if None in geometry:
+            return None
+        return (StorageWeakRef(view.untyped_storage()).cdata, geometry, view.dtype)
+    except Exception:
+        return None
+
+
 def _pair_up(matches: list[Match], acc: Acceptor, nodes: dict, st: L.Structure) -> list[tuple[Match, ...]]:
     """Group matches that share tables and options into (q, k) pairs where the graph order allows."""
 
-    def table_key(t: TableRef):
-        return (st.id(nodes[t.name]), t.k, t.as_real, t.start, t.step, t.width)
+    def same_table(a: TableRef, ablocks: tuple, b: TableRef, bblocks: tuple) -> bool:
+        """One table for both: the same recipe on structurally equal nodes, or views of one storage with
+        one geometry once shaped as the op reads them (`freqs.unsqueeze(2)` against `freqs[:, :, None]`)."""
+        if (st.id(nodes[a.name]), a.k, a.as_real, a.start, a.step, a.width, len(ablocks)) == (
+                st.id(nodes[b.name]), b.k, b.as_real, b.start, b.step, b.width, len(bblocks)):
+            return True
+        va, vb = _op_view(nodes[a.name], a, ablocks), _op_view(nodes[b.name], b, bblocks)
+        return va is not None and va == vb
 
     groups: list[tuple[Match, ...]] = []
     used = set()
@@ -193,10 +227,10 @@ def _pair_up(matches: list[Match], acc: Acceptor, nodes: dict, st: L.Structure) 
             b = matches[j]
             if j in used or b.node is a.node:
                 continue
-            if (a.interleaved, a.rotary_dim, a.full_tables, a.conjugate, a.head_dim, a.wide, len(a.blocks), a.offset) != (
-                    b.interleaved, b.rotary_dim, b.full_tables, b.conjugate, b.head_dim, b.wide, len(b.blocks), b.offset):
+            if (a.interleaved, a.rotary_dim, a.full_tables, a.conjugate, a.head_dim, a.wide, a.offset) != (
+                    b.interleaved, b.rotary_dim, b.full_tables, b.conjugate, b.head_dim, b.wide, b.offset):
                 continue
-            if table_key(a.cos) != table_key(b.cos) or table_key(a.sin) != table_key(b.sin):
+            if not (same_table(a.cos, a.blocks, b.cos, b.blocks) and same_table(a.sin, a.blocks, b.sin, b.blocks)):
                 continue
             if _out_dtype(a) != _out_dtype(b) or a.x_name == b.x_name:
                 continue
@@ -303,7 +337,7 @@ def fuse_graph(graph: fx.Graph, report: Report, graph_index: int, backend: str =
                 rotary_dim=m.rotary_dim, head_dim=m.head_dim, table_form="full" if m.full_tables else "half",
                 conjugate=m.conjugate, x_dtype=dtype_name(xv.dtype),
                 table_dtype=dtype_name(cos.meta["val"].dtype), out_dtype=dtype_name(_out_dtype(m)),
-                shape=tuple(str(s) for s in m.node.meta["val"].shape), source=source_line(m.node),
+                shape=tuple(str(s) for s in m.node.meta["val"].shape), source=rotation_source(m.node),
                 kernel=kernel_index, role=role))
         report.kernels.append(Kernel(graph_index, op_name, be.name, site_ids))
     from torch._inductor.pattern_matcher import stable_topological_sort

@@ -368,10 +368,12 @@ add(
         "audio_num_attention_heads": 2, "audio_attention_head_dim": 4, "audio_cross_attention_dim": 8,
         "num_layers": 2, "qk_norm": "rms_norm_across_heads", "caption_channels": 16,
         "rope_double_precision": False}, lambda: _ltx2_inputs()),
-        16, 12, 4, "transformer_ltx2.py",
+        16, 8, 8, "transformer_ltx2.py",
         "transformer_ltx2.py LTX2AudioVideoAttnProcessor: per block attn1 (video q/k), audio_attn1 (audio q/k), "
         "audio_to_video_attn (q: video ca tables, k: audio ca tables) and video_to_audio_attn (the reverse); "
-        "attn2/audio_attn2 get no rope; 2 blocks -> 16 sites, q/k pairs only in the 2 self-attentions",
+        "attn2/audio_attn2 get no rope; 2 blocks -> 16 sites. Sites that share tables share a launch: the a2v "
+        "query (video ca tables) pairs with the v2a key (video ca tables), and the other way round, so 8 q/k "
+        "kernels",
         slow=True),
     Entry("ltx2_split", _df("LTX2VideoTransformer3DModel", {
         "in_channels": 4, "out_channels": 4, "patch_size": 1, "patch_size_t": 1, "num_attention_heads": 2,
@@ -379,7 +381,7 @@ add(
         "audio_num_attention_heads": 2, "audio_attention_head_dim": 4, "audio_cross_attention_dim": 8,
         "num_layers": 2, "qk_norm": "rms_norm_across_heads", "caption_channels": 16,
         "rope_double_precision": False, "rope_type": "split"}, lambda: _ltx2_inputs()),
-        16, 12, 4, "transformer_ltx2.py", "as ltx2 with apply_split_rotary_emb (N6: addcmul_ on views)",
+        16, 8, 8, "transformer_ltx2.py", "as ltx2 with apply_split_rotary_emb (N6: addcmul_ on views)",
         slow=True),
     Entry("stable_audio", _df("StableAudioDiTModel", {
         "sample_size": 4, "in_channels": 3, "num_layers": 2, "attention_head_dim": 4,

@@ -60,12 +60,7 @@ def check(entry, res) -> None:
 
 
 # Matcher gaps that the coverage table lists; each still must not change numerics (checked before the count).
-KNOWN_GAPS = {
-    "ltx2": "apply_interleaved_rotary_emb (transformer_ltx2.py:42) fuses 12 of 16 sites",
-    "ltx2_split": "cross-attention sites sharing tables are grouped into 8 q/k kernels where 4 q/k + 8 single "
-                  "kernels are counted",
-    "lumina2": "complex q and k (GQA, one kv head) fuse but are not grouped into rotary_qk",
-}
+KNOWN_GAPS: dict = {}  # none left; an entry here needs the exact graph fragment and reason in COVERAGE.md
 
 
 @pytest.mark.parametrize("entry,dtype", list(_cases()))
