@@ -231,5 +231,17 @@ def bench(args: Any) -> int:
     return subprocess.call([sys.executable, path, *rest])
 
 
+def _coverage_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to rope_fusion.coverage (e.g. --full --markdown)")
+
+
+@command("coverage", "print the coverage table of the model zoo (tests/zoo; run from a source checkout)",
+         _coverage_options, passthrough=True)
+def coverage(args: Any) -> int:
+    from . import coverage as cov
+
+    return cov.main(list(args.args))
+
+
 if __name__ == "__main__":
     sys.exit(main())

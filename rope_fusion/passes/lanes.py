@@ -370,22 +370,10 @@ def _align(I: LaneInterpreter, node, vals: list) -> tuple:
 
 
 def _pointwise(I, node, args, fn, complex_ok=False) -> LaneValue:
-    _check_float(node)
     vals = [I.value(a) for a in args]
     if any(v.is_complex for v in vals) and not complex_ok:
         raise Unsupported("complex operand")
-    shape, k, ents = _align(I, node, vals)
-    out = []
-    for es in zip(*ents):
-        if any(e is None for e in es):
-            out.append(None)
-            continue
-        r = fn(*es)
-        if r is None:
-            raise Unsupported("polynomial too large")
-        out.append(r)
-    is_c = any(v.is_complex for v in vals)
-    return LaneValue(shape, k, out, is_c, any(v.wide for v in vals))
+    return _pointwise_vals(I, node, vals, fn, is_complex=any(v.is_complex for v in vals))
 
 
 def _scalar_of(arg) -> float | None:

@@ -41,6 +41,11 @@ def find_matches(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]
             accepted[node] = r
         else:
             rejected[node] = r
+    # A rotation after a pass-through head is emitted as cat(head, rotary(tail)); where the graph already
+    # holds the rotated tail (DeepSeek's cat(q_nope, rope(q_pe))), that smaller node is the better site:
+    # the cat stays either way, and the tail can share one launch with k.
+    for node in [n for n, m in accepted.items() if m.offset and any(a in accepted for a in n.all_input_nodes)]:
+        del accepted[node]
     chosen = [m for node, m in accepted.items()
               if any(u not in accepted for u in node.users) or not node.users]
     interesting = set(accepted) | set(rejected)
@@ -184,8 +189,10 @@ def _fake_mode_of(val):
     return mode if mode is not None else contextlib.nullcontext()
 
 
-def _op_view(node: fx.Node, t: TableRef, blocks: tuple):
-    """(storage, geometry, dtype) of the table view the op would read, from fake tensors; None if unknown."""
+def _op_view(node: fx.Node, t: TableRef, blocks: tuple = ()):
+    """(identity, sizes) of the table view the op would read, from fake tensors; None if unknown. The
+    identity is the storage, offset, dtype and the (size, stride) of every dim but broadcast (size-1) ones:
+    views of one storage equal under it read the same numbers wherever they broadcast."""
     try:
         from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -197,10 +204,13 @@ def _op_view(node: fx.Node, t: TableRef, blocks: tuple):
             view = view[..., t.start: t.start + t.step * (t.width - 1) + 1: t.step]
             for _ in blocks:
                 view = view.unsqueeze(-2)
-        geometry = tuple(L.as_int(d) for d in (*view.shape, *view.stride(), view.storage_offset()))
-        if None in geometry:
+        sizes = tuple(L.as_int(d) for d in view.shape)
+        strides = tuple(L.as_int(d) for d in view.stride())
+        if None in sizes or None in strides:
             return None
-        return (StorageWeakRef(view.untyped_storage()).cdata, geometry, view.dtype)
+        dims = tuple((n, st) for i, (n, st) in enumerate(zip(sizes, strides)) if n != 1 or i == len(sizes) - 1)
+        key = (StorageWeakRef(view.untyped_storage()).cdata, L.as_int(view.storage_offset()), view.dtype, dims)
+        return key, sizes
     except Exception:
         return None
 
@@ -209,13 +219,25 @@ def _pair_up(matches: list[Match], acc: Acceptor, nodes: dict, st: L.Structure) 
     """Group matches that share tables and options into (q, k) pairs where the graph order allows."""
 
     def same_table(a: TableRef, ablocks: tuple, b: TableRef, bblocks: tuple) -> bool:
-        """One table for both: the same recipe on structurally equal nodes, or views of one storage with
-        one geometry once shaped as the op reads them (`freqs.unsqueeze(2)` against `freqs[:, :, None]`)."""
-        if (st.id(nodes[a.name]), a.k, a.as_real, a.start, a.step, a.width, len(ablocks)) == (
-                st.id(nodes[b.name]), b.k, b.as_real, b.start, b.step, b.width, len(bblocks)):
+        """One table for both: the same recipe on structurally equal nodes, or views of one storage that
+        read the same numbers as the op shapes them (`freqs.unsqueeze(2)` against `freqs[:, :, None]`)."""
+        if (st.id(nodes[a.name]), a.k, a.as_real, a.start, a.step, a.width) == (
+                st.id(nodes[b.name]), b.k, b.as_real, b.start, b.step, b.width):
             return True
         va, vb = _op_view(nodes[a.name], a, ablocks), _op_view(nodes[b.name], b, bblocks)
-        return va is not None and va == vb
+        return va is not None and vb is not None and va[0] == vb[0]
+
+    def fits(t: TableRef, blocks: tuple, m: Match) -> bool:
+        """The table as emitted for the first site (unsqueezed for its blocks) broadcasts against m's x."""
+        view = _op_view(nodes[t.name], t, blocks)
+        if view is None:
+            return False
+        shape = view[1][:-1]
+        val = m.node.meta["val"]
+        lead = tuple(val.shape[: val.dim() - m.value_k]) + tuple(m.blocks)
+        if len(shape) > len(lead):
+            return False
+        return all(a == 1 or L.same_dim(a, b) for a, b in zip(reversed(shape), reversed(lead)))
 
     groups: list[tuple[Match, ...]] = []
     used = set()
@@ -230,7 +252,8 @@ def _pair_up(matches: list[Match], acc: Acceptor, nodes: dict, st: L.Structure) 
             if (a.interleaved, a.rotary_dim, a.full_tables, a.conjugate, a.head_dim, a.wide, a.offset) != (
                     b.interleaved, b.rotary_dim, b.full_tables, b.conjugate, b.head_dim, b.wide, b.offset):
                 continue
-            if not (same_table(a.cos, a.blocks, b.cos, b.blocks) and same_table(a.sin, a.blocks, b.sin, b.blocks)):
+            if not (same_table(a.cos, a.blocks, b.cos, b.blocks) and same_table(a.sin, a.blocks, b.sin, b.blocks)
+                    and fits(a.cos, a.blocks, b) and fits(a.sin, a.blocks, b)):
                 continue
             if _out_dtype(a) != _out_dtype(b) or a.x_name == b.x_name:
                 continue

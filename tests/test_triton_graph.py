@@ -1,0 +1,75 @@
+"""The Triton backend as the pass emits it: Inductor's own `triton_kernel_wrapper_functional` node.
+
+The host side that plans the launch is the one tests/test_triton_kernels.py runs under the Triton
+interpreter; here the point is the node the pass writes into a post-grad graph: one launch for q and k,
+the options carried as constexprs, fresh output buffers marked as the written arguments, outputs of x's
+shape in out_dtype, and no inlining when sizes are symbolic (the pass then emits the op call).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+
+pytest.importorskip("triton")
+
+from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+from rope_fusion.kernels.triton_graph import emit_triton  # noqa: E402
+
+
+def _graph(fm, tensors):
+    g = fx.Graph()
+    nodes = []
+    for name, t in zip("qkcs", tensors):
+        n = g.placeholder(name)
+        n.meta["val"] = t
+        nodes.append(n)
+    return g, nodes
+
+
+@pytest.mark.parametrize("interleaved,rotary_dim,full,conj,hq,hk,dt", [
+    (False, 64, False, False, 4, 2, torch.bfloat16),
+    (True, 48, True, True, 2, 2, torch.float16),
+    (True, 64, False, False, 8, 1, torch.float32),
+])
+def test_one_user_kernel_node_for_q_and_k(interleaved, rotary_dim, full, conj, hq, hk, dt):
+    fm = FakeTensorMode()
+    w = rotary_dim if full else rotary_dim // 2
+    with fm:
+        q = torch.empty(2, 7, hq, 64, dtype=dt)
+        k = torch.empty(2, 7, hk, 64, dtype=dt)
+        packed = torch.empty(7, 1, 2 * w)
+        cos, sin = packed[..., :w], packed[..., w:]  # strided views, as the pass feeds them
+    g, nodes = _graph(fm, (q, k, cos, sin))
+    params = dict(interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full, conjugate=conj, out_dtype=dt)
+    outs = emit_triton(g, fm, nodes[:2], nodes[2], nodes[3], params, nodes[0])
+    hops = [n for n in g.nodes if n.target is triton_kernel_wrapper_functional]
+    assert len(hops) == 1
+    kw = hops[0].kwargs["kwargs"]
+    assert (kw["ROT"], kw["INTERLEAVED"], kw["FULL_TABLES"], kw["CONJ"], kw["NSIDES"]) == (
+        rotary_dim, interleaved, full, conj, 2)
+    assert kw["q_ptr"] is nodes[0] and kw["k_ptr"] is nodes[1]
+    assert kw["cos_ptr"] is nodes[2] and kw["sin_ptr"] is nodes[3]  # the views themselves, not copies
+    assert sorted(hops[0].kwargs["tensors_to_clone"]) == ["ko_ptr", "qo_ptr"]
+    assert all(kw[name].target is torch.ops.aten.empty.memory_format for name in ("qo_ptr", "ko_ptr"))
+    for out, x in zip(outs, (q, k)):
+        val = out.meta["val"]
+        assert tuple(val.shape) == tuple(x.shape) and val.dtype == dt
+    g.output(tuple(outs))
+    g.lint()
+
+
+def test_symbolic_sizes_are_not_inlined():
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    fm = FakeTensorMode(shape_env=ShapeEnv())
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * 3)
+    q = fm.from_tensor(torch.randn(2, 5, 2, 16), symbolic_context=ctx, source=ConstantSource("q"))
+    c = fm.from_tensor(torch.randn(5, 1, 8))
+    g, nodes = _graph(fm, (q, q, c, c))
+    params = dict(interleaved=False, rotary_dim=16, full_tables=False, conjugate=False, out_dtype=torch.float32)
+    assert emit_triton(g, fm, nodes[:2], nodes[2], nodes[3], params, nodes[0]) is None
