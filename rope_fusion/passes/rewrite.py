@@ -218,14 +218,15 @@ def _op_view(node: fx.Node, t: TableRef, blocks: tuple = ()):
 def _pair_up(matches: list[Match], acc: Acceptor, nodes: dict, st: L.Structure) -> list[tuple[Match, ...]]:
     """Group matches that share tables and options into (q, k) pairs where the graph order allows."""
 
-    def same_table(a: TableRef, ablocks: tuple, b: TableRef, bblocks: tuple) -> bool:
-        """One table for both: the same recipe on structurally equal nodes, or views of one storage that
-        read the same numbers as the op shapes them (`freqs.unsqueeze(2)` against `freqs[:, :, None]`)."""
-        if (st.id(nodes[a.name]), a.k, a.as_real, a.start, a.step, a.width) == (
-                st.id(nodes[b.name]), b.k, b.as_real, b.start, b.step, b.width):
+    def same_table(a: TableRef, ablocks: tuple, b: TableRef, bblocks: tuple, mb: Match) -> bool:
+        """One table for both: the same recipe on structurally equal nodes, read with the same number of
+        head blocks; or views of one storage that read the same numbers as the op shapes them
+        (`freqs.unsqueeze(2)` against `freqs[:, :, None]`) and broadcast against both x."""
+        if (st.id(nodes[a.name]), a.k, a.as_real, a.start, a.step, a.width, len(ablocks)) == (
+                st.id(nodes[b.name]), b.k, b.as_real, b.start, b.step, b.width, len(bblocks)):
             return True
         va, vb = _op_view(nodes[a.name], a, ablocks), _op_view(nodes[b.name], b, bblocks)
-        return va is not None and vb is not None and va[0] == vb[0]
+        return va is not None and vb is not None and va[0] == vb[0] and fits(a, ablocks, mb)
 
     def fits(t: TableRef, blocks: tuple, m: Match) -> bool:
         """The table as emitted for the first site (unsqueezed for its blocks) broadcasts against m's x."""
@@ -252,8 +253,7 @@ def _pair_up(matches: list[Match], acc: Acceptor, nodes: dict, st: L.Structure) 
             if (a.interleaved, a.rotary_dim, a.full_tables, a.conjugate, a.head_dim, a.wide, a.offset) != (
                     b.interleaved, b.rotary_dim, b.full_tables, b.conjugate, b.head_dim, b.wide, b.offset):
                 continue
-            if not (same_table(a.cos, a.blocks, b.cos, b.blocks) and same_table(a.sin, a.blocks, b.sin, b.blocks)
-                    and fits(a.cos, a.blocks, b) and fits(a.sin, a.blocks, b)):
+            if not (same_table(a.cos, a.blocks, b.cos, b.blocks, b) and same_table(a.sin, a.blocks, b.sin, b.blocks, b)):
                 continue
             if _out_dtype(a) != _out_dtype(b) or a.x_name == b.x_name:
                 continue
