@@ -544,6 +544,18 @@ def _scatter(I, node, base_v, src_v, d, picks):
     return LaneValue(_out_shape(node), k, entries, False, base_v.wide or src_v.wide)
 
 
+def _scatter_operands(I, node, base, src, dim):
+    """Base and source values of a scatter, with the scattered dim pulled into the base's grid."""
+    _check_float(node)
+    bv, sv = I.value(base), I.value(src)
+    if bv.is_complex or sv.is_complex:
+        raise Unsupported("complex scatter")
+    nd = len(bv.shape)
+    d = _norm_dim(dim, nd)
+    bv = I.ensure_dim_in_grid(bv, d)
+    return bv, sv, d, d - (nd - bv.k)
+
+
 def rule_slice_scatter(I, node):
     base, src = node.args[:2]
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
@@ -552,28 +564,14 @@ def rule_slice_scatter(I, node):
     step = _lane_int(node.args[5] if len(node.args) > 5 else node.kwargs.get("step", 1))
     if not all(isinstance(a, int) or a is None for a in (start, end, step)):
         raise Unsupported("symbolic scatter")
-    _check_float(node)
-    bv, sv = I.value(base), I.value(src)
-    if bv.is_complex or sv.is_complex:
-        raise Unsupported("complex scatter")
-    nd = len(bv.shape)
-    d = _norm_dim(dim, nd)
-    bv = I.ensure_dim_in_grid(bv, d)
-    axis = d - (nd - bv.k)
+    bv, sv, d, axis = _scatter_operands(I, node, base, src, dim)
     picks = _slice_picks(bv.grid[axis], start, end, step)
     return _scatter(I, node, bv, sv, d, picks)
 
 
 def rule_select_scatter(I, node):
     base, src, dim, index = node.args[:4]
-    _check_float(node)
-    bv, sv = I.value(base), I.value(src)
-    if bv.is_complex or sv.is_complex:
-        raise Unsupported("complex scatter")
-    nd = len(bv.shape)
-    d = _norm_dim(dim, nd)
-    bv = I.ensure_dim_in_grid(bv, d)
-    axis = d - (nd - bv.k)
+    bv, sv, d, axis = _scatter_operands(I, node, base, src, dim)
     index = index + bv.grid[axis] if index < 0 else index
     # the source lacks the scattered dim: give it a size-1 grid dim there
     s_axis_from_end = bv.k - axis - 1
