@@ -73,3 +73,29 @@ def test_symbolic_sizes_are_not_inlined():
     g, nodes = _graph(fm, (q, q, c, c))
     params = dict(interleaved=False, rotary_dim=16, full_tables=False, conjugate=False, out_dtype=torch.float32)
     assert emit_triton(g, fm, nodes[:2], nodes[2], nodes[3], params, nodes[0]) is None
+
+
+@pytest.mark.parametrize("cdtype,real", [(torch.complex64, torch.float32), (torch.complex128, torch.float64)])
+def test_complex_freqs_are_real_tables_for_the_backend_choice(cdtype, real):
+    """A complex spelling's tables are the real and imaginary parts of the freqs (view_as_real views), so
+    the backend sees float tables: on CUDA the Triton backend takes the site (a complex table dtype made
+    every complex site fall back to the Inductor lowering)."""
+    import dataclasses
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from rope_fusion.kernels.triton_rotary import supports
+    from rope_fusion.passes import rewrite
+
+    def rope(x, freqs):
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs).flatten(3).type_as(x)
+
+    x = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16)
+    freqs = torch.polar(torch.ones(16, 1, 32, dtype=torch.float64), torch.rand(16, 1, 32, dtype=torch.float64))
+    gm = make_fx(rope, tracing_mode="fake")(x, freqs.to(cdtype))
+    matches, _, acc = rewrite.find_matches(gm.graph)
+    assert len(matches) == 1
+    spec = rewrite._spec(matches[0], acc.I.nodes, False)
+    assert spec.table_dtype == real
+    assert supports(dataclasses.replace(spec, device_type="cuda"))

@@ -63,14 +63,33 @@ def find_matches(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]
 class _Emitter:
     """Creates nodes with fake values, before a given node."""
 
+    # Views and sizes are emitted once per distinct argument list: the q/k pair and its tables would
+    # otherwise repeat them, and each view of a complex table (view_as_real) is a fallback call that the
+    # compiled code pays on every call.
+    _SHARED = (aten.view_as_real.default, aten.reshape.default, aten.slice.Tensor, aten.unsqueeze.default,
+               aten.sym_size.int)
+
     def __init__(self, graph: fx.Graph):
         self.graph = graph
         vals = [n.meta.get("val") for n in graph.nodes]
         self.fake_mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+        self._made: dict = {}
 
     def call(self, target, args, kwargs=None, like: fx.Node | None = None) -> fx.Node:
         kwargs = kwargs or {}
+        key = None
+        if target in self._SHARED and not kwargs:
+            try:
+                key = (target, tuple(tuple(a) if isinstance(a, list) else a for a in args))
+                hash(key)
+            except TypeError:
+                key = None
+            made = self._made.get(key) if key is not None else None
+            if made is not None and not made._erased and made.graph is self.graph:
+                return made
         node = self.graph.call_function(target, tuple(args), kwargs)
+        if key is not None:
+            self._made[key] = node
 
         def val(a):
             if isinstance(a, fx.Node):
@@ -178,7 +197,12 @@ def _spec(m: Match, nodes: dict, paired: bool) -> B.SiteSpec:
     xv = nodes[m.x_name].meta["val"]
     tv = nodes[m.cos.name].meta["val"]
     shape = tuple(L.as_int(d) for d in xv.shape)  # None for a symbolic dim
-    return B.SiteSpec(xv.device.type, shape, xv.dtype, tv.dtype, _out_dtype(m), m.interleaved,
+    table_dtype = tv.dtype
+    if table_dtype.is_complex:  # the op reads the real view (view_as_real) of complex freqs
+        from torch._prims_common import corresponding_real_dtype
+
+        table_dtype = corresponding_real_dtype(table_dtype)
+    return B.SiteSpec(xv.device.type, shape, xv.dtype, table_dtype, _out_dtype(m), m.interleaved,
                       m.rotary_dim, m.full_tables, m.conjugate, paired)
 
 
@@ -285,7 +309,8 @@ def _emit_kernel(em: _Emitter, be: B.Backend, xs, cos, sin, params, like) -> lis
 
 def _emit_group(em: _Emitter, graph: fx.Graph, anchor: fx.Node, group: tuple, nodes: dict,
                 be: B.Backend) -> tuple[list, str, fx.Node]:
-    """New nodes for one site or q/k pair, before `anchor`: (nodes replacing each match, op name, cos view)."""
+    """New nodes for one site or q/k pair, before `anchor`: (nodes replacing each match, op name, the cos
+    and sin views)."""
     with graph.inserting_before(anchor):
         xs = [_x_input(em, nodes, m, m.node) for m in group]
         m0 = group[0]
@@ -317,11 +342,11 @@ def _emit_group(em: _Emitter, graph: fx.Graph, anchor: fx.Node, group: tuple, no
         if heads:
             outs = [em.call(aten.cat.default, ([h, o], -1), like=m0.node) for h, o in zip(heads, outs)]
         finals = [_unflatten(em, o, m.node, m.value_k, m.node) for o, m in zip(outs, group)]
-    return finals, op_name, cos
+    return finals, op_name, cos, sin
 
 
 def fuse_graph(graph: fx.Graph, report: Report, graph_index: int, backend: str = "auto",
-               fuse_qk: bool = True) -> None:
+               fuse_qk: bool = True, cache_host_tables: bool = True) -> None:
     matches, misses, acc = find_matches(graph)
     interp = acc.I
     nodes = interp.nodes
@@ -332,6 +357,7 @@ def fuse_graph(graph: fx.Graph, report: Report, graph_index: int, backend: str =
     order = acc.order
     groups = _pair_up(matches, acc, nodes, interp.structure) if fuse_qk else [(m,) for m in matches]
     em = _Emitter(graph)
+    tables: list = []
     for group in groups:
         if len(group) == 1:
             anchor = group[0].node
@@ -343,7 +369,7 @@ def fuse_graph(graph: fx.Graph, report: Report, graph_index: int, backend: str =
         be = B.choose_backend(backend, spec)
         known = set(graph.nodes)
         try:
-            finals, op_name, cos = _emit_group(em, graph, anchor, group, nodes, be)
+            finals, op_name, cos, sin = _emit_group(em, graph, anchor, group, nodes, be)
         except Exception as e:  # this site stays as it was; the others still fuse
             for n in reversed([n for n in graph.nodes if n not in known]):
                 graph.erase_node(n)
@@ -363,6 +389,11 @@ def fuse_graph(graph: fx.Graph, report: Report, graph_index: int, backend: str =
                 shape=tuple(str(s) for s in m.node.meta["val"].shape), source=rotation_source(m.node),
                 kernel=kernel_index, role=role))
         report.kernels.append(Kernel(graph_index, op_name, be.name, site_ids))
+        tables += [cos, sin]
+    if cache_host_tables and tables:
+        from .host_tables import cache_host_tables as cache
+
+        report.host_tables += [f"{graph_index}:{name}" for name in cache(graph, tables)]
     from torch._inductor.pattern_matcher import stable_topological_sort
 
     stable_topological_sort(graph)
