@@ -98,8 +98,8 @@ def run(xs: list, cos, sin, **kw) -> list:
         return tr._launch(xs, cos, sin, kernel=KERNEL, **kw)
 
 
-def run_and_check(xs: list, cos, sin, **kw) -> None:
-    outs = run(xs, cos, sin, **kw)
+def run_and_check(xs: list, cos, sin, block_h=None, nsplit=None, neox_row=None, **kw) -> None:
+    outs = run(xs, cos, sin, block_h=block_h, nsplit=nsplit, neox_row=neox_row, **kw)
     assert len(outs) == len(xs)
     for x, out in zip(xs, outs):
         check(out, x, cos, sin, **kw)
@@ -125,6 +125,30 @@ def test_styles_qk_gqa(interleaved, full_tables, conjugate):
     k = torch.randn(2, 3, 1, D, dtype=torch.bfloat16)
     cos, sin = tables((1, 3, 1), R if full_tables else R // 2)
     run_and_check([q, k], cos, sin, **opts(interleaved, R, full_tables, conjugate, head_dim=D))
+
+
+@pytest.mark.parametrize("neox_row", [False, True], ids=["halves", "rows"])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(80, 80), (64, 64), (128, 64), (80, 40), (24, 24), (48, 16)])
+@pytest.mark.parametrize("full_tables,conjugate", [(False, False), (True, False), (False, True), (True, True)])
+def test_neox_as_halves_or_whole_rows(neox_row, head_dim, rotary_dim, full_tables, conjugate):
+    """NeoX has two kernel forms (the two halves as separate tiles, or one load of the row remapped so that
+    its halves split in registers): both are exact for every table form and sign, with and without a
+    pass-through tail, for halves that are and are not powers of two."""
+    q = torch.randn(2, 5, 3, head_dim, dtype=torch.bfloat16)
+    k = torch.randn(2, 5, 2, head_dim, dtype=torch.bfloat16)
+    cos, sin = tables((1, 5, 1), rotary_dim if full_tables else rotary_dim // 2)
+    run_and_check([q, k], cos, sin, neox_row=neox_row,
+                  **opts(False, rotary_dim, full_tables, conjugate, head_dim=head_dim))
+
+
+@pytest.mark.parametrize("block_h,nsplit", [(1, 1), (1, 2), (2, 3), (4, 2), (2, 7), (8, 4)])
+def test_work_split_over_programs(block_h, nsplit):
+    """q's and k's head blocks are one list of work items dealt round robin over NSPLIT programs per token:
+    every split (more programs than items included) writes every head of q and of k exactly once."""
+    q = torch.randn(2, 3, 5, 32, dtype=torch.bfloat16)
+    k = torch.randn(2, 3, 3, 32, dtype=torch.bfloat16)
+    cos, sin = tables((1, 3, 1), 16)
+    run_and_check([q, k], cos, sin, block_h=block_h, nsplit=nsplit, **opts(True, 32, head_dim=32))
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
@@ -339,6 +363,11 @@ def test_gpu_realistic(interleaved, shape, heads_k, rotary_dim, full_tables):
     check(ko, k, cos, sin, **kw)
     xo = torch.ops.rope_fusion.rotary(q, cos, sin, **kw)  # the eager kernel registered for cuda
     check(xo, q, cos, sin, **kw)
+    if not interleaved:  # NeoX's other kernel form, compiled
+        with poisoned_outputs():
+            qo, ko = tr._launch([q, k], cos, sin, neox_row=True, **kw)
+        check(qo, q, cos, sin, **kw)
+        check(ko, k, cos, sin, **kw)
 
 
 @cuda

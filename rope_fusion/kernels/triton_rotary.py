@@ -4,7 +4,12 @@ Why these kernels look the way they do (DESIGN.md section 3, measured on the H20
 - RoPE is pure data movement, so the only goal is the copy floor. Every x access is a contiguous run: NeoX
   rows are loaded as their two halves, interleaved rows are loaded whole and their pairs split in registers
   (`tl.reshape` + `tl.split`, then `tl.join` to store). Loading pairs with stride 2 or through a computed
-  partner index was 1.5-4.6x the floor.
+  partner index was 1.5-4.6x the floor. NeoX that rotates whole rows reads each row with one load whose
+  lanes are remapped so that the tile's two halves are the row's halves (padded apart when half the head
+  dim is not a power of two, as at D=80), and splits them in registers: 1.07x the floor at D=80 where two
+  half loads were 1.19x. With a pass-through tail the two half loads stay (the tile sweep was even).
+- q's and k's head blocks form one list of work items; NSPLIT programs per token share it (only for few
+  tokens, as in decode: splitting large launches was always slower in the tile sweep).
 - One program per token (per index of the dims along which the tables vary); the program loads its table
   row once and loops over the head blocks of q and then of k, so tables are read once and reused across all
   heads of both tensors, and q and k take one launch whatever their head counts.
@@ -39,7 +44,11 @@ from ..ops.reference import check_args, math_dtype
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 1024  # beyond this one row no longer fits a program's registers comfortably
 MAX_LOOP_HEADS = 512  # a broadcast dim longer than this is spread over the grid instead of looped over
-TILE_ELEMENTS = 4096  # target size of the register tile (heads x padded lanes) of one loop step
+TILE_ELEMENTS = 2048  # target size of the register tile (heads x padded lanes) of one loop step
+HEAD_PAD_WASTE = 1.25  # at most this many padded heads per real head across q and k
+# num_warps = tile / elements per warp: whole rows (interleaved, NeoX as rows) want few warps with many
+# elements each; NeoX read as two half tiles wants four times the warps (BENCHMARKS.md, tile sweep).
+ELEMENTS_PER_WARP = {"rows": 2048, "halves": 512}
 MIN_PROGRAMS = 1024  # below this many tokens, head blocks are also spread over the grid
 
 
@@ -52,9 +61,13 @@ def _rotary_kernel(
     sc0, sc1, sc2, scd, ss0, ss1, ss2, ssd,
     ROT: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, NSIDES: tl.constexpr, INTERLEAVED: tl.constexpr, FULL_TABLES: tl.constexpr,
-    CONJ: tl.constexpr, MATH_FP64: tl.constexpr,
+    CONJ: tl.constexpr, MATH_FP64: tl.constexpr, NEOX_ROW: tl.constexpr,
 ):
-    """Rotate the rows of one token of q (and k): grid = (tokens, NSPLIT head-block groups)."""
+    """Rotate the rows of one token of q (and k): grid = (tokens, NSPLIT).
+
+    The head blocks of q and then of k form one list of work items; program `split` of a token takes items
+    split, split + NSPLIT, ... (NSPLIT = 1: one program does all of q and k; NSPLIT = 2 with one block each:
+    q and k in separate programs of the same launch)."""
     HALF: tl.constexpr = ROT // 2
     if MATH_FP64:
         cdt = tl.float64
@@ -68,6 +81,14 @@ def _rotary_kernel(
     i0 = rest // N1
 
     # The table row of this token: loaded once, reused by every head of q and k.
+    lanes = tl.arange(0, 2 * HALF_PAD)[None, :]
+    if NEOX_ROW:
+        # NeoX as one row load: tile lane l < HALF_PAD holds x lane l, lane HALF_PAD + l holds x lane HALF + l,
+        # so the (2, HALF_PAD) reshape of the tile is the two halves, split in registers like interleaved
+        # pairs. Each half is one affine run of addresses, so the load stays vectorized.
+        tl_half = lanes >= HALF_PAD
+        row_off = tl.where(tl_half, lanes - HALF_PAD + HALF, lanes)
+        row_mask = tl.where(tl_half, lanes - HALF_PAD, lanes) < HALF
     jt = tl.arange(0, HALF_PAD)
     tmask = jt < HALF
     if FULL_TABLES:
@@ -96,10 +117,11 @@ def _rotary_kernel(
 
     hoffs = tl.arange(0, BLOCK_H)
     j = tl.arange(0, HALF_PAD)[None, :]
-    lanes = tl.arange(0, 2 * HALF_PAD)[None, :]
+    nbq = (HQ + BLOCK_H - 1) // BLOCK_H
     for side in tl.static_range(NSIDES):
         # side 0 is q, side 1 is k: a compile-time choice, so each side's code has its own dtypes.
         if side == 0:
+            first = split
             x_row = q_ptr + i0 * sq0 + i1 * sq1 + i2 * sq2
             o_row = qo_ptr + i0 * sqo0 + i1 * sqo1 + i2 * sqo2
             sxh = sqh
@@ -111,12 +133,17 @@ def _rotary_kernel(
             sxh = skh
             soh = skoh
             nheads = HK
-        for hb in range(split, (nheads + BLOCK_H - 1) // BLOCK_H, NSPLIT):
+            first = (split + NSPLIT - nbq % NSPLIT) % NSPLIT
+        for hb in range(first, (nheads + BLOCK_H - 1) // BLOCK_H, NSPLIT):
             heads = hb * BLOCK_H + hoffs
             hmask = (heads < nheads)[:, None]
             xp = x_row + heads.to(tl.int64)[:, None] * sxh
             op = o_row + heads.to(tl.int64)[:, None] * soh
-            if INTERLEAVED:
+            if NEOX_ROW:
+                m = hmask & row_mask
+                v = tl.load(xp + row_off, mask=m, other=0.0).to(cdt)
+                a, b = tl.split(tl.permute(tl.reshape(v, (BLOCK_H, 2, HALF_PAD)), (0, 2, 1)))
+            elif INTERLEAVED:
                 m = hmask & (lanes < ROT)
                 v = tl.load(xp + lanes, mask=m, other=0.0).to(cdt)
                 a, b = tl.split(tl.reshape(v, (BLOCK_H, HALF_PAD, 2)))
@@ -129,6 +156,9 @@ def _rotary_kernel(
             if INTERLEAVED:
                 o = tl.reshape(tl.join(oa, ob), (BLOCK_H, 2 * HALF_PAD))
                 tl.store(op + lanes, o.to(op.dtype.element_ty), mask=m)
+            elif NEOX_ROW:
+                o = tl.reshape(tl.permute(tl.join(oa, ob), (0, 2, 1)), (BLOCK_H, 2 * HALF_PAD))
+                tl.store(op + row_off, o.to(op.dtype.element_ty), mask=m)
             else:
                 tl.store(op + j, oa.to(op.dtype.element_ty), mask=m)
                 tl.store(op + HALF + j, ob.to(op.dtype.element_ty), mask=m)
@@ -233,7 +263,8 @@ def _plan(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], cos: torch.T
 
 
 def _block_heads(heads: Sequence[Any], lanes_pad: int) -> int:
-    """Heads per loop step: a tile near TILE_ELEMENTS with little padding waste over q's and k's heads."""
+    """Heads per loop step: the largest tile up to TILE_ELEMENTS whose padding of q's and k's head counts to
+    whole blocks stays within HEAD_PAD_WASTE (the rule BENCHMARKS.md's tile sweep supports)."""
     hs = [_hint(h, 16) for h in heads if _hint(h, 16) > 0]
     cap = max(1, TILE_ELEMENTS // lanes_pad)
     top = min(cap, triton.next_power_of_2(max(hs)))
@@ -241,14 +272,14 @@ def _block_heads(heads: Sequence[Any], lanes_pad: int) -> int:
     bh = 1
     while bh <= top:
         padded = sum(-(-h // bh) * bh for h in hs)
-        if padded <= sum(hs) * 1.125:
+        if padded <= sum(hs) * HEAD_PAD_WASTE:
             best = bh
         bh *= 2
     return best
 
 
-def _num_warps(tile: int) -> int:
-    return 8 if tile >= 8192 else 4 if tile >= 512 else 2
+def _num_warps(tile: int, form: str) -> int:
+    return max(1, min(8, tile // ELEMENTS_PER_WARP[form]))
 
 
 def _prepare(x: torch.Tensor) -> torch.Tensor:
@@ -263,12 +294,13 @@ _LAUNCH_CACHE: dict = {}  # geometry key -> launches; keeps the host side of a r
 
 def _launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, rotary_dim: int,
             full_tables: bool, conjugate: bool, out_dtype: torch.dtype, kernel: Any = None,
-            block_h: int | None = None, num_warps: int | None = None) -> list:
+            block_h: int | None = None, num_warps: int | None = None, nsplit: int | None = None,
+            neox_row: bool | None = None) -> list:
     """Rotate 1 or 2 tensors sharing tables; one launch when their geometry allows it, else one each."""
     xs = [_prepare(x) for x in xs]
     outs = [torch.empty(x.shape, dtype=out_dtype, device=x.device) for x in xs]
     fn = wrap_triton(_rotary_kernel) if kernel is None else kernel
-    opts = (interleaved, rotary_dim, full_tables, conjugate, out_dtype, block_h, num_warps)
+    opts = (interleaved, rotary_dim, full_tables, conjugate, out_dtype, block_h, num_warps, nsplit, neox_row)
     try:
         key = (tuple((tuple(x.shape), x.stride(), x.dtype) for x in xs), tuple(cos.shape), cos.stride(),
                cos.dtype, tuple(sin.shape), sin.stride(), sin.dtype, opts)
@@ -322,16 +354,22 @@ def _make_launches(xs: list, outs: list, cos: torch.Tensor, sin: torch.Tensor, *
 
 def _launch_args(p: _Plan, xs: list, outs: list, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
                  rotary_dim: int, full_tables: bool, conjugate: bool, out_dtype: torch.dtype,
-                 block_h: int | None, num_warps: int | None) -> tuple:
+                 block_h: int | None, num_warps: int | None, nsplit: int | None,
+                 neox_row: bool | None) -> tuple:
     head_dim = xs[0].shape[-1]
     half_pad = triton.next_power_of_2(max(1, rotary_dim // 2))
     tail_pad = triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
-    bh = block_h or _block_heads(p.heads, 2 * half_pad)
-    nblocks = max(-(-_hint(h, 1) // bh) for h in p.heads)
+    lanes_pad = 2 * half_pad + tail_pad  # registers per head row, the pass-through tail included
+    if neox_row is None:  # NeoX rotating whole rows: one remapped row load (tile sweep, BENCHMARKS.md)
+        neox_row = rotary_dim == head_dim
+    neox_row = bool(neox_row) and not interleaved
+    bh = block_h or _block_heads(p.heads, lanes_pad)
+    nblocks = sum(-(-_hint(h, 1) // bh) for h in p.heads)  # work items: head blocks of q, then of k
     ntok = p.tokens[0] * p.tokens[1] * p.tokens[2]
-    nsplit = 1
-    if isinstance(ntok, int) and ntok < MIN_PROGRAMS:
-        nsplit = max(1, min(nblocks, -(-MIN_PROGRAMS // max(ntok, 1))))
+    if nsplit is None:
+        nsplit = 1
+        if isinstance(ntok, int) and ntok < MIN_PROGRAMS:
+            nsplit = max(1, min(nblocks, -(-MIN_PROGRAMS // max(ntok, 1))))
     sk = p.x_strides[-1] if len(xs) > 1 else [0, 0, 0, 0]
     sko = p.o_strides[-1] if len(xs) > 1 else [0, 0, 0, 0]
     hk = p.heads[-1] if len(xs) > 1 else 0
@@ -340,7 +378,8 @@ def _launch_args(p: _Plan, xs: list, outs: list, cos: torch.Tensor, sin: torch.T
                *p.c_strides, *p.s_strides)
     meta = dict(ROT=rotary_dim, HEAD_DIM=head_dim, HALF_PAD=half_pad, TAIL_PAD=tail_pad, BLOCK_H=bh,
                 NSIDES=len(xs), INTERLEAVED=interleaved, FULL_TABLES=full_tables, CONJ=conjugate,
-                MATH_FP64=wide, num_warps=num_warps or _num_warps(bh * 2 * half_pad))
+                MATH_FP64=wide, NEOX_ROW=neox_row,
+                num_warps=num_warps or _num_warps(bh * lanes_pad, "rows" if interleaved or neox_row else "halves"))
     return (ntok, nsplit), scalars, meta
 
 
