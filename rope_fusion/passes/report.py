@@ -63,6 +63,7 @@ class Report:
     kernels: list = dataclasses.field(default_factory=list)
     misses: list = dataclasses.field(default_factory=list)
     errors: list = dataclasses.field(default_factory=list)
+    host_tables: list = dataclasses.field(default_factory=list)  # "graph:input" copied once, not per call
     graphs: int = 0
 
     def clear(self) -> None:
@@ -70,6 +71,7 @@ class Report:
         self.kernels.clear()
         self.misses.clear()
         self.errors.clear()
+        self.host_tables.clear()
         self.graphs = 0
 
     def summary(self) -> str:
@@ -88,6 +90,8 @@ class Report:
             )
         for m in self.misses:
             lines.append(f"  miss {m.node}: {m.reason} at {m.source}")
+        if self.host_tables:
+            lines.append(f"  host tables copied to the device once: {', '.join(self.host_tables)}")
         for e in self.errors:
             lines.append(f"  error in graph {e.graph}: {e.error}")
         return "\n".join(lines)

@@ -42,11 +42,12 @@ def source_hash() -> str:
 class RopeFusionPass(CustomGraphPass):
     """Find every RoPE in a post-grad graph and replace it (or each q/k pair) with one fused op."""
 
-    def __init__(self, backend: str = "auto", fuse_qk: bool = True) -> None:
+    def __init__(self, backend: str = "auto", fuse_qk: bool = True, cache_host_tables: bool = True) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.backend = backend
         self.fuse_qk = bool(fuse_qk)
+        self.cache_host_tables = bool(cache_host_tables)  # ops/host_tables.py
         self.report = Report()
         self._logged_error = False
 
@@ -56,12 +57,14 @@ class RopeFusionPass(CustomGraphPass):
 
         index = self.report.graphs
         self.report.graphs += 1
-        n_sites, n_kernels, n_misses = (len(self.report.sites), len(self.report.kernels),
-                                        len(self.report.misses))
+        n_sites, n_kernels, n_misses, n_host = (len(self.report.sites), len(self.report.kernels),
+                                                len(self.report.misses), len(self.report.host_tables))
         try:
-            fuse_graph(graph, self.report, index, backend=self.backend, fuse_qk=self.fuse_qk)
+            fuse_graph(graph, self.report, index, backend=self.backend, fuse_qk=self.fuse_qk,
+                       cache_host_tables=self.cache_host_tables)
         except Exception as e:  # the failure policy: never break a compile
             del self.report.sites[n_sites:], self.report.kernels[n_kernels:], self.report.misses[n_misses:]
+            del self.report.host_tables[n_host:]
             self.report.errors.append(GraphError(index, f"{type(e).__name__}: {e}"))
             if not self._logged_error:
                 self._logged_error = True
@@ -73,17 +76,19 @@ class RopeFusionPass(CustomGraphPass):
                  len(self.report.misses) - n_misses)
 
     def uuid(self) -> Any:
-        return f"rope_fusion-{source_hash()[:32]}-{self.backend}-{int(self.fuse_qk)}"
+        return (f"rope_fusion-{source_hash()[:32]}-{self.backend}-{int(self.fuse_qk)}"
+                f"-{int(self.cache_host_tables)}")
 
     # -- copying and pickling: options travel, the report does not --------------------------------
     def __getstate__(self) -> dict:
-        return {"backend": self.backend, "fuse_qk": self.fuse_qk}
+        return {"backend": self.backend, "fuse_qk": self.fuse_qk, "cache_host_tables": self.cache_host_tables}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(backend={self.backend!r}, fuse_qk={self.fuse_qk})"
+        return (f"{type(self).__name__}(backend={self.backend!r}, fuse_qk={self.fuse_qk}, "
+                f"cache_host_tables={self.cache_host_tables})")
 
 
 def inductor_options(pass_: RopeFusionPass | None = None, **pass_kwargs: Any) -> dict:
