@@ -238,29 +238,64 @@ def auto_rule(records: list[dict]) -> dict:
     return rule
 
 
-def sweep(device: str) -> list[dict]:
-    """Triton tile choices (heads per step, warps) on the large shapes, for tuning the heuristic."""
+# (shape, spelling, choices per option): the tile choices measured by --sweep. Besides the table's shapes, the
+# head counts of the benchmarked models: Wan 1.3B (12 heads) and Qwen-Image (24 heads, 4096 image tokens).
+SWEEP_SHAPES = {**SHAPES, "1x32760x12x128": (1, 32760, 12, 12, 128), "1x4096x24x128": (1, 4096, 24, 24, 128)}
+_TILES = {"block_h": (None, 4, 8, 16, 32), "num_warps": (None, 1, 2, 4)}
+_NEOX = {"block_h": (None, 16), "num_warps": (None, 1, 2, 4), "neox_row": (False, True)}
+SWEEP_CASES = [
+    ("2x16384x16x80", "N1", _NEOX),
+    ("2x16384x16x80", "N3", _NEOX),
+    ("1x32760x40x128", "N1", _NEOX),
+    ("1x32760x40x128", "N3", _NEOX),
+    ("1x32760x12x128", "N1", _NEOX),
+    ("2x16384x16x80", "I3", _TILES),
+    ("1x32760x40x128", "I1", _TILES),
+    ("1x32760x40x128", "N1", _TILES),
+    ("1x32760x12x128", "I1", _TILES),
+    ("1x32760x12x128", "N1", _TILES),
+    ("1x4096x24x128", "C2", _TILES),
+]
+
+
+def sweep(device: str, cases: list = SWEEP_CASES) -> list[dict]:
+    """Triton tile choices (heads per step, warps, NeoX form) of the kernel alone, on the tables the pass
+    feeds it, timed through a CUDA graph so that host-side cost does not hide the kernel's own time."""
+    import itertools
+
+    import triton.testing
+
     from rope_fusion.kernels import triton_rotary as tr
 
     out = []
-    for (B, S, H, D) in ((2, 16384, 16, 80), (1, 32760, 40, 128)):
-        q = torch.randn(B, S, H, D, device=device, dtype=torch.bfloat16)
-        k = torch.randn_like(q)
-        floor = bench_ms(lambda: (q.clone(), k.clone()), device)
-        for il in (False, True):
-            cos = torch.randn(1, S, 1, D // 2, device=device)
-            for bh in (None, 4, 8, 16):
-                for nw in (None, 4, 8):
-                    ms = bench_ms(lambda: tr._launch([q, k], cos, cos, interleaved=il, rotary_dim=D,
-                                                     full_tables=False, conjugate=False, out_dtype=q.dtype,
-                                                     block_h=bh, num_warps=nw), device)
-                    out.append({"shape": (B, S, H, D), "interleaved": il, "block_h": bh, "num_warps": nw,
-                                "ms": ms, "x_floor": ms / floor})
-        best = sorted((o for o in out if o["shape"] == (B, S, H, D)), key=lambda o: o["x_floor"])[:6]
-        print(f"sweep {(B, S, H, D)} floor {floor:.4f} ms; best:", [(o["interleaved"], o["block_h"],
-              o["num_warps"], round(o["x_floor"], 3)) for o in best])
-        defaults = [o for o in out if o["shape"] == (B, S, H, D) and o["block_h"] is None and o["num_warps"] is None]
-        print("  defaults:", [(o["interleaved"], round(o["x_floor"], 3)) for o in defaults])
+    for sname, code, choices in cases:
+        B, S, HQ, HK, D = SWEEP_SHAPES[sname]
+        q = torch.randn(B, S, HQ, D, device=device, dtype=torch.bfloat16)
+        k = torch.randn(B, S, HK, D, device=device, dtype=torch.bfloat16)
+        floor = triton.testing.do_bench_cudagraph(lambda: (q.clone(), k.clone()), rep=50)
+        sp = SPELLINGS[code]
+        cos, sin, kw = sp.fused(*sp.make_tables(B, S, D, torch.device(device)))
+        rd = cos.shape[-1] * (1 if kw["full_tables"] else 2)
+        names = list(choices)
+        res = []
+        for values in itertools.product(*(choices[n] for n in names)):
+            opt = dict(zip(names, values))
+
+            def call(opt=opt):
+                return tr._launch([q, k], cos, sin, rotary_dim=rd, conjugate=False, out_dtype=q.dtype, **kw, **opt)
+            try:
+                call()
+                ms = triton.testing.do_bench_cudagraph(call, rep=50)
+            except Exception as e:  # a tile too large for the registers, say
+                print(f"  sweep {sname} {code} {opt}: {type(e).__name__}")
+                continue
+            res.append({"shape": sname, "spelling": code, **opt, "ms": ms, "x_floor": ms / floor})
+        out += res
+        best = sorted(res, key=lambda o: o["x_floor"])[:4]
+        default = [o for o in res if all(o.get(n) is None for n in ("block_h", "num_warps"))
+                   and o.get("neox_row") in (None, not kw["interleaved"] and (rd // 2) & (rd // 2 - 1) != 0)]
+        print(f"sweep {sname} {code}: default " + ", ".join(f"{o['x_floor']:.3f}x" for o in default) + "; best "
+              + ", ".join(" ".join(f"{n}={o[n]}" for n in names) + f" {o['x_floor']:.3f}x" for o in best), flush=True)
     return out
 
 
@@ -272,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spellings", nargs="*", help="subset of catalogue codes (I1 I2 I3 N1 N3 C2 C1)")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), help=f"subset of {VARIANTS}")
     ap.add_argument("--sweep", action="store_true", help="also sweep Triton tile choices (GPU)")
+    ap.add_argument("--sweep-only", action="store_true", help="only the sweep (GPU)")
+    ap.add_argument("--sweep-cases", nargs="*", help="subset of the sweep, as shape:spelling")
     args = ap.parse_args(argv)
 
     device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
@@ -286,9 +323,12 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     result: dict = {"environment": environment(), "device": device, "dtype": str(dtype), "records": []}
-    if args.sweep and device == "cuda":
-        result["sweep"] = sweep(device)
+    if (args.sweep or args.sweep_only) and device == "cuda":
+        cases = [c for c in SWEEP_CASES if not args.sweep_cases or f"{c[0]}:{c[1]}" in args.sweep_cases]
+        result["sweep"] = sweep(device, cases)
         write_json(args.out, result)
+        if args.sweep_only:
+            return 0
     records = result["records"]
     for sname, shape in shapes.items():
         for sp in spellings:

@@ -137,7 +137,8 @@ def run_model(name: str, quick: bool, device: str, dtype: torch.dtype, backend: 
                 rec["ms"][v] = bench_ms(lambda fn=fn: fn(**inputs), device)
                 if p is not None:
                     rec["fused"] = {"sites": len(p.report.sites), "kernels": len(p.report.kernels),
-                                    "misses": len(p.report.misses), "errors": len(p.report.errors)}
+                                    "misses": len(p.report.misses), "errors": len(p.report.errors),
+                                    "host_tables": len(p.report.host_tables)}
                 rec.setdefault("_out", {})[v] = got
             except Exception as e:  # a failing variant is reported, never fatal
                 rec["errors"][v] = f"{type(e).__name__}: {e}"
