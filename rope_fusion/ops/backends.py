@@ -78,9 +78,10 @@ def choose_backend(requested: str, spec: SiteSpec) -> Backend:
 
 
 # On the H200 (BENCHMARKS.md) the Triton kernel, emitted as Inductor's own user-kernel node, beats the
-# Inductor lowering at every measured shape that moves tens of MB or more (1.01-1.09x the copy floor against
-# 1.11-2.3x for the real spellings); on a decode step (1 MB) launch latency dominates and the lowering is as
-# fast or faster. Sizes that are not known at compile time count as small (the op call cannot be inlined).
+# Inductor lowering for every spelling at every measured shape that moves tens of MB or more (1.02-1.07x the
+# copy floor, partial NeoX at D=80 1.22x, against 1.12-2.3x for the lowering); on a decode step (1 MB) launch
+# latency dominates and the lowering is faster (2.3-3.2x against 2.9-14.7x). Sizes that are not known at
+# compile time count as small (the op call cannot be inlined).
 TRITON_MIN_BYTES = 8 * 2**20
 
 
