@@ -156,6 +156,8 @@ def print_report(report: Any, title: str, plain: bool = False, file: Any = None)
         for m in report.misses:
             t.add_row(str(m.graph), m.node, m.reason, short_source(m.source))
         console.print(t)
+    if report.host_tables:
+        console.print("host tables copied to the device once (not per call): " + ", ".join(report.host_tables))
     if report.errors:
         t = Table(title="errors (graph left unchanged)")
         t.add_column("graph")

@@ -102,6 +102,10 @@ def format_report(report: Report, graph: int, title: str = "") -> str:
     for m in misses:
         lines.append(f"  {m.node}: {m.reason}")
         lines.append(f"      at {m.source}")
+    host = [h.split(":", 1)[1] for h in report.host_tables if h.split(":", 1)[0] == str(graph)]
+    if host:
+        lines.append("")
+        lines.append(f"Host tables copied to the device once, not per call: {', '.join(host)}")
     if errors:
         lines.append("")
         lines.append(f"Errors ({len(errors)}): the graph was left unchanged")

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import torch
 from torch._inductor import ir
-from torch._inductor.lowering import register_lowering, to_dtype
+from torch._inductor.lowering import register_lowering
 from torch._inductor.utils import sympy_index_symbol  # noqa: F401  (import check for old torch)
 from torch._inductor.virtualized import V, ops
-from torch.utils._sympy.functions import FloorDiv, ModularIndexing
+from torch.utils._sympy.functions import ModularIndexing
 
 from .library import rotary, rotary_qk  # noqa: F401  (defines the ops)
-from .reference import check_args
 
 
 def _compute_dtype(x, cos, sin, out_dtype):

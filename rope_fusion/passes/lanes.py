@@ -276,16 +276,21 @@ class LaneInterpreter:
         return v
 
     def _absorb(self, i: int, n: int, lead_len: int) -> Callable:
+        geometry: dict = {}  # (name, ks, cplx) -> (size of the dim being absorbed, grid size) or None
+
         def fn(a):
             name, ks, cplx, flat = a
-            src = self.nodes.get(name)
-            sval = _meta(src)
-            sshape = tuple(sval.shape) + ((2,) if cplx else ())
-            s_lead_len = len(sshape) - ks
-            if s_lead_len <= 0:
+            g = geometry.get((name, ks, cplx), False)
+            if g is False:
+                sval = _meta(self.nodes.get(name))
+                sshape = tuple(sval.shape) + ((2,) if cplx else ())
+                s_lead_len = len(sshape) - ks
+                g = None if s_lead_len <= 0 else (as_int(sshape[s_lead_len - 1]),
+                                                  math.prod(_ints(sshape[s_lead_len:])))
+                geometry[(name, ks, cplx)] = g
+            if g is None:
                 return a
-            m = as_int(sshape[s_lead_len - 1])
-            grid = math.prod(_ints(sshape[s_lead_len:]))
+            m, grid = g
             if m == n:
                 return (name, ks + 1, cplx, i * grid + flat)
             if m == 1:

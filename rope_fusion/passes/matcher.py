@@ -69,13 +69,15 @@ def looks_like_rotation(v: L.LaneValue) -> bool:
     for e in v.entries:
         if e is None or len(e) < 2:
             continue
-        mons = [m for m in e if len(m) >= 2]
-        for i, m1 in enumerate(mons):
-            for m2 in mons[i + 1:]:
-                for a in m1:
-                    for b in m2:
-                        if a[:3] == b[:3] and a[3] != b[3]:
-                            return True
+        seen: dict = {}  # source (name, k, as_real) -> [(lane, monomial)] of its atoms in products
+        for i, m in enumerate(e):
+            if len(m) < 2:
+                continue
+            for a in m:
+                got = seen.setdefault(a[:3], [])
+                if any(f != a[3] and j != i for f, j in got):
+                    return True
+                got.append((a[3], i))
     return False
 
 
@@ -202,8 +204,19 @@ class Acceptor:
             return None
         return ca, cb
 
+    def _has_x_term(self, e, x) -> bool:
+        """e holds a term (table entry) * x: necessary for a rotated or copied lane of x, and cheap enough to
+        turn away a wrong x candidate before the lane scans below, which are linear in the lanes."""
+        if not x:
+            return False
+        if _close(e, x):
+            return True
+        return any(P.ratio(P.cofactor(e, a), x) is not None for a in P.atoms_of(e))
+
     def _accept_x(self, node, v, m, n, nblocks, xl: _XLanes) -> Match | str:
         E = v.entries
+        if not self._has_x_term(E[0], xl.entry(0)):
+            return "lane 0 holds no term of x[0]"
 
         def is_copy(i):
             return _close(E[i], xl.entry(i))
@@ -355,6 +368,8 @@ class Acceptor:
 
 
 def _close(p: dict, q: dict) -> bool:
+    if p is q and p is not None:
+        return True
     if p is None or q is None or p.keys() != q.keys():
         return False
     return all(abs(p[m] - q[m]) <= 1e-12 * max(1.0, abs(q[m])) for m in p)

@@ -46,9 +46,16 @@ def mul(p: Poly, q: Poly) -> Poly | None:
     out: Poly = {}
     for m1, c1 in p.items():
         for m2, c2 in q.items():
-            m = tuple(sorted(m1 + m2))
-            if len(m) > MAX_DEGREE:
-                return None
+            if not m1:
+                m = m2
+            elif not m2:
+                m = m1
+            elif len(m1) == 1 and len(m2) == 1:  # the common case: atom times atom
+                m = m1 + m2 if m1[0] <= m2[0] else m2 + m1
+            else:
+                m = tuple(sorted(m1 + m2))
+                if len(m) > MAX_DEGREE:
+                    return None
             v = out.get(m, 0.0) + c1 * c2
             if v == 0.0:
                 out.pop(m, None)
