@@ -292,8 +292,9 @@ def sweep(device: str, cases: list = SWEEP_CASES) -> list[dict]:
             res.append({"shape": sname, "spelling": code, **opt, "ms": ms, "x_floor": ms / floor})
         out += res
         best = sorted(res, key=lambda o: o["x_floor"])[:4]
+        form = tr.default_neox_row(kw["interleaved"], rd, D)
         default = [o for o in res if all(o.get(n) is None for n in ("block_h", "num_warps"))
-                   and o.get("neox_row") in (None, not kw["interleaved"] and (rd // 2) & (rd // 2 - 1) != 0)]
+                   and o.get("neox_row") in (None, form)]
         print(f"sweep {sname} {code}: default " + ", ".join(f"{o['x_floor']:.3f}x" for o in default) + "; best "
               + ", ".join(" ".join(f"{n}={o[n]}" for n in names) + f" {o['x_floor']:.3f}x" for o in best), flush=True)
     return out

@@ -75,7 +75,7 @@ def test_spelling_matches_reference(case):
     self_check(case)
 
 
-KNOWN_GAPS = {
+KNOWN_GAPS = {  # catalogue and variation cases (test_variations.py reads it too)
     "N8_magi_packed_sin_first": "fuses with correct numerics, but the table is duplicated by cat after a "
                                 "leading-dim unsqueeze, so it is read full width instead of half",
     "V_vllm_native_gathered_cache": "q and k fuse, but tables cast to x's dtype inside each call are not "

@@ -8,7 +8,7 @@ from conftest import as_tuple, check_numerics, compile_with_pass
 from spellings import VARIATIONS
 from spellings.checks import check_report
 from spellings.variations import OPTIONAL
-from test_catalogue import compile_params, run_fused, self_check
+from test_catalogue import KNOWN_GAPS, compile_params, run_fused, self_check
 
 DYNAMIC_TOO = {"V_gqa_different_head_counts", "V_vllm_native_gathered_cache", "V_odd_lanes_written_first"}
 
@@ -16,14 +16,6 @@ DYNAMIC_TOO = {"V_gqa_different_head_counts", "V_vllm_native_gathered_cache", "V
 @pytest.mark.parametrize("case", VARIATIONS + OPTIONAL, ids=lambda c: c.id)
 def test_variation_matches_reference(case):
     self_check(case)
-
-
-KNOWN_GAPS = {
-    "N8_magi_packed_sin_first": "fuses with correct numerics, but the table is duplicated by cat after a "
-                                "leading-dim unsqueeze, so it is read full width instead of half",
-    "V_vllm_native_gathered_cache": "q and k fuse, but tables cast to x's dtype inside each call are not "
-                                    "recognised as one table, so they are not grouped",
-}
 
 
 @pytest.mark.parametrize("case,dtype,dynamic", compile_params(VARIATIONS, lambda c: c.id in DYNAMIC_TOO))

@@ -278,6 +278,12 @@ def _block_heads(heads: Sequence[Any], lanes_pad: int) -> int:
     return best
 
 
+def default_neox_row(interleaved: bool, rotary_dim: int, head_dim: int) -> bool:
+    """NeoX rotating whole rows takes the one-remapped-load form; with a pass-through tail the two half loads
+    stay (tile sweep, BENCHMARKS.md)."""
+    return not interleaved and rotary_dim == head_dim
+
+
 def _num_warps(tile: int, form: str) -> int:
     return max(1, min(8, tile // ELEMENTS_PER_WARP[form]))
 
@@ -360,8 +366,8 @@ def _launch_args(p: _Plan, xs: list, outs: list, cos: torch.Tensor, sin: torch.T
     half_pad = triton.next_power_of_2(max(1, rotary_dim // 2))
     tail_pad = triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
     lanes_pad = 2 * half_pad + tail_pad  # registers per head row, the pass-through tail included
-    if neox_row is None:  # NeoX rotating whole rows: one remapped row load (tile sweep, BENCHMARKS.md)
-        neox_row = rotary_dim == head_dim
+    if neox_row is None:
+        neox_row = default_neox_row(interleaved, rotary_dim, head_dim)
     neox_row = bool(neox_row) and not interleaved
     bh = block_h or _block_heads(p.heads, lanes_pad)
     nblocks = sum(-(-_hint(h, 1) // bh) for h in p.heads)  # work items: head blocks of q, then of k

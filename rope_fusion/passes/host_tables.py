@@ -43,6 +43,7 @@ def cache_host_tables(graph: fx.Graph, tables: list) -> list[str]:
     """Replace the host-to-device copies of graph inputs that the given table nodes depend on; returns the
     names of the inputs whose copies are now cached."""
     from ..ops import host_tables  # noqa: F401  (defines the op)
+    from .rewrite import _fake_mode_of
 
     seen: set = set()
     stack = [t for t in tables if isinstance(t, fx.Node)]
@@ -65,7 +66,7 @@ def cache_host_tables(graph: fx.Graph, tables: list) -> list[str]:
         with graph.inserting_before(n):
             new = graph.call_function(op, (src, dev))
         new.meta.update(n.meta)
-        with _fake_mode(src.meta["val"]):
+        with _fake_mode_of(src.meta["val"]):
             fake = op(src.meta["val"], dev)
         if old is not None and (tuple(fake.shape) != tuple(old.shape) or fake.stride() != old.stride()
                                 or fake.dtype != old.dtype):
@@ -77,9 +78,3 @@ def cache_host_tables(graph: fx.Graph, tables: list) -> list[str]:
         cached.append(src.name)
     return cached
 
-
-def _fake_mode(val):
-    import contextlib
-
-    mode = torch._guards.detect_fake_mode([val])
-    return mode if mode is not None else contextlib.nullcontext()

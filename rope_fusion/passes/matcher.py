@@ -204,19 +204,8 @@ class Acceptor:
             return None
         return ca, cb
 
-    def _has_x_term(self, e, x) -> bool:
-        """e holds a term (table entry) * x: necessary for a rotated or copied lane of x, and cheap enough to
-        turn away a wrong x candidate before the lane scans below, which are linear in the lanes."""
-        if not x:
-            return False
-        if _close(e, x):
-            return True
-        return any(P.ratio(P.cofactor(e, a), x) is not None for a in P.atoms_of(e))
-
     def _accept_x(self, node, v, m, n, nblocks, xl: _XLanes) -> Match | str:
         E = v.entries
-        if not self._has_x_term(E[0], xl.entry(0)):
-            return "lane 0 holds no term of x[0]"
 
         def is_copy(i):
             return _close(E[i], xl.entry(i))
