@@ -20,7 +20,8 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -266,13 +267,14 @@ def sweep(device: str, cases: list = SWEEP_CASES) -> list[dict]:
     import triton.testing
 
     from rope_fusion.kernels import triton_rotary as tr
+    from rope_fusion.ops.schema import RotaryParams
 
     out = []
     for sname, code, choices in cases:
         B, S, HQ, HK, D = SWEEP_SHAPES[sname]
         q = torch.randn(B, S, HQ, D, device=device, dtype=torch.bfloat16)
         k = torch.randn(B, S, HK, D, device=device, dtype=torch.bfloat16)
-        floor = triton.testing.do_bench_cudagraph(lambda: (q.clone(), k.clone()), rep=50)
+        floor = triton.testing.do_bench_cudagraph(lambda q=q, k=k: (q.clone(), k.clone()), rep=50)
         sp = SPELLINGS[code]
         cos, sin, kw = sp.fused(*sp.make_tables(B, S, D, torch.device(device)))
         rd = cos.shape[-1] * (1 if kw["full_tables"] else 2)
@@ -281,8 +283,10 @@ def sweep(device: str, cases: list = SWEEP_CASES) -> list[dict]:
         for values in itertools.product(*(choices[n] for n in names)):
             opt = dict(zip(names, values))
 
-            def call(opt=opt):
-                return tr._launch([q, k], cos, sin, rotary_dim=rd, conjugate=False, out_dtype=q.dtype, **kw, **opt)
+            params = RotaryParams(rotary_dim=rd, conjugate=False, out_dtype=q.dtype, **kw)
+
+            def call(opt=opt, q=q, k=k, cos=cos, sin=sin, params=params):
+                return tr.launch([q, k], cos, sin, params, **opt)
             try:
                 call()
                 ms = triton.testing.do_bench_cudagraph(call, rep=50)

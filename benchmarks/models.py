@@ -20,7 +20,8 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -124,7 +125,8 @@ def run_model(name: str, quick: bool, device: str, dtype: torch.dtype, backend: 
     inputs = {k: _to(v, device, dtype) for k, v in inputs.items()}
     with torch.no_grad():
         want = m(**inputs)
-        variants: dict[str, tuple] = {"compile": (None,), "compile+pass": (rope_fusion.RopeFusionPass(backend=backend),)}
+        variants: dict[str, tuple] = {"compile": (None,),
+                                      "compile+pass": (rope_fusion.RopeFusionPass(backend=backend),)}
         for v, (p,) in variants.items():
             try:
                 torch._dynamo.reset()

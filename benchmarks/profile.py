@@ -16,7 +16,8 @@ import argparse
 import collections
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -77,8 +78,8 @@ def profile_target(name: str, fn: Callable, args: tuple, kwargs: dict, backend: 
         code = os.path.join(code_dir, f"{name.replace('/', '_')}.{variant}.py") if code_dir else None
         with torch.no_grad():
             first_call(cfn, args, kwargs, code)
-            ms = bench_ms(lambda: cfn(*args, **kwargs), "cuda")
-            times = kernel_times(lambda: cfn(*args, **kwargs))
+            ms = bench_ms(lambda cfn=cfn: cfn(*args, **kwargs), "cuda")
+            times = kernel_times(lambda cfn=cfn: cfn(*args, **kwargs))
         result[variant] = {"ms": ms, "kernels": times,
                            "fused": (len(p.report.sites), len(p.report.kernels), len(p.report.host_tables))
                            if p is not None else None}

@@ -8,7 +8,7 @@ pass would emit, so the Triton kernel can also be timed directly, independent of
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args.model, args.prompt)
     if args.check:
         return check()
-    print("Python: LLM(model, compilation_config=%r)" % python_form())
+    print(f"Python: LLM(model, compilation_config={python_form()!r})")
     print(f"CLI:    vllm serve MODEL {CLI_FLAG}")
     return 0
 

@@ -6,7 +6,11 @@
         example_inputs: a tuple/list of positional args, a dict of keyword args, or (args, kwargs).
         Exit 0 when it ran (whatever fused), 2 when the callable could not be loaded, 1 when it failed.
     rope-fusion bench [ARGS...]
-        run benchmarks/kernels.py with ARGS when a GPU is present; a message and exit 2 otherwise.
+        run benchmarks/kernels.py of a source checkout with ARGS when a GPU is present; a message and exit 2
+        otherwise (`--help` works anywhere).
+    rope-fusion coverage [ARGS...]
+        run the model-zoo coverage table (tests/zoo/coverage.py of a source checkout; needs diffusers and
+        transformers).
 
 Subcommands are registered with `@command(name, help, configure)` on a function `(args) -> int`;
 `configure(parser)` adds its arguments. A `passthrough` command gets the raw rest of the command line as
@@ -20,7 +24,8 @@ import importlib
 import os
 import subprocess
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[Any], int], bool]] = {}
 
@@ -129,48 +134,58 @@ def print_report(report: Any, title: str, plain: bool = False, file: Any = None)
         print(title, file=file)
         print(report.table(), file=file)
         return
+    from rich.markup import escape
+
     console = Console(file=file, width=max(140, Console(file=file).width))
-    console.print(f"[bold]{title}[/bold]: {report.graphs} graph(s), {report.summary()}")
+    console.print(f"[bold]{escape(title)}[/bold]: {report.graphs} graph(s), {escape(report.summary())} "
+                  "(counted per compiled graph)")
+
+    def row(table: Any, *cells: Any) -> None:  # model names and reasons hold brackets: never markup
+        table.add_row(*(escape(str(c)) for c in cells))
+
     if report.sites:
         t = Table(title="fused sites")
         for col in ("#", "graph", "role", "style", "R/D", "tables", "dtypes x/tables/out", "kernel", "source"):
             t.add_column(col, overflow="fold")
         for i, s in enumerate(report.sites):
             k = report.kernels[s.kernel] if 0 <= s.kernel < len(report.kernels) else None
-            t.add_row(str(i), str(s.graph), s.role, s.style + (" conj" if s.conjugate else ""),
-                      f"{s.rotary_dim}/{s.head_dim}", s.table_form,
-                      f"{_dt(s.x_dtype)}/{_dt(s.table_dtype)}/{_dt(s.out_dtype)}",
-                      f"{s.kernel} {k.op.split('.')[-1]} [{k.backend}]" if k else "?", short_source(s.source))
+            row(t, i, s.graph, s.role, s.style + (" conjugate" if s.conjugate else ""),
+                f"{s.rotary_dim}/{s.head_dim}", s.table_form,
+                f"{_dt(s.x_dtype)}/{_dt(s.table_dtype)}/{_dt(s.out_dtype)}",
+                f"{s.kernel} {k.op.split('.')[-1]} [{k.backend}]" if k else "?", short_source(s.source))
         console.print(t)
     if report.kernels:
         t = Table(title="kernels")
-        for col in ("#", "graph", "op", "backend", "sites"):
-            t.add_column(col)
+        for col in ("#", "graph", "op", "backend", "sites", "fallback"):
+            t.add_column(col, overflow="fold")
         for i, k in enumerate(report.kernels):
-            t.add_row(str(i), str(k.graph), k.op, k.backend, ", ".join(map(str, k.sites)))
+            row(t, i, k.graph, k.op, k.backend, ", ".join(map(str, k.sites)), k.fallback)
         console.print(t)
     if report.misses:
         t = Table(title="near misses (left unchanged)")
         for col in ("graph", "node", "reason", "source"):
             t.add_column(col, overflow="fold")
         for m in report.misses:
-            t.add_row(str(m.graph), m.node, m.reason, short_source(m.source))
+            row(t, m.graph, m.node, m.reason, short_source(m.source))
         console.print(t)
     if report.host_tables:
-        console.print("host tables copied to the device once (not per call): " + ", ".join(report.host_tables))
+        console.print("host tables copied to the device once (not per call): " + escape(", ".join(report.host_tables)))
     if report.errors:
-        t = Table(title="errors (graph left unchanged)")
+        t = Table(title="internal errors")
         t.add_column("graph")
         t.add_column("error", overflow="fold")
+        t.add_column("what it left", overflow="fold")
         for e in report.errors:
-            t.add_row(str(e.graph), e.error)
+            row(t, e.graph, e.error, e.outcome)
         console.print(t)
 
 
 def _explain_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", metavar="MODULE:CALLABLE",
                    help="a callable returning (model, example_inputs), e.g. examples.wan_demo:tiny_wan")
-    p.add_argument("--backend", default="auto", choices=("auto", "inductor", "triton", "npu"))
+    from .ops.backends import BACKEND_NAMES
+
+    p.add_argument("--backend", default="auto", choices=BACKEND_NAMES)
     p.add_argument("--no-qk", dest="fuse_qk", action="store_false", help="do not pair q and k")
     p.add_argument("--dynamic", action="store_true", default=None, help="torch.compile(dynamic=True)")
     p.add_argument("--plain", action="store_true", help="plain text instead of rich tables")
@@ -193,16 +208,21 @@ def explain(args: Any) -> int:
     return 0
 
 
-# -- bench ------------------------------------------------------------------------------------------------
+# -- commands that run a file of the source checkout ------------------------------------------------------
 
-def find_benchmark() -> str | None:
-    """benchmarks/kernels.py of the source tree this package comes from, or of the current directory."""
+def find_checkout_file(relpath: str) -> str | None:
+    """`relpath` in the source tree this package comes from (an editable install), or in the current
+    directory; None from a plain install (benchmarks and the zoo are not part of the package)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for root in (here, os.getcwd()):
-        path = os.path.join(root, "benchmarks", "kernels.py")
+        path = os.path.join(root, relpath)
         if os.path.isfile(path):
             return path
     return None
+
+
+def find_benchmark() -> str | None:
+    return find_checkout_file(os.path.join("benchmarks", "kernels.py"))
 
 
 def gpu_present() -> bool:
@@ -211,38 +231,43 @@ def gpu_present() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.device_count() > 0)
 
 
-def _bench_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to benchmarks/kernels.py (e.g. --quick)")
+def _rest_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("args", nargs=argparse.REMAINDER, help="passed through")
 
 
-@command("bench", "run the kernel benchmark (benchmarks/kernels.py) on the GPU; arguments pass through",
-         _bench_options, passthrough=True)
+def _run_checkout_module(relpath: str, rest: list[str]) -> int:
+    """`python -m` the module at relpath with the checkout root as working directory."""
+    path = find_checkout_file(relpath)
+    if path is None:
+        print(f"rope-fusion: {relpath} not found: run from a source checkout of rope_fusion", file=sys.stderr)
+        return 2
+    root = path[: -len(relpath)].rstrip(os.sep) or os.sep
+    module = relpath[:-3].replace(os.sep, ".")
+    return subprocess.call([sys.executable, "-m", module, *rest], cwd=root)
+
+
+@command("bench", "run the kernel benchmark (benchmarks/kernels.py of a source checkout) on the GPU; "
+         "arguments pass through", _rest_options, passthrough=True)
 def bench(args: Any) -> int:
     rest = list(args.args)
-    path = find_benchmark()
-    if path is not None and ("-h" in rest or "--help" in rest):
-        return subprocess.call([sys.executable, path, *rest])
+    if "-h" in rest or "--help" in rest:
+        if find_benchmark() is None:
+            print("usage: rope-fusion bench [ARGS...]: runs benchmarks/kernels.py of a source checkout with "
+                  "ARGS on a GPU (CUDA/ROCm).")
+            return 0
+        return _run_checkout_module(os.path.join("benchmarks", "kernels.py"), rest)
     if not gpu_present():
         print("rope-fusion bench: no GPU here (torch.cuda.is_available() is False); the kernel benchmark "
               "times CUDA/ROCm kernels. For a CPU smoke test run: python -m benchmarks.kernels --quick",
               file=sys.stderr)
         return 2
-    if path is None:
-        print("rope-fusion bench: benchmarks/kernels.py not found (run from a source checkout)", file=sys.stderr)
-        return 2
-    return subprocess.call([sys.executable, path, *rest])
+    return _run_checkout_module(os.path.join("benchmarks", "kernels.py"), rest)
 
 
-def _coverage_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to rope_fusion.coverage (e.g. --full --markdown)")
-
-
-@command("coverage", "print the coverage table of the model zoo (tests/zoo; run from a source checkout)",
-         _coverage_options, passthrough=True)
+@command("coverage", "print the model-zoo coverage table (tests/zoo/coverage.py of a source checkout)",
+         _rest_options, passthrough=True)
 def coverage(args: Any) -> int:
-    from . import coverage as cov
-
-    return cov.main(list(args.args))
+    return _run_checkout_module(os.path.join("tests", "zoo", "coverage.py"), list(args.args))
 
 
 if __name__ == "__main__":

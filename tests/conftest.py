@@ -1,12 +1,20 @@
-"""Shared test helpers: compile a function with the pass, and the numerics contract (DESIGN.md section 2).
+"""Shared test helpers: compile a function with the pass, an independent check of the graph it leaves, and
+the numerics contract (docs/design.md section 2).
 
 Import them as `from conftest import compile_with_pass, check_numerics` (tests/ has no __init__.py)."""
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import torch
 
 import rope_fusion
+from tests.zoo.harness import Capture, GraphRecord, probe_passes
+
+# Argument names of the spellings that hold tables (their post-grad placeholders carry Dynamo's `L_<name>_`).
+TABLE_ARGS = r"cos|sin|c|s|cq|sq|ck|sk|c_\w+|s_\w+|freqs\w*|cos_sin_cache"
 
 
 def as_tuple(out) -> tuple:
@@ -25,17 +33,35 @@ def to_fp64(args) -> tuple:
     return tuple(one(a) for a in args)
 
 
+def table_re(fn) -> str:
+    """A regex for the post-grad placeholders of fn's table arguments (by the argument names)."""
+    names = [n for n in inspect.signature(fn).parameters if re.fullmatch(TABLE_ARGS, n)]
+    return "|".join(rf"^L_{n}_$" for n in names) or r"^$"
+
+
 def compile_with_pass(fn, *args, dynamic=False, **pass_kw):
     """Compile `fn` on the CPU with a fresh `RopeFusionPass(**pass_kw)` and run it on `args`: (out, pass).
 
-    The FX graph and AOTAutograd caches are off, so that the pass always runs (a cache hit skips it)."""
+    Real Inductor (C++ code generation). Probes before and after the pass record an independent analysis
+    of each post-grad graph in `pass.capture` (tests/zoo/harness.py: rope_fusion nodes, and table x activation
+    products and negations of activations, found by taint from the table arguments, cos/sin/polar and complex
+    values). The FX graph and AOTAutograd caches are off, so that the pass always runs (a hit skips it)."""
+    from torch._inductor.compile_fx import compile_fx
+
     torch._dynamo.reset()
     p = rope_fusion.RopeFusionPass(**pass_kw)
+    capture = Capture()
+    tables = table_re(fn)
+
+    def inductor(gm, example_inputs):
+        capture.graphs.append(GraphRecord([n.name for n in gm.graph.nodes if n.op == "placeholder"]))
+        return compile_fx(gm, example_inputs,
+                          config_patches={"post_grad_custom_post_pass": probe_passes(p, capture, tables)})
+
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
-        compiled = torch.compile(fn, dynamic=dynamic, fullgraph=True,
-                                 options={"post_grad_custom_post_pass": p})
-        out = compiled(*args)
+        out = torch.compile(fn, dynamic=dynamic, fullgraph=True, backend=inductor)(*args)
+    p.capture = capture
     return out, p
 
 
@@ -81,4 +107,4 @@ def check_unchanged(fn, args, out, compare=None, context: str = "") -> None:
         assert a.dtype == b.dtype and a.shape == b.shape
         eps = torch.finfo(b.dtype).eps
         torch.testing.assert_close(compare(a), compare(b), rtol=8 * eps, atol=8 * eps,
-                                   msg=lambda m: f"output {i}: {m}\n{context}")
+                                   msg=lambda m, i=i: f"output {i}: {m}\n{context}")

@@ -5,16 +5,14 @@ against rotary_reference in eager; the compiled tests run on the CPU, static and
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
+import dataclasses
 
 import pytest
 import torch
-
 from conftest import as_tuple, check_numerics, compile_with_pass, rel_err, to_fp64
 from spellings import CATALOGUE
 from spellings.case import distinct_tables
-from spellings.checks import check_report
+from spellings.checks import check_graph, check_report
 
 MUST_ROWS = [f"I{i}" for i in range(1, 9)] + [f"N{i}" for i in range(1, 9)] + ["C1", "C2", "C3"] + \
     [f"M{i}" for i in range(1, 8)] + ["M12"]
@@ -48,22 +46,40 @@ def self_check(case) -> None:
             assert rel_err(got, want) <= 8 * torch.finfo(got.dtype).eps
 
 
+# Known gaps: what the pass does today where it falls short of the spelling's Expect, asserted exactly (so a
+# regression fails, and so does a fix: then the entry goes). Numerics and everything else are checked as usual.
+KNOWN_GAPS = {  # case id -> (applies to dynamic?, the fields that differ and their current values, reason)
+    "N8_magi_packed_sin_first": (
+        (False, True), dict(table_form="per-lane"),
+        "the table is duplicated by cat after a leading-dim unsqueeze, so it is read full width instead of half"),
+    "V_vllm_native_gathered_cache": (
+        (True,), dict(kernels=2, op="rope_fusion.rotary"),
+        "with dynamic=True the tables cast to x's dtype inside each call are not recognised as one table, so q "
+        "and k fuse in two launches"),
+}
+
+
+def expectation(case, dynamic):
+    gap = KNOWN_GAPS.get(case.id)
+    if gap is None or dynamic not in gap[0]:
+        return case.expect
+    return dataclasses.replace(case.expect, **gap[1])
+
+
 def run_fused(case, dtype, dynamic, *, check_source=True) -> None:
     args = case.make(dtype)
     out, p = compile_with_pass(case.fn, *args, dynamic=dynamic)
     out_dtypes = tuple({o.dtype for o in as_tuple(case.fn(*args))})
     assert not p.report.errors, p.report.table()
     check_numerics(case.fn, args, out, context=p.report.table())
-    check_report(p, case.expect, out_dtypes, check_source=check_source)
+    expect = expectation(case, dynamic)
+    check_report(p, expect, out_dtypes, check_source=check_source)
+    check_graph(p, expect)
 
 
 def test_every_must_row_has_a_spelling():
     ids = {c.id.split("_")[0] for c in CATALOGUE}
     assert set(MUST_ROWS) <= ids, sorted(set(MUST_ROWS) - ids)
-    cat = Path("/work/shared/catalogue.md")
-    if cat.exists():  # rows marked "must" in the catalogue itself
-        rows = set(re.findall(r"^\| ([ICNM]\d+) \|.*\| must \|", cat.read_text(), re.M))
-        assert rows <= ids, sorted(rows - ids)
 
 
 def test_all_four_dtypes_covered():
@@ -75,17 +91,6 @@ def test_spelling_matches_reference(case):
     self_check(case)
 
 
-KNOWN_GAPS = {  # catalogue and variation cases (test_variations.py reads it too)
-    "N8_magi_packed_sin_first": "fuses with correct numerics, but the table is duplicated by cat after a "
-                                "leading-dim unsqueeze, so it is read full width instead of half",
-    "V_vllm_native_gathered_cache": "q and k fuse, but tables cast to x's dtype inside each call are not "
-                                    "recognised as one table, so they are not grouped",
-}
-
-
 @pytest.mark.parametrize("case,dtype,dynamic", compile_params(CATALOGUE))
-def test_catalogue_fuses(case, dtype, dynamic, request):
-    gap = KNOWN_GAPS.get(case.id)
-    if gap:
-        request.applymarker(pytest.mark.xfail(reason=gap, strict=False))
+def test_catalogue_fuses(case, dtype, dynamic):
     run_fused(case, dtype, dynamic)

@@ -135,3 +135,75 @@ def test_uninstall_stops_it_and_restores_the_previous_pass(fresh):
         compile_repeated_blocks(Model(n=1).eval())(x, cos, sin)
     assert len(spy.graphs) == 2 and spy.fused() == [False, False]
     assert len(p.report.kernels) == 1  # the uninstalled pass saw nothing more
+
+
+def test_install_checks_its_argument(fresh):
+    with pytest.raises(TypeError, match="RopeFusionPass"):
+        rope_fusion.install("hello")
+    with pytest.raises(TypeError, match="RopeFusionPass"):
+        rope_fusion.inductor_options(pass_=Spy())
+    assert inductor_config.post_grad_custom_post_pass is None and rope_fusion.installed() is None
+
+
+def test_install_twice_is_one_pass(fresh):
+    x, cos, sin = _inputs()
+    p = rope_fusion.install()
+    try:
+        assert rope_fusion.install() is p and rope_fusion.install(p) is p
+        assert inductor_config.post_grad_custom_post_pass is p  # not a chain of two passes
+        with torch.no_grad():
+            compile_repeated_blocks(Model(n=1).eval())(x, cos, sin)
+        assert len(p.report.sites) == 2 and len(p.report.kernels) == 1, p.report.table()
+        q = rope_fusion.install(backend="inductor", fuse_qk=False)  # other options: replaces it
+        assert q is not p and inductor_config.post_grad_custom_post_pass is q
+    finally:
+        rope_fusion.uninstall()
+    assert inductor_config.post_grad_custom_post_pass is None and torch.compile is _ORIGINAL_COMPILE
+
+
+def test_uninstall_leaves_a_pass_set_after_install(fresh, caplog):
+    spy = Spy()
+    rope_fusion.install()
+    inductor_config.post_grad_custom_post_pass = spy  # the user replaced it
+    with caplog.at_level(logging.WARNING, logger="rope_fusion"):
+        rope_fusion.uninstall()
+    assert inductor_config.post_grad_custom_post_pass is spy
+    assert any("replaced after install" in r.getMessage() for r in caplog.records)
+    assert rope_fusion.installed() is None
+
+
+def test_explicit_pass_in_options_is_chained_with_the_installed_one(fresh, caplog):
+    """torch.compile(options={"post_grad_custom_post_pass": spy}) would replace the installed pass for that
+    compile; while installed, both run (the explicit one first)."""
+    spy = Spy()
+    x, cos, sin = _inputs()
+    p = rope_fusion.install()
+    try:
+        with caplog.at_level(logging.INFO, logger="rope_fusion"), torch.no_grad():
+            block = Block().eval()
+            out = torch.compile(block, options={"post_grad_custom_post_pass": spy})(x, cos, sin)
+    finally:
+        rope_fusion.uninstall()
+    assert spy.fused() == [False] and len(p.report.kernels) == 1, p.report.table()
+    assert any("runs after it" in r.getMessage() for r in caplog.records)
+    torch.testing.assert_close(out, block(x, cos, sin), rtol=1e-5, atol=1e-5)
+
+
+def _plain_pass(graph):
+    """A plain-function post-grad pass, as a user might configure one."""
+
+
+def test_chain_after_a_plain_function_has_a_stable_cache_key(fresh):
+    inductor_config.post_grad_custom_post_pass = _plain_pass
+    rope_fusion.install()
+    try:
+        chained = inductor_config.post_grad_custom_post_pass
+        key = chained.uuid()
+        assert key is not None and "0x" not in repr(key) and key == chained.uuid()
+        assert key[1] == rope_fusion.passes.installation._callable_uuid(_plain_pass)
+    finally:
+        rope_fusion.uninstall()
+    assert inductor_config.post_grad_custom_post_pass is _plain_pass
+
+
+_ORIGINAL_COMPILE = torch.compile

@@ -4,8 +4,6 @@ unchanged, and the near miss recorded in the report."""
 from __future__ import annotations
 
 import pytest
-import torch
-
 from conftest import as_tuple, check_numerics, check_unchanged, compile_with_pass, rel_err, to_fp64
 from spellings import NEAR_MISSES
 from spellings.near_misses import MAY_FUSE_PARTS

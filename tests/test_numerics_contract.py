@@ -1,11 +1,10 @@
-"""The numerics contract (DESIGN.md section 2) and the helper that checks it (conftest.check_numerics):
+"""The numerics contract (docs/design.md section 2) and the helper that checks it (conftest.check_numerics):
 fused error vs an fp64 evaluation of the original function <= the original's own error + eps(out dtype)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import as_tuple, check_numerics, compile_with_pass, contract_errors, fp64_eval, to_fp64
 from spellings import ALL, CATALOGUE
 from spellings.case import distinct_tables

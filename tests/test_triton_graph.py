@@ -17,7 +17,13 @@ pytest.importorskip("triton")
 from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
+from rope_fusion.kernels import triton_rotary  # noqa: E402
 from rope_fusion.kernels.triton_graph import emit_triton  # noqa: E402
+
+if triton_rotary._INTERPRETED:  # test_triton_kernels.py imported the kernels for the interpreter first
+    pytest.skip("the kernel module was imported under TRITON_INTERPRET=1: make_fx cannot trace it",
+                allow_module_level=True)
+from rope_fusion.ops.schema import RotaryParams  # noqa: E402
 
 
 def _graph(fm, tensors):
@@ -44,7 +50,8 @@ def test_one_user_kernel_node_for_q_and_k(interleaved, rotary_dim, full, conj, h
         packed = torch.empty(7, 1, 2 * w)
         cos, sin = packed[..., :w], packed[..., w:]  # strided views, as the pass feeds them
     g, nodes = _graph(fm, (q, k, cos, sin))
-    params = dict(interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full, conjugate=conj, out_dtype=dt)
+    params = RotaryParams(interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full, conjugate=conj,
+                          out_dtype=dt)
     outs = emit_triton(g, fm, nodes[:2], nodes[2], nodes[3], params, nodes[0])
     hops = [n for n in g.nodes if n.target is triton_kernel_wrapper_functional]
     assert len(hops) == 1
@@ -71,7 +78,8 @@ def test_symbolic_sizes_are_not_inlined():
     q = fm.from_tensor(torch.randn(2, 5, 2, 16), symbolic_context=ctx, source=ConstantSource("q"))
     c = fm.from_tensor(torch.randn(5, 1, 8))
     g, nodes = _graph(fm, (q, q, c, c))
-    params = dict(interleaved=False, rotary_dim=16, full_tables=False, conjugate=False, out_dtype=torch.float32)
+    params = RotaryParams(interleaved=False, rotary_dim=16, full_tables=False, conjugate=False,
+                          out_dtype=torch.float32)
     assert emit_triton(g, fm, nodes[:2], nodes[2], nodes[3], params, nodes[0]) is None
 
 
@@ -85,7 +93,7 @@ def test_complex_freqs_are_real_tables_for_the_backend_choice(cdtype, real):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from rope_fusion.kernels.triton_rotary import supports
-    from rope_fusion.passes import rewrite
+    from rope_fusion.passes import emission, sites
 
     def rope(x, freqs):
         xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
@@ -94,8 +102,13 @@ def test_complex_freqs_are_real_tables_for_the_backend_choice(cdtype, real):
     x = torch.randn(1, 16, 4, 64, dtype=torch.bfloat16)
     freqs = torch.polar(torch.ones(16, 1, 32, dtype=torch.float64), torch.rand(16, 1, 32, dtype=torch.float64))
     gm = make_fx(rope, tracing_mode="fake")(x, freqs.to(cdtype))
-    matches, _, acc = rewrite.find_matches(gm.graph)
+    matches, _, acc = sites.find_sites(gm.graph)
     assert len(matches) == 1
-    spec = rewrite._spec(matches[0], acc.I.nodes, False)
+    em = emission.Emitter(gm.graph)
+    m = matches[0]
+    with gm.graph.inserting_before(m.node):
+        x = emission.x_input(em, acc.interp.nodes, m)
+        cos = emission.table_view(em, acc.interp.nodes, m.cos, m.blocks, m.node)
+    spec = emission.site_spec([x], cos, emission.params_of(m))
     assert spec.table_dtype == real
-    assert supports(dataclasses.replace(spec, device_type="cuda"))
+    assert supports(dataclasses.replace(spec, device_type="cuda")) is None

@@ -41,6 +41,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from rope_fusion.ops import backends  # noqa: E402
 from rope_fusion.ops.backends import SiteSpec  # noqa: E402
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
+from rope_fusion.ops.schema import RotaryParams  # noqa: E402
 
 OP_INTERPRETED = isinstance(tr._rotary_kernel, InterpretedFunction)
 KERNEL = tr._rotary_kernel if OP_INTERPRETED else InterpretedFunction(tr._rotary_kernel.fn)
@@ -93,9 +94,18 @@ def tables(lead: tuple, width: int, dtype=torch.float32, device="cpu") -> tuple[
             torch.randn(*lead, width, dtype=dtype, device=device))
 
 
+TUNING = ("block_h", "num_warps", "nsplit", "neox_row", "kernel")
+
+
+def launch(xs: list, cos, sin, **kw) -> list:
+    """tr.launch with the op's options and the kernel's tuning options in one keyword list."""
+    tuning = {k: kw.pop(k) for k in TUNING if k in kw}
+    return tr.launch(xs, cos, sin, RotaryParams(**kw), **tuning)
+
+
 def run(xs: list, cos, sin, **kw) -> list:
     with poisoned_outputs():
-        return tr._launch(xs, cos, sin, kernel=KERNEL, **kw)
+        return launch(xs, cos, sin, kernel=KERNEL, **kw)
 
 
 def run_and_check(xs: list, cos, sin, block_h=None, nsplit=None, neox_row=None, **kw) -> None:
@@ -280,21 +290,23 @@ def test_bad_arguments_raise_value_error():
 
 def test_backend_registered_and_supports():
     b = backends.get_backend("triton")
-    assert b is not None and b.rotary is torch.ops.rope_fusion.rotary_triton.default
+    assert b is not None and "triton" in backends.BACKEND_NAMES and "triton" in backends.available_backends()
 
-    def spec(**kw):
-        base = dict(device_type="cuda", x_shape=(2, 16, 8, 80), x_dtype=torch.bfloat16,
-                    table_dtype=torch.float32, out_dtype=torch.bfloat16, interleaved=True, rotary_dim=80,
-                    full_tables=False, conjugate=False, paired=True)
+    def spec(x_shape=(2, 16, 8, 80), rotary_dim=80, **kw):
+        params = RotaryParams(interleaved=True, rotary_dim=rotary_dim, full_tables=False, conjugate=False,
+                              out_dtype=torch.bfloat16)
+        base = dict(device_type="cuda", x_shapes=(x_shape, x_shape), x_dtype=torch.bfloat16,
+                    table_dtype=torch.float32, params=params)
         base.update(kw)
         return SiteSpec(**base)
 
-    assert b.supports(spec())
-    assert b.supports(spec(table_dtype=torch.float64, x_shape=(4, 256)))
-    assert not b.supports(spec(device_type="cpu"))
-    assert not b.supports(spec(x_dtype=torch.int32))
-    assert not b.supports(spec(x_shape=(2, 4096), rotary_dim=4096))
-    assert backends.choose_backend("triton", spec(device_type="cpu")).name == "inductor"
+    assert b.supports(spec()) is None
+    assert b.supports(spec(table_dtype=torch.float64, x_shape=(4, 256), rotary_dim=256)) is None
+    assert "cpu" in b.supports(spec(device_type="cpu"))
+    assert "dtypes" in b.supports(spec(x_dtype=torch.int32))
+    assert "head dim" in b.supports(spec(x_shape=(2, 4096), rotary_dim=4096))
+    chosen, reasons = backends.choose_backend("triton", spec(device_type="cpu"))
+    assert chosen.name == "inductor" and reasons and reasons[0].startswith("triton: ")
 
 
 def test_host_side_runs_on_fake_tensors():
@@ -311,7 +323,7 @@ def test_host_side_runs_on_fake_tensors():
         q = torch.empty(2, 8, 16, 4, 64, dtype=torch.bfloat16)[:, :, :, 0]
         k = torch.empty(2, 8, 2, 64, dtype=torch.bfloat16)
         cos = torch.empty(1, 8, 1, 32)
-        qo, ko = tr._launch([q, k], cos, cos, kernel=Recorder(), **opts(False, 64, out_dtype=torch.float32))
+        qo, ko = launch([q, k], cos, cos, kernel=Recorder(), **opts(False, 64, out_dtype=torch.float32))
         assert qo.shape == q.shape and qo.dtype == torch.float32 and qo.is_contiguous()
         assert ko.shape == k.shape
     assert len(launches) == 1
@@ -365,7 +377,7 @@ def test_gpu_realistic(interleaved, shape, heads_k, rotary_dim, full_tables):
     check(xo, q, cos, sin, **kw)
     if not interleaved:  # NeoX's other kernel form, compiled
         with poisoned_outputs():
-            qo, ko = tr._launch([q, k], cos, sin, neox_row=True, **kw)
+            qo, ko = launch([q, k], cos, sin, neox_row=True, **kw)
         check(qo, q, cos, sin, **kw)
         check(ko, k, cos, sin, **kw)
 
@@ -380,7 +392,7 @@ def test_gpu_strided_tables_and_dtypes():
     check(qo, x, full[..., 0::2], full[..., 1::2], **kw)
     kw = opts(False, D, out_dtype=torch.float32, head_dim=D)
     t = full.transpose(1, 2)  # [1,1,S,D] against x as [B,H,S,D]
-    (xo,) = tr._launch([x.transpose(1, 2)], t[..., :64], t[..., 64:], **kw)
+    (xo,) = launch([x.transpose(1, 2)], t[..., :64], t[..., 64:], **kw)
     check(xo, x.transpose(1, 2), t[..., :64], t[..., 64:], **kw)
 
 

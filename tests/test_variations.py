@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import as_tuple, check_numerics, compile_with_pass
 from spellings import VARIATIONS
 from spellings.checks import check_report
 from spellings.variations import OPTIONAL
-from test_catalogue import KNOWN_GAPS, compile_params, run_fused, self_check
+from test_catalogue import compile_params, run_fused, self_check
 
 DYNAMIC_TOO = {"V_gqa_different_head_counts", "V_vllm_native_gathered_cache", "V_odd_lanes_written_first"}
 
@@ -19,10 +18,7 @@ def test_variation_matches_reference(case):
 
 
 @pytest.mark.parametrize("case,dtype,dynamic", compile_params(VARIATIONS, lambda c: c.id in DYNAMIC_TOO))
-def test_variation_fuses(case, dtype, dynamic, request):
-    gap = KNOWN_GAPS.get(case.id)
-    if gap:
-        request.applymarker(pytest.mark.xfail(reason=gap, strict=False))
+def test_variation_fuses(case, dtype, dynamic):
     run_fused(case, dtype, dynamic)
 
 

@@ -52,7 +52,7 @@ def test_vllm_pass_is_a_vllm_inductor_pass(InductorPass):
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     p = rope_fusion.vllm_pass
-    assert integ.HAVE_VLLM and integ.InductorPass is InductorPass
+    assert integ.vllm_inductor_pass() is InductorPass
     assert isinstance(p, InductorPass) and isinstance(p, rope_fusion.RopeFusionPass)
     assert isinstance(p, CustomGraphPass)
     assert rope_fusion.__dict__["vllm_pass"] is p  # what vLLM's resolver reads
@@ -107,7 +107,7 @@ def test_python_dict_form_hashes_copies_and_reaches_the_pass_manager(InductorPas
     p = rope_fusion.vllm_pass
     cc = cfg.CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": p})
     other = cfg.CompilationConfig(
-        inductor_compile_config={"post_grad_custom_post_pass": integ.VllmRopeFusionPass(fuse_qk=False)})
+        inductor_compile_config={"post_grad_custom_post_pass": integ.pass_class(InductorPass)(fuse_qk=False)})
     assert cc.compute_hash() != other.compute_hash()  # the hash sees the pass's uuid (options included)
     again = cfg.CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": copy.deepcopy(p)})
     assert cc.compute_hash() == again.compute_hash()
@@ -123,47 +123,71 @@ def test_python_dict_form_hashes_copies_and_reaches_the_pass_manager(InductorPas
     assert pm.passes == [p]
 
 
-def test_uuid_deterministic_across_processes(InductorPass):
-    code = ("import json, rope_fusion; from rope_fusion.integrations.vllm import VllmRopeFusionPass as V; "
-            "print(json.dumps([rope_fusion.vllm_pass.uuid(), V(backend='inductor').uuid(), "
-            "V(fuse_qk=False).uuid(), type(rope_fusion.vllm_pass).__mro__[2].__module__]))")
+def _in_subprocess(code: str) -> list:
     env = dict(os.environ, PYTHONHASHSEED="123")
+    env.pop("TORCHINDUCTOR_COMPILE_THREADS", None)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_uuid_deterministic_across_processes(InductorPass):
+    theirs = _in_subprocess(
+        "import json, rope_fusion; from rope_fusion.integrations.vllm import VllmRopeFusionPass as V; "
+        "print(json.dumps([rope_fusion.vllm_pass.uuid(), V(backend='inductor').uuid(), V(fuse_qk=False).uuid()]))")
     V = integ.VllmRopeFusionPass
     ours = [rope_fusion.vllm_pass.uuid(), V(backend="inductor").uuid(), V(fuse_qk=False).uuid()]
-    assert theirs[:3] == ours
+    assert theirs == ours
     assert len(set(ours)) == 3  # the options are covered
-    assert theirs[3] == "vllm.compilation.passes.inductor_pass"
+
+
+def test_import_has_no_side_effects():
+    """`import rope_fusion` imports neither vLLM nor depyf and leaves Inductor's settings alone."""
+    got = _in_subprocess(
+        "import json, os, sys, rope_fusion, torch._inductor.config as c; "
+        "print(json.dumps([sorted(m for m in ('vllm', 'depyf') if m in sys.modules), "
+        "os.environ.get('TORCHINDUCTOR_COMPILE_THREADS'), c.post_grad_custom_post_pass is None]))")
+    assert got == [[], None, True]
+
+
+@pytest.mark.parametrize("order", ["rope_fusion first", "vllm first"])
+def test_vllm_pass_is_vllms_type_whichever_is_imported_first(InductorPass, order):
+    """vLLM's string form reads `__import__("rope_fusion").__dict__["vllm_pass"]` once vLLM is imported."""
+    imports = ["import rope_fusion", "import vllm.compilation.passes.inductor_pass as ip"]
+    if order == "vllm first":
+        imports.reverse()
+    got = _in_subprocess(
+        "; ".join(imports) + "; import json; p = __import__('rope_fusion').__dict__['vllm_pass']; "
+        "print(json.dumps([isinstance(p, ip.InductorPass), isinstance(p, rope_fusion.RopeFusionPass), "
+        "p is rope_fusion.vllm_pass, p.uuid() == rope_fusion.RopeFusionPass().uuid()]))")
+    assert got == [True, True, True, True]
 
 
 def test_deepcopy_and_pickle(InductorPass):
-    p = integ.VllmRopeFusionPass(backend="inductor", fuse_qk=False)
+    cls = integ.pass_class(InductorPass)
+    p = cls(backend="inductor", fuse_qk=False)
     p.report.graphs = 3
     for q in (copy.deepcopy(p), pickle.loads(pickle.dumps(p)), copy.copy(p)):
-        assert type(q) is integ.VllmRopeFusionPass and isinstance(q, InductorPass)
+        assert type(q) is cls and isinstance(q, InductorPass)
         assert (q.backend, q.fuse_qk, q.uuid()) == ("inductor", False, p.uuid())
         assert q.report is not p.report and q.report.graphs == 0
     q = pickle.loads(pickle.dumps(rope_fusion.vllm_pass))
-    assert q.uuid() == rope_fusion.vllm_pass.uuid()
+    assert q.uuid() == rope_fusion.vllm_pass.uuid() and isinstance(q, InductorPass)
 
 
 def test_without_vllm_the_class_is_a_custom_graph_pass():
-    """No vLLM (or ROPE_FUSION_VLLM=0): a torch CustomGraphPass with the same uuid and the same API."""
+    """Before vLLM is imported: a torch CustomGraphPass with the same uuid and the same API."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    cls = integ.make_pass_class(None)
+    cls = integ.pass_class(None)
     p = cls()
     assert isinstance(p, CustomGraphPass) and isinstance(p, rope_fusion.RopeFusionPass)
     assert not any(k.__module__.startswith("vllm") for k in type(p).__mro__)
     assert p.is_applicable_for_range(None) is True
     assert p.uuid() == rope_fusion.vllm_pass.uuid()
-    q = copy.deepcopy(p)
-    assert type(q) is cls and q.uuid() == p.uuid()
-    if not integ.HAVE_VLLM:
-        assert type(rope_fusion.vllm_pass).__mro__[1:] == cls.__mro__[1:]
+    q = copy.deepcopy(p)  # rebuilt on vLLM's InductorPass when this process has imported vLLM
+    assert isinstance(q, cls) and q.uuid() == p.uuid()
 
 
 # -- the pass on vLLM's native RoPE ------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Integrations with the places the pass is used from: vLLM (`vllm.py`) and depyf (`depyf_debug.py`).
 
-Both are optional: importing this package never imports depyf, and vLLM only when it is installed (its
-`InductorPass` is the base class of `rope_fusion.vllm_pass`).
+Both are optional and neither is imported by `import rope_fusion` beyond this package's own code: depyf is
+imported when `rope_fusion.debug` is entered, vLLM never (vllm.py waits for vLLM to be imported).
 """

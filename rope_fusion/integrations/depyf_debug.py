@@ -23,16 +23,17 @@ import dataclasses
 import os
 import re
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from ..passes import rope_pass
+from ..passes import installation as installing
 from ..passes.report import Report
-from ..passes.rope_pass import RopeFusionPass
+from ..passes.rope_pass import RopeFusionPass, log
 
 _lock = threading.Lock()
-_active: list["DebugSession"] = []  # innermost last; the patched __call__ dumps into _active[-1]
+_active: list[DebugSession] = []  # innermost last; the patched __call__ dumps into _active[-1]
 _original_call = None
 
 
@@ -88,15 +89,16 @@ def format_report(report: Report, graph: int, title: str = "") -> str:
     for i, s in sites:
         k = report.kernels[s.kernel] if 0 <= s.kernel < len(report.kernels) else None
         kernel = f"kernel {s.kernel} {k.op}[{k.backend}]" if k else "kernel ?"
-        lines.append(f"  site {i}: {s.role} {s.style} rotary_dim={s.rotary_dim} head_dim={s.head_dim} "
-                     f"tables={s.table_form}{' conjugate' if s.conjugate else ''} x={s.x_dtype} "
-                     f"tables_dtype={s.table_dtype} out={s.out_dtype} shape=[{', '.join(map(str, s.shape))}] node={s.node} "
-                     f"-> {kernel}")
+        style = s.style + (" conjugate" if s.conjugate else "")
+        lines.append(f"  site {i}: {s.role} {style} rotary_dim={s.rotary_dim} head_dim={s.head_dim} "
+                     f"tables={s.table_form} x={s.x_dtype} tables_dtype={s.table_dtype} out={s.out_dtype} "
+                     f"shape=[{', '.join(map(str, s.shape))}] node={s.node} -> {kernel}")
         lines.append(f"      at {s.source}")
     lines.append("")
     lines.append(f"Kernels ({len(kernels)}):")
     for i, k in kernels:
-        lines.append(f"  kernel {i}: {k.op} backend={k.backend} sites={list(k.sites)}")
+        lines.append(f"  kernel {i}: {k.op} backend={k.backend} sites={list(k.sites)}"
+                     + (f" (fell back: {k.fallback})" if k.fallback else ""))
     lines.append("")
     lines.append(f"Near misses ({len(misses)}):")
     for m in misses:
@@ -108,9 +110,9 @@ def format_report(report: Report, graph: int, title: str = "") -> str:
         lines.append(f"Host tables copied to the device once, not per call: {', '.join(host)}")
     if errors:
         lines.append("")
-        lines.append(f"Errors ({len(errors)}): the graph was left unchanged")
+        lines.append(f"Errors ({len(errors)}):")
         for e in errors:
-            lines.append(f"  {e.error}")
+            lines.append(f"  {e.error} ({e.outcome})")
     return "\n".join(lines) + "\n"
 
 
@@ -120,17 +122,17 @@ def _first_free_number(dump_dir: str) -> int:
     return max(numbers) + 1 if numbers else 0
 
 
-def _dump_call(self: RopeFusionPass, graph: torch.fx.Graph) -> None:
+def _dump_call(self: RopeFusionPass, graph: torch.fx.Graph, is_inference: bool | None = None) -> None:
     """RopeFusionPass.__call__ while a debug context is open: run the pass between two snapshots."""
     session = _active[-1] if _active else None
     if session is None:
-        return _original_call(self, graph)
+        return _original_call(self, graph, is_inference)
     try:
         before = graph_text(graph)
     except Exception as e:  # never break a compile for a dump
         before = f"# could not print the graph: {type(e).__name__}: {e}\n"
     index = self.report.graphs  # the pass numbers this graph so in its report
-    _original_call(self, graph)
+    _original_call(self, graph, is_inference)
     try:
         n = session.next_number()
         base = os.path.join(session.dump_dir, f"rope_fusion_graph_{n}")
@@ -144,13 +146,7 @@ def _dump_call(self: RopeFusionPass, graph: torch.fx.Graph) -> None:
         summary = next((ln for ln in text.splitlines() if ln.startswith("fused ")), "")
         session.graphs.append(DumpedGraph(n, *paths, summary=summary))
     except Exception as e:
-        rope_pass.log.warning("rope_fusion.debug could not write its dump: %s: %s", type(e).__name__, e)
-
-
-def _has_rope_pass(p: Any) -> bool:
-    if isinstance(p, RopeFusionPass):
-        return True
-    return any(_has_rope_pass(getattr(p, attr, None)) for attr in ("first", "second") if hasattr(p, attr))
+        log.warning("rope_fusion.debug could not write its dump: %s: %s", type(e).__name__, e)
 
 
 @contextlib.contextmanager
@@ -183,13 +179,13 @@ def debug(dump_dir: str, pass_: RopeFusionPass | None = None, *, clean_wild_fx_c
                 RopeFusionPass.__call__ = _dump_call
             _active.append(session)
         try:
-            if not _has_rope_pass(inductor_config.post_grad_custom_post_pass):
-                session.pass_ = rope_pass.install(pass_, **pass_kwargs)
+            if not installing.has_rope_pass(inductor_config.post_grad_custom_post_pass):
+                session.pass_ = installing.install(pass_, **pass_kwargs)
                 installed = True
             yield session
         finally:
             if installed:
-                rope_pass.uninstall()
+                installing.uninstall()
             with _lock:
                 _active.remove(session)
                 if not _active:

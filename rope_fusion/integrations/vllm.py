@@ -1,92 +1,141 @@
-"""`rope_fusion.vllm_pass`: the pass as vLLM's compilation config expects it.
+"""`rope_fusion.vllm_pass`: the pass as vLLM's compilation config expects it, without importing vLLM.
 
-vLLM takes a post-grad pass in two forms, and both end with this module-level instance:
+vLLM takes a post-grad pass in two forms, and both end with `rope_fusion.vllm_pass`:
 
     # Python: the object itself
     LLM(model, compilation_config={"inductor_compile_config": {"post_grad_custom_post_pass": rope_fusion.vllm_pass}})
-    # CLI: a qualified name, which vLLM resolves as __import__("rope_fusion").__dict__["vllm_pass"]
+    # CLI / string: vLLM resolves it as __import__("rope_fusion").__dict__["vllm_pass"]
     vllm serve MODEL -cc.inductor_passes.post_grad_custom_post_pass=rope_fusion.vllm_pass
 
-vLLM checks `isinstance(p, InductorPass)` (its `vllm.compilation.passes.inductor_pass.InductorPass`),
-otherwise it wraps a callable in a `CallableInductorPass` whose uuid hashes only the class source, and the
-Python form asserts the type outright. So when vLLM is importable the class derives from vLLM's
-`InductorPass` (and from `RopeFusionPass` for the behaviour); without vLLM it is a plain torch
-`CustomGraphPass`. Its `uuid()` is RopeFusionPass's (hash of the package sources + options), a plain
-string, because vLLM's `PostGradPassManager.uuid()` JSON-encodes the uuids of its passes and vLLM's config
-hash calls `uuid()` on any object in `inductor_compile_config`.
+vLLM requires an instance of its own `InductorPass` (vllm.compilation.passes.inductor_pass) in the first
+form and wraps anything else in a `CallableInductorPass` in the second. Importing that class imports vLLM,
+which changes process settings (vllm.env_override sets TORCHINDUCTOR_COMPILE_THREADS=1), so `import
+rope_fusion` does not do it. Instead:
 
-vLLM deep-copies and pickles its config (and the engine runs in another process): a copy is a new pass with
-the same options and an empty report, so read what fused from the `rope_fusion` logger (one INFO line per
-graph), not from `rope_fusion.vllm_pass.report`.
+- `rope_fusion.vllm_pass` starts as a `VllmRopeFusionPass` on torch's CustomGraphPass, which works with
+  plain torch.compile;
+- the moment anything imports vLLM's inductor_pass module (vLLM does, before it reads its config), an import
+  hook rebinds `rope_fusion.vllm_pass` to an instance of a class derived from both RopeFusionPass and
+  vLLM's InductorPass, with the same options; if vLLM was imported before rope_fusion, that happens at once.
+So both forms find vLLM's type whichever of the two packages is imported first. The hook is one entry in
+`sys.meta_path` that reacts to that one module name and otherwise defers to the other finders.
 
-Importing vLLM: when vLLM is installed, `import rope_fusion` imports `vllm.compilation.passes.inductor_pass`
-(which imports `vllm`, and with it `vllm.env_override`: it sets TORCHINDUCTOR_COMPILE_THREADS=1 and patches
-a few Inductor internals). Set ROPE_FUSION_VLLM=0 to skip it; `vllm_pass` is then a plain CustomGraphPass
-(fine for torch.compile, rejected by vLLM's Python form).
+The uuid is RopeFusionPass's (hash of the package sources + options), a plain string, because vLLM's
+`PostGradPassManager.uuid()` JSON-encodes the uuids of its passes. vLLM deep-copies and pickles its config
+(and the engine runs in another process): a copy is a new pass with the same options and an empty report,
+so read what fused from the `rope_fusion` logger (one INFO line per graph), not from `vllm_pass.report`.
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.util
-import os
 import sys
 from typing import Any
 
-from torch._inductor.custom_graph_pass import CustomGraphPass
-
 from ..passes.rope_pass import RopeFusionPass
 
-
-def _find_inductor_pass() -> Any:
-    """vLLM's InductorPass class, or None when vLLM is absent, disabled or fails to import."""
-    if os.environ.get("ROPE_FUSION_VLLM", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    if "vllm" not in sys.modules:
-        try:
-            if importlib.util.find_spec("vllm") is None:
-                return None
-        except (ImportError, ValueError):
-            return None
-    try:
-        from vllm.compilation.passes.inductor_pass import InductorPass
-    except Exception:  # a vLLM built for another torch may fail in any way; the pass still works without it
-        return None
-    return InductorPass
+VLLM_PASS_MODULE = "vllm.compilation.passes.inductor_pass"
 
 
-InductorPass = _find_inductor_pass()
-HAVE_VLLM = InductorPass is not None
+class VllmRopeFusionPass(RopeFusionPass):
+    """RopeFusionPass with vLLM's InductorPass interface; derives from vLLM's class once vLLM is imported."""
+
+    def uuid(self) -> str:
+        return RopeFusionPass.uuid(self)
+
+    def __reduce__(self) -> tuple:
+        # rebuilt on vLLM's InductorPass when the unpickling process has imported it (the engine process)
+        return (_restore, (self.__getstate__(),))
+
+    def is_applicable_for_range(self, compile_range: Any) -> bool:
+        """vLLM's InductorPass API: the pass applies to every compile range."""
+        return True
 
 
-def make_pass_class(base: Any = None) -> type:
-    """The pass class on top of `base` (vLLM's InductorPass), or of torch's CustomGraphPass when None."""
+_classes: dict = {}
+
+
+def pass_class(base: Any = None) -> type:
+    """VllmRopeFusionPass, or the same on top of vLLM's InductorPass `base` (made once per base)."""
     if base is None:
-
-        class VllmRopeFusionPass(RopeFusionPass, CustomGraphPass):
-            """RopeFusionPass as a torch `CustomGraphPass` (vLLM is not installed)."""
-
-            def uuid(self) -> str:
-                return RopeFusionPass.uuid(self)
-
-            def is_applicable_for_range(self, compile_range: Any) -> bool:
-                """vLLM's InductorPass API: the pass applies to every compile range."""
-                return True
-
-    else:
-
-        class VllmRopeFusionPass(RopeFusionPass, base):  # type: ignore[no-redef, misc, valid-type]
-            """RopeFusionPass that is also a vLLM `InductorPass` (vLLM is installed)."""
-
-            def uuid(self) -> str:
-                return RopeFusionPass.uuid(self)
-
-    VllmRopeFusionPass.__qualname__ = "VllmRopeFusionPass"  # pickled by reference to this module
-    return VllmRopeFusionPass
+        return VllmRopeFusionPass
+    if base not in _classes:
+        cls = type("VllmRopeFusionPass", (VllmRopeFusionPass, base), {"__module__": __name__,
+                                                                    "__doc__": VllmRopeFusionPass.__doc__})
+        cls.__qualname__ = "VllmRopeFusionPass"
+        _classes[base] = cls
+    return _classes[base]
 
 
-VllmRopeFusionPass = make_pass_class(InductorPass)
+def _restore(state: dict) -> VllmRopeFusionPass:
+    return pass_class(vllm_inductor_pass())(**state)
 
-vllm_pass = VllmRopeFusionPass()
+
+def vllm_inductor_pass() -> Any:
+    """vLLM's InductorPass when its module is imported already, else None (never imports vLLM)."""
+    module = sys.modules.get(VLLM_PASS_MODULE)
+    return getattr(module, "InductorPass", None)
+
+
+vllm_pass: VllmRopeFusionPass = pass_class(vllm_inductor_pass())()
 """The instance that vLLM's config names (`rope_fusion.vllm_pass`)."""
 
-__all__ = ["HAVE_VLLM", "InductorPass", "VllmRopeFusionPass", "make_pass_class", "vllm_pass"]
+
+def _rebind(module: Any) -> None:
+    """vLLM's inductor_pass module was just imported: the pass becomes an instance of its InductorPass."""
+    global vllm_pass
+    base = getattr(module, "InductorPass", None)
+    if base is None or isinstance(vllm_pass, base):
+        return
+    vllm_pass = pass_class(base)(**vllm_pass.__getstate__())
+    package = sys.modules.get(__name__.split(".")[0])
+    if package is not None:
+        package.vllm_pass = vllm_pass
+
+
+class _AfterVllmImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps the loader of vLLM's inductor_pass module to call `_rebind` after it runs."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != VLLM_PASS_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _RebindingLoader(spec.loader)
+                return spec
+        return None
+
+
+class _RebindingLoader(importlib.abc.Loader):
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def create_module(self, spec: Any) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.inner.exec_module(module)
+        _rebind(module)
+
+    def __getattr__(self, name: str) -> Any:  # resource readers, get_source, ... of the real loader
+        return getattr(self.inner, name)
+
+
+if not any(isinstance(f, _AfterVllmImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _AfterVllmImport())
+
+
+def vllm_installed() -> bool:
+    """Whether vLLM can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+__all__ = ["VLLM_PASS_MODULE", "VllmRopeFusionPass", "pass_class", "vllm_inductor_pass", "vllm_installed",
+           "vllm_pass"]

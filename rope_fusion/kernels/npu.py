@@ -1,7 +1,8 @@
 """Ascend NPU bridge: the fused rotary op as torch_npu's own RoPE kernels.
 
-`rope_fusion::rotary_npu` and `rope_fusion::rotary_qk_npu` have the signatures of `rotary` / `rotary_qk`
-(DESIGN.md section 2); the pass emits them for sites on an NPU device (`AUTO_ORDER["npu"]`). They call
+`rope_fusion::rotary_npu` and `rope_fusion::rotary_qk_npu` are variants of `rotary` / `rotary_qk` (one schema,
+ops/schema.py; semantics in docs/design.md section 2); the pass emits them for sites on an NPU device
+(`AUTO_ORDER["npu"]`). Inductor does not lower them, so they run as these calls. They call
 
 - `torch.ops.npu.npu_rotary_mul(x, r1, r2, rotary_mode)`: out = x*r1 + rotate(x)*r2, rotate = cat(-x2, x1)
   for 'half' (NeoX pairs) or interleaved stack(-x_odd, x_even) for 'interleave'; 4-D x, tables of the full
@@ -36,9 +37,10 @@ import collections
 
 import torch
 
-from ..ops.backends import Backend, SiteSpec, register_backend
-from ..ops.library import register_eager_kernel
-from ..ops.reference import check_args, rotary_reference
+from ..ops.backends import Backend, SiteSpec, emit_op_call, register_backend
+from ..ops.library import define_rotary_ops
+from ..ops.reference import rotary_reference
+from ..ops.schema import RotaryParams
 
 OP_NAMESPACE = "npu"
 """Where `npu_rotary_mul` / `npu_apply_rotary_pos_emb` are looked up (torch.ops.<namespace>.<op>)."""
@@ -173,93 +175,43 @@ def rotary_qk_via_apply(q, k, cos, sin, *, layout, full_tables, conjugate):
 
 # -- the ops the pass emits ------------------------------------------------------------------------------
 
-def _rotary_impl(x, cos, sin, kw) -> torch.Tensor:
-    out = rotary_via_rotary_mul(x, cos, sin, **kw)
-    if out is None:
-        stats["reference"] += 1
-        out = rotary_reference(x, cos, sin, **kw).contiguous()
-    return out
+def _impl(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams) -> list | None:
+    """q and k through one npu_apply_rotary_pos_emb where allowed, else npu_rotary_mul per tensor; None (the
+    reference) for a tensor whose case the documented constraints exclude."""
+    kw = params.kwargs()
+    if len(xs) == 2:
+        layout = apply_layout(*xs, cos, sin, **{k: v for k, v in kw.items() if k != "conjugate"})
+        if layout is not None:
+            return list(rotary_qk_via_apply(*xs, cos, sin, layout=layout, full_tables=params.full_tables,
+                                            conjugate=params.conjugate))
+    outs = [rotary_via_rotary_mul(x, cos, sin, **kw) for x in xs]
+    if any(o is None for o in outs):
+        stats["reference"] += sum(o is None for o in outs)
+        outs = [o if o is not None else rotary_reference(x, cos, sin, **kw).contiguous() for o, x in zip(outs, xs)]
+    return outs
 
 
-@torch.library.custom_op("rope_fusion::rotary_npu", mutates_args=())
-def rotary_npu(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    interleaved: bool,
-    rotary_dim: int,
-    full_tables: bool,
-    conjugate: bool,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """`rope_fusion::rotary` as npu_rotary_mul."""
-    kw = dict(interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full_tables, conjugate=conjugate,
-              out_dtype=out_dtype)
-    check_args(x, cos, sin, rotary_dim, full_tables, out_dtype)
-    return _rotary_impl(x, cos, sin, kw)
+ROTARY_NPU, ROTARY_QK_NPU = define_rotary_ops("_npu", _impl)
 
 
-@rotary_npu.register_fake
-def _rotary_npu_fake(x, cos, sin, *, interleaved, rotary_dim, full_tables, conjugate, out_dtype):
-    check_args(x, cos, sin, rotary_dim, full_tables, out_dtype)
-    return x.new_empty(x.shape, dtype=out_dtype)
-
-
-@torch.library.custom_op("rope_fusion::rotary_qk_npu", mutates_args=())
-def rotary_qk_npu(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    interleaved: bool,
-    rotary_dim: int,
-    full_tables: bool,
-    conjugate: bool,
-    out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rope_fusion::rotary_qk` as one npu_apply_rotary_pos_emb where allowed, else two npu_rotary_mul."""
-    kw = dict(interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full_tables, conjugate=conjugate,
-              out_dtype=out_dtype)
-    check_args(q, cos, sin, rotary_dim, full_tables, out_dtype, name="q")
-    check_args(k, cos, sin, rotary_dim, full_tables, out_dtype, name="k")
-    layout = apply_layout(q, k, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim,
-                          full_tables=full_tables, out_dtype=out_dtype)
-    if layout is not None:
-        return rotary_qk_via_apply(q, k, cos, sin, layout=layout, full_tables=full_tables, conjugate=conjugate)
-    return _rotary_impl(q, cos, sin, kw), _rotary_impl(k, cos, sin, kw)
-
-
-@rotary_qk_npu.register_fake
-def _rotary_qk_npu_fake(q, k, cos, sin, *, interleaved, rotary_dim, full_tables, conjugate, out_dtype):
-    check_args(q, cos, sin, rotary_dim, full_tables, out_dtype, name="q")
-    check_args(k, cos, sin, rotary_dim, full_tables, out_dtype, name="k")
-    return q.new_empty(q.shape, dtype=out_dtype), k.new_empty(k.shape, dtype=out_dtype)
-
-
-def supports(spec: SiteSpec) -> bool:
+def supports(spec: SiteSpec) -> str | None:
     """Sites on an NPU device in fp16/bf16/fp32 with x of at most 4 dims (others fall back to inductor)."""
     if spec.device_type != "npu":
-        return False
-    if not all(d in NPU_DTYPES for d in (spec.x_dtype, spec.table_dtype, spec.out_dtype)):
-        return False
-    return len(spec.x_shape) <= 4
+        return f"runs on Ascend NPU devices, the site is on {spec.device_type}"
+    dtypes = (spec.x_dtype, spec.table_dtype, spec.params.out_dtype)
+    if not all(d in NPU_DTYPES for d in dtypes):
+        return f"dtypes {dtypes} not among {NPU_DTYPES}"
+    if any(len(s) > 4 for s in spec.x_shapes):
+        return "x has more than 4 dims"
+    return None
 
 
-def _eager_rotary(x, cos, sin, **kw):
-    return rotary_via_rotary_mul(x, cos, sin, **kw)  # None: the library falls back to the reference
+register_backend(Backend("npu", supports, lambda em, xs, cos, sin, p, like: emit_op_call(
+    (ROTARY_NPU, ROTARY_QK_NPU), em, xs, cos, sin, p, like)))
+if torch._C._get_privateuse1_backend_name() == "npu":  # torch_npu is loaded: serve direct calls of the op too
+    from ..ops.library import register_device_kernel
 
+    register_device_kernel("npu", _impl)
 
-def _eager_rotary_qk(q, k, cos, sin, **kw):
-    if q.dtype not in NPU_DTYPES or k.dtype not in NPU_DTYPES or cos.dtype not in NPU_DTYPES:
-        return None
-    return rotary_qk_npu(q, k, cos, sin, **kw)
-
-
-register_backend(Backend("npu", torch.ops.rope_fusion.rotary_npu.default,
-                         torch.ops.rope_fusion.rotary_qk_npu.default, supports))
-register_eager_kernel("npu", rotary=_eager_rotary, rotary_qk=_eager_rotary_qk)
-
-__all__ = ["OP_NAMESPACE", "rotary_npu", "rotary_qk_npu", "supports", "full_width", "rotary_mul_layout",
+__all__ = ["OP_NAMESPACE", "ROTARY_NPU", "ROTARY_QK_NPU", "supports", "full_width", "rotary_mul_layout",
            "apply_layout", "stats"]

@@ -1,8 +1,8 @@
 """Emit the Triton rotary kernel into a post-grad graph as Inductor's own user-kernel node.
 
-A `triton_op` becomes a direct kernel launch only when AOT tracing decomposes it; our pass runs after that,
-so a plain call of `rope_fusion::rotary_qk_triton` stays an opaque op whose every call pays the Python
-dispatcher and host planning (~0.1 ms on the H200, BENCHMARKS.md). Here the host side (`_launch`) is traced
+Our pass runs after AOT tracing, so a plain call of `rope_fusion::rotary_qk_triton` stays an opaque op
+(Inductor's fallback kernel) whose every call pays the Python
+dispatcher and host planning (~0.1 ms on the H200, BENCHMARKS.md). Here the host side (`launch`) is traced
 with make_fx on the node's fake values, and each traced `triton_kernel_wrapper_mutation` is turned into the
 functional `triton_kernel_wrapper_functional` that Inductor's later post-grad passes expect: Inductor then
 reinplaces it into the fresh output buffers and launches the kernel from its generated code.
@@ -20,7 +20,8 @@ from torch._higher_order_ops.triton_kernel_wrap import (
     triton_kernel_wrapper_mutation,
 )
 
-from .triton_rotary import _launch
+from ..ops.schema import RotaryParams
+from .triton_rotary import launch
 
 _OUT_ARGS = ("qo_ptr", "ko_ptr")
 
@@ -29,7 +30,7 @@ def _concrete(t: torch.Tensor) -> bool:
     return all(isinstance(s, int) for s in (*t.shape, *t.stride()))
 
 
-def emit_triton(graph: fx.Graph, fake_mode: Any, xs: list, cos: fx.Node, sin: fx.Node, params: dict,
+def emit_triton(graph: fx.Graph, fake_mode: Any, xs: list, cos: fx.Node, sin: fx.Node, params: RotaryParams,
                 like: fx.Node) -> list | None:
     """Nodes computing the rotated xs (inserted at the graph's current insertion point), or None when the
     site has symbolic sizes (the caller then emits the op call)."""
@@ -43,7 +44,7 @@ def emit_triton(graph: fx.Graph, fake_mode: Any, xs: list, cos: fx.Node, sin: fx
     n = len(xs)
 
     def fn(*args):
-        return tuple(_launch(list(args[:n]), args[n], args[n + 1], **params))
+        return tuple(launch(list(args[:n]), args[n], args[n + 1], params))
 
     with fake_mode, enable_python_dispatcher():
         gm = make_fx(fn, tracing_mode="real")(*vals)

@@ -1,6 +1,6 @@
 """Triton kernels for the fused rotary op (the `triton` backend on CUDA / ROCm).
 
-Why these kernels look the way they do (DESIGN.md section 3, measured on the H200):
+Why these kernels look the way they do (docs/design.md section 3, measured on the H200):
 - RoPE is pure data movement, so the only goal is the copy floor. Every x access is a contiguous run: NeoX
   rows are loaded as their two halves, interleaved rows are loaded whole and their pairs split in registers
   (`tl.reshape` + `tl.split`, then `tl.join` to store). Loading pairs with stride 2 or through a computed
@@ -19,13 +19,14 @@ Why these kernels look the way they do (DESIGN.md section 3, measured on the H20
 
 The host side (`_plan`) maps any layout onto the kernel's fixed form: up to three "token" dims, taken by the
 grid, and one "head" dim, looped over inside a program (the innermost dim along which the tables are
-constant). It works on fake tensors too, because `triton_op` uses the same function as the fake kernel.
+constant). It works on fake tensors too: kernels/triton_graph.py traces it on the node's fake values.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -35,11 +36,11 @@ try:
 except ImportError as e:  # an optional backend: the registry tolerates this
     raise ImportError(f"rope_fusion.kernels.triton_rotary needs triton: {e}") from e
 
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from ..ops.backends import Backend, SiteSpec, register_backend
-from ..ops.library import register_eager_kernel
-from ..ops.reference import check_args, math_dtype
+from ..ops.backends import Backend, SiteSpec, emit_op_call, register_backend
+from ..ops.library import define_rotary_ops, register_device_kernel
+from ..ops.schema import RotaryParams, math_dtype
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 1024  # beyond this one row no longer fits a program's registers comfortably
@@ -298,15 +299,15 @@ def _prepare(x: torch.Tensor) -> torch.Tensor:
 _LAUNCH_CACHE: dict = {}  # geometry key -> launches; keeps the host side of a repeated call to a few us
 
 
-def _launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, rotary_dim: int,
-            full_tables: bool, conjugate: bool, out_dtype: torch.dtype, kernel: Any = None,
-            block_h: int | None = None, num_warps: int | None = None, nsplit: int | None = None,
-            neox_row: bool | None = None) -> list:
-    """Rotate 1 or 2 tensors sharing tables; one launch when their geometry allows it, else one each."""
+def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams, *, kernel: Any = None,
+           block_h: int | None = None, num_warps: int | None = None, nsplit: int | None = None,
+           neox_row: bool | None = None) -> list:
+    """Rotate 1 or 2 tensors sharing tables; one launch when their geometry allows it, else one each.
+    The tuning options override the rules below (the benchmarks' sweeps use them)."""
     xs = [_prepare(x) for x in xs]
-    outs = [torch.empty(x.shape, dtype=out_dtype, device=x.device) for x in xs]
+    outs = [torch.empty(x.shape, dtype=params.out_dtype, device=x.device) for x in xs]
     fn = wrap_triton(_rotary_kernel) if kernel is None else kernel
-    opts = (interleaved, rotary_dim, full_tables, conjugate, out_dtype, block_h, num_warps, nsplit, neox_row)
+    opts = (params, block_h, num_warps, nsplit, neox_row)
     try:
         key = (tuple((tuple(x.shape), x.stride(), x.dtype) for x in xs), tuple(cos.shape), cos.stride(),
                cos.dtype, tuple(sin.shape), sin.stride(), sin.dtype, opts)
@@ -358,10 +359,10 @@ def _make_launches(xs: list, outs: list, cos: torch.Tensor, sin: torch.Tensor, *
     return launches
 
 
-def _launch_args(p: _Plan, xs: list, outs: list, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
-                 rotary_dim: int, full_tables: bool, conjugate: bool, out_dtype: torch.dtype,
+def _launch_args(p: _Plan, xs: list, outs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
                  block_h: int | None, num_warps: int | None, nsplit: int | None,
                  neox_row: bool | None) -> tuple:
+    interleaved, rotary_dim = params.interleaved, params.rotary_dim
     head_dim = xs[0].shape[-1]
     half_pad = triton.next_power_of_2(max(1, rotary_dim // 2))
     tail_pad = triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
@@ -379,81 +380,69 @@ def _launch_args(p: _Plan, xs: list, outs: list, cos: torch.Tensor, sin: torch.T
     sk = p.x_strides[-1] if len(xs) > 1 else [0, 0, 0, 0]
     sko = p.o_strides[-1] if len(xs) > 1 else [0, 0, 0, 0]
     hk = p.heads[-1] if len(xs) > 1 else 0
-    wide = any(math_dtype(x, cos, sin, out_dtype) == torch.float64 for x in xs)
+    wide = math_dtype(xs, cos, sin, params.out_dtype) == torch.float64
     scalars = (p.tokens[1], p.tokens[2], p.heads[0], hk, nsplit, *p.x_strides[0], *p.o_strides[0], *sk, *sko,
                *p.c_strides, *p.s_strides)
     meta = dict(ROT=rotary_dim, HEAD_DIM=head_dim, HALF_PAD=half_pad, TAIL_PAD=tail_pad, BLOCK_H=bh,
-                NSIDES=len(xs), INTERLEAVED=interleaved, FULL_TABLES=full_tables, CONJ=conjugate,
+                NSIDES=len(xs), INTERLEAVED=interleaved, FULL_TABLES=params.full_tables, CONJ=params.conjugate,
                 MATH_FP64=wide, NEOX_ROW=neox_row,
                 num_warps=num_warps or _num_warps(bh * lanes_pad, "rows" if interleaved or neox_row else "halves"))
     return (ntok, nsplit), scalars, meta
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Ops, eager kernels and the backend.
+# The op variant, the eager kernel and the backend.
 
 
-@triton_op("rope_fusion::rotary_triton", mutates_args=())
-def rotary_triton(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    interleaved: bool,
-    rotary_dim: int,
-    full_tables: bool,
-    conjugate: bool,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """`rope_fusion::rotary` as one Triton launch (Inductor sees the kernel itself)."""
-    check_args(x, cos, sin, rotary_dim, full_tables, out_dtype)
-    return _launch([x], cos, sin, interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full_tables,
-                   conjugate=conjugate, out_dtype=out_dtype)[0]
+def _impl(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams) -> list | None:
+    if any(t.device.type != "cuda" for t in (*xs, cos, sin)) and not _INTERPRETED:
+        return None  # the reference serves other devices
+    return launch(xs, cos, sin, params)
 
 
-@triton_op("rope_fusion::rotary_qk_triton", mutates_args=())
-def rotary_qk_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    interleaved: bool,
-    rotary_dim: int,
-    full_tables: bool,
-    conjugate: bool,
-    out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rope_fusion::rotary_qk`: q and k (head counts may differ) in one Triton launch."""
-    check_args(q, cos, sin, rotary_dim, full_tables, out_dtype, name="q")
-    check_args(k, cos, sin, rotary_dim, full_tables, out_dtype, name="k")
-    qo, ko = _launch([q, k], cos, sin, interleaved=interleaved, rotary_dim=rotary_dim,
-                     full_tables=full_tables, conjugate=conjugate, out_dtype=out_dtype)
-    return qo, ko
+def _interpreted() -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    return isinstance(_rotary_kernel, InterpretedFunction)
 
 
-def _eager_rotary(x, cos, sin, **kw) -> torch.Tensor:
-    return rotary_triton(x, cos, sin, **kw)
+_INTERPRETED = _interpreted()  # TRITON_INTERPRET=1: the kernel runs on CPU tensors (tests)
+
+# `rope_fusion::rotary_triton` / `rotary_qk_triton`: the kernel behind an opaque op, for sites whose sizes are
+# symbolic (the user-kernel node of kernels/triton_graph.py needs concrete sizes) and for direct calls.
+ROTARY_TRITON, ROTARY_QK_TRITON = define_rotary_ops("_triton", _impl)
 
 
-def _eager_rotary_qk(q, k, cos, sin, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    return rotary_qk_triton(q, k, cos, sin, **kw)
-
-
-def supports(spec: SiteSpec) -> bool:
+def supports(spec: SiteSpec) -> str | None:
     """Sites this backend takes: GPU tensors of float dtypes and a static head dim the kernel can hold."""
     if spec.device_type != "cuda":  # ROCm tensors also have device type "cuda"
-        return False
-    if not all(d in SUPPORTED_DTYPES for d in (spec.x_dtype, spec.table_dtype, spec.out_dtype)):
-        return False
-    head_dim = spec.x_shape[-1] if spec.x_shape else None
-    if not isinstance(head_dim, int) or not isinstance(spec.rotary_dim, int):
-        return False
-    return 0 < spec.rotary_dim <= head_dim <= MAX_HEAD_DIM and spec.rotary_dim % 2 == 0
+        return f"runs on CUDA/ROCm devices, the site is on {spec.device_type}"
+    dtypes = (spec.x_dtype, spec.table_dtype, spec.params.out_dtype)
+    if not all(d in SUPPORTED_DTYPES for d in dtypes):
+        return f"dtypes {dtypes} not among {SUPPORTED_DTYPES}"
+    head_dim = spec.head_dim
+    if not isinstance(head_dim, int):
+        return "the head dim is symbolic"
+    if not head_dim <= MAX_HEAD_DIM:
+        return f"head dim {head_dim} > {MAX_HEAD_DIM}"
+    return None
 
 
-register_backend(Backend("triton", torch.ops.rope_fusion.rotary_triton.default,
-                         torch.ops.rope_fusion.rotary_qk_triton.default, supports))
-register_eager_kernel("cuda", rotary=_eager_rotary, rotary_qk=_eager_rotary_qk)
+def _emit(emitter: Any, xs: list, cos: Any, sin: Any, params: RotaryParams, like: Any) -> list:
+    """Inductor's own user-kernel node where the sizes are concrete (launched from generated code, no op
+    dispatch per call); the opaque op otherwise."""
+    from .triton_graph import emit_triton
 
-__all__ = ["rotary_triton", "rotary_qk_triton", "supports"]
+    if emitter.fake_mode is not None:
+        outs = emit_triton(emitter.graph, emitter.fake_mode, xs, cos, sin, params, like)
+        if outs is not None:
+            return outs
+    return emit_op_call((ROTARY_TRITON, ROTARY_QK_TRITON), emitter, xs, cos, sin, params, like)
+
+
+register_backend(Backend("triton", supports, _emit))
+register_device_kernel("cuda", _impl)
+
+__all__ = ["ROTARY_TRITON", "ROTARY_QK_TRITON", "launch", "supports"]

@@ -1,6 +1,9 @@
-"""The fused rotary op: definition, reference semantics and Inductor lowering."""
+"""The fused rotary op: its one schema, reference semantics, Inductor lowering and backend registry."""
 
-from .library import apply_rotary, apply_rotary_qk, register_eager_kernel  # noqa: F401
-from .reference import check_args, math_dtype, rotary_reference  # noqa: F401
-from . import lowering  # noqa: F401  (registers the Inductor lowering)
-from . import backends  # noqa: F401
+from . import (
+    backends,  # noqa: F401
+    lowering,  # noqa: F401  (registers the Inductor lowering)
+)
+from .library import apply_rotary, apply_rotary_qk, define_rotary_ops, register_device_kernel  # noqa: F401
+from .reference import rotary_reference  # noqa: F401
+from .schema import RotaryParams, check_args, math_dtype  # noqa: F401

@@ -1,43 +1,28 @@
-"""Registry of fused-op backends: which op a fused site becomes, per backend name.
+"""Backends of the fused op: one registry, one plug-in record per backend.
 
-Every backend op has the signature of `rope_fusion::rotary` / `rope_fusion::rotary_qk`, so the pass builds
-one node whatever the backend. Backend modules (kernels/) register themselves on import; a backend that
-cannot take a site says so through `supports`, and the pass falls back to the next one in `fallbacks`.
+A backend is complete in its `Backend` record: which sites it takes (`supports`, with the reason when
+not) and how a site becomes graph nodes (`emit`). The Inductor backend lives here; the optional ones
+(kernels/triton_rotary.py, kernels/npu.py) register themselves when their module is imported, which
+`load_backends()` does lazily because Triton and torch_npu are optional extras. Backend names come from this
+module only: `BACKEND_NAMES` is what the pass, the CLI and the docs accept.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import importlib
+import operator
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from .library import ROTARY, ROTARY_QK
+from .schema import RotaryParams
 
-@dataclasses.dataclass(frozen=True)
-class SiteSpec:
-    """What a backend needs to decide whether it can take a site (all from fake tensors)."""
-
-    device_type: str
-    x_shape: tuple  # ints, None where the size is symbolic
-    x_dtype: torch.dtype
-    table_dtype: torch.dtype
-    out_dtype: torch.dtype
-    interleaved: bool
-    rotary_dim: int
-    full_tables: bool
-    conjugate: bool
-    paired: bool  # a q/k pair (rotary_qk) rather than one tensor
-
-
-@dataclasses.dataclass(frozen=True)
-class Backend:
-    name: str
-    rotary: Any  # an OpOverload with rotary's signature
-    rotary_qk: Any  # an OpOverload with rotary_qk's signature
-    supports: Callable[[SiteSpec], bool]
-
-
-_BACKENDS: dict[str, Backend] = {}
+# Optional backends: name -> module that registers it (imported on first use).
+OPTIONAL_BACKENDS = {"triton": "rope_fusion.kernels.triton_rotary", "npu": "rope_fusion.kernels.npu"}
+BACKEND_NAMES = ("auto", "inductor", *OPTIONAL_BACKENDS)
 
 # For `auto`, per device type: the backends to try, best first (the order comes from BENCHMARKS.md).
 AUTO_ORDER: dict[str, list[str]] = {
@@ -47,34 +32,93 @@ AUTO_ORDER: dict[str, list[str]] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class SiteSpec:
+    """What a backend needs to decide whether it can take a site (all from fake tensors)."""
+
+    device_type: str
+    x_shapes: tuple  # per rotated tensor: its shape, ints and None where a size is symbolic
+    x_dtype: torch.dtype
+    table_dtype: torch.dtype  # the real dtype of the table view the op reads
+    params: RotaryParams
+
+    @property
+    def arity(self) -> int:
+        return len(self.x_shapes)
+
+    @property
+    def head_dim(self) -> int | None:
+        return self.x_shapes[0][-1] if self.x_shapes and self.x_shapes[0] else None
+
+    def bytes_moved(self) -> int | None:
+        """Bytes read and written for x (the copy floor of the site), None when a size is symbolic."""
+        total = 0
+        in_size = torch.empty((), dtype=self.x_dtype).element_size()
+        out_size = torch.empty((), dtype=self.params.out_dtype).element_size()
+        for shape in self.x_shapes:
+            if any(d is None for d in shape):
+                return None
+            numel = 1
+            for d in shape:
+                numel *= d
+            total += numel * (in_size + out_size)
+        return total
+
+
+# emit(emitter, xs, cos, sin, params, like) -> output nodes, one per x. The emitter (passes/emission.py)
+# creates nodes with fake values: `emitter.call(target, args, kwargs, like=node)`.
+Emit = Callable[[Any, list, Any, Any, RotaryParams, Any], list]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    name: str
+    supports: Callable[[SiteSpec], str | None]  # None when the backend takes the site, else the reason
+    emit: Emit
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
 def register_backend(backend: Backend) -> None:
+    if backend.name not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {backend.name!r}: add it to BACKEND_NAMES / OPTIONAL_BACKENDS")
     _BACKENDS[backend.name] = backend
 
 
+def emit_op_call(ops: tuple, emitter: Any, xs: list, cos: Any, sin: Any, params: RotaryParams, like: Any) -> list:
+    """One call of an op pair (`rotary*`, `rotary_qk*`): the emission of every backend that is an op."""
+    op = ops[0] if len(xs) == 1 else ops[1]
+    node = emitter.call(op, (*xs, cos, sin), params.kwargs(), like=like)
+    if len(xs) == 1:
+        return [node]
+    return [emitter.call(operator.getitem, (node, i), like=like) for i in range(len(xs))]
+
+
+_loaded = False
+
+
+def load_backends() -> None:
+    """Import the optional backend modules once; a missing toolkit (ImportError) leaves that backend out."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for module in OPTIONAL_BACKENDS.values():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
+
+
 def get_backend(name: str) -> Backend | None:
-    _load_optional_backends()
+    load_backends()
     return _BACKENDS.get(name)
 
 
 def available_backends() -> list[str]:
-    _load_optional_backends()
+    load_backends()
     return sorted(_BACKENDS)
-
-
-def choose_backend(requested: str, spec: SiteSpec) -> Backend:
-    """The backend for one site: the requested one if it takes the site, else the next that does."""
-    _load_optional_backends()
-    if requested == "auto":
-        order = AUTO_ORDER.get(spec.device_type, ["inductor"])
-        if spec.device_type in ("cuda", "hip") and not _large(spec):
-            order = ["inductor"]
-    else:
-        order = [requested]
-    for name in order + ["inductor"]:
-        b = _BACKENDS.get(name)
-        if b is not None and b.supports(spec):
-            return b
-    return _BACKENDS["inductor"]
 
 
 # On the H200 (BENCHMARKS.md) the Triton kernel, emitted as Inductor's own user-kernel node, beats the
@@ -86,36 +130,39 @@ TRITON_MIN_BYTES = 8 * 2**20
 
 
 def _large(spec: SiteSpec) -> bool:
-    if any(d is None for d in spec.x_shape):
-        return False
-    numel = 1
-    for d in spec.x_shape:
-        numel *= d
-    elem = torch.empty((), dtype=spec.x_dtype).element_size()
-    return numel * elem * 2 * (2 if spec.paired else 1) >= TRITON_MIN_BYTES
+    moved = spec.bytes_moved()
+    return moved is not None and moved >= TRITON_MIN_BYTES
 
 
-_loaded = False
+def choose_backend(requested: str, spec: SiteSpec) -> tuple[Backend, list[str]]:
+    """The backend for one site and, when it is not the one asked for, why each better one was passed over
+    (`auto` passing over a backend for its own rule is not a fallback and gives no reasons)."""
+    load_backends()
+    if requested == "auto":
+        order = AUTO_ORDER.get(spec.device_type, ["inductor"])
+        if spec.device_type == "cuda" and not _large(spec):
+            order = ["inductor"]
+    else:
+        order = [requested]
+    reasons = []
+    for name in [*order, "inductor"]:
+        backend = _BACKENDS.get(name)
+        if backend is None:
+            reasons.append(f"{name}: not available (module {OPTIONAL_BACKENDS.get(name)} did not import)")
+            continue
+        why = backend.supports(spec)
+        if why is None:
+            return backend, ([] if requested == "auto" else reasons)
+        reasons.append(f"{name}: {why}")
+    return _BACKENDS["inductor"], reasons
 
 
-def _load_optional_backends() -> None:
-    """Import backend modules lazily: triton and torch_npu are optional extras."""
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    import importlib
-
-    for mod in ("rope_fusion.kernels.triton_rotary", "rope_fusion.kernels.npu"):
-        try:
-            importlib.import_module(mod)
-        except ImportError:
-            pass
+def _inductor_supports(spec: SiteSpec) -> str | None:
+    return None
 
 
-def _always(spec: SiteSpec) -> bool:
-    return True
+def _inductor_emit(emitter: Any, xs: list, cos: Any, sin: Any, params: RotaryParams, like: Any) -> list:
+    return emit_op_call((ROTARY, ROTARY_QK), emitter, xs, cos, sin, params, like)
 
 
-register_backend(Backend("inductor", torch.ops.rope_fusion.rotary.default,
-                         torch.ops.rope_fusion.rotary_qk.default, _always))
+register_backend(Backend("inductor", _inductor_supports, _inductor_emit))

@@ -1,132 +1,151 @@
-"""The `rope_fusion::rotary` and `rope_fusion::rotary_qk` operators.
+"""The `rope_fusion::rotary` and `rope_fusion::rotary_qk` operators, and the way every variant is defined.
 
-Defined with torch.library so that fused nodes are ordinary ops in any FX graph: they have fake
-implementations (shape propagation under torch.compile), an eager implementation (the reference, or a
-device kernel registered by a backend module), and an Inductor lowering (ops/lowering.py). The pass
-emits these ops; nothing else in the project invents its own.
+Fused nodes are ordinary torch.library ops in any FX graph: a fake implementation (shape propagation under
+torch.compile), an eager implementation (the reference, or a device kernel that a backend registers with
+`register_device_kernel`, which is torch.library's `register_kernel`), an autograd formula and, for the two
+main ops, an Inductor lowering (ops/lowering.py). A backend that needs an op Inductor must not lower (the
+NPU bridge, the Triton kernel behind a symbolic-size site) defines its own variant with
+`define_rotary_ops(suffix, impl)`: same schema, fake and autograd formula, its own eager implementation.
+Every signature comes from `schema.RotaryParams`.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from .reference import check_args, rotary_reference
+from .reference import partner_lanes, rotary_reference, table_grads
+from .schema import RotaryParams, check_args, op_schema
 
-# Device-specific eager kernels (e.g. Triton on CUDA) register here; the reference is the fallback.
-_EAGER_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
-_EAGER_QK_KERNELS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+LIBRARY = torch.library.Library("rope_fusion", "FRAGMENT")
 
-
-def register_eager_kernel(device_type: str, rotary=None, rotary_qk=None) -> None:
-    """Let a backend (kernels/) serve direct calls of the op on one device type."""
-    if rotary is not None:
-        _EAGER_KERNELS[device_type] = rotary
-    if rotary_qk is not None:
-        _EAGER_QK_KERNELS[device_type] = rotary_qk
+# impl(xs, cos, sin, params) -> list of outputs, or None to use the reference
+Impl = Callable[[list, torch.Tensor, torch.Tensor, RotaryParams], "list | None"]
 
 
-@torch.library.custom_op("rope_fusion::rotary", mutates_args=())
-def rotary(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    interleaved: bool,
-    rotary_dim: int,
-    full_tables: bool,
-    conjugate: bool,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    kw = dict(interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full_tables,
-              conjugate=conjugate, out_dtype=out_dtype)
-    kernel = _EAGER_KERNELS.get(x.device.type)
-    if kernel is not None:
-        out = kernel(x, cos, sin, **kw)
-        if out is not None:
-            return out
-    return rotary_reference(x, cos, sin, **kw).contiguous()
+def _split(args: Sequence[Any]) -> tuple[list, Any, Any]:
+    return list(args[:-2]), args[-2], args[-1]
 
 
-@rotary.register_fake
-def _rotary_fake(x, cos, sin, *, interleaved, rotary_dim, full_tables, conjugate, out_dtype):
-    check_args(x, cos, sin, rotary_dim, full_tables, out_dtype)
-    return x.new_empty(x.shape, dtype=out_dtype)
+def _result(outs: Sequence[torch.Tensor]) -> Any:
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-@torch.library.custom_op("rope_fusion::rotary_qk", mutates_args=())
-def rotary_qk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    interleaved: bool,
-    rotary_dim: int,
-    full_tables: bool,
-    conjugate: bool,
-    out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    kw = dict(interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full_tables,
-              conjugate=conjugate, out_dtype=out_dtype)
-    kernel = _EAGER_QK_KERNELS.get(q.device.type)
-    if kernel is not None:
-        out = kernel(q, k, cos, sin, **kw)
-        if out is not None:
-            return out
-    return (rotary_reference(q, cos, sin, **kw).contiguous(),
-            rotary_reference(k, cos, sin, **kw).contiguous())
+def _reference(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams) -> list:
+    return [rotary_reference(x, cos, sin, **params.kwargs()).contiguous() for x in xs]
 
 
-@rotary_qk.register_fake
-def _rotary_qk_fake(q, k, cos, sin, *, interleaved, rotary_dim, full_tables, conjugate, out_dtype):
-    check_args(q, cos, sin, rotary_dim, full_tables, out_dtype, name="q")
-    check_args(k, cos, sin, rotary_dim, full_tables, out_dtype, name="k")
-    return q.new_empty(q.shape, dtype=out_dtype), k.new_empty(k.shape, dtype=out_dtype)
+def _fake(*args: Any, **kw: Any) -> Any:
+    xs, cos, sin = _split(args)
+    params = RotaryParams(**kw)
+    check_args(xs, cos, sin, params)
+    return _result([x.new_empty(x.shape, dtype=params.out_dtype) for x in xs])
 
 
-def apply_rotary(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    interleaved: bool = False,
-    rotary_dim: int | None = None,
-    full_tables: bool = False,
-    conjugate: bool = False,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """Rotate x by the tables (DESIGN.md section 2); rotary_dim defaults to the whole head dim."""
-    rotary_dim = x.shape[-1] if rotary_dim is None else rotary_dim
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    check_args(x, cos, sin, rotary_dim, full_tables, out_dtype)
-    return torch.ops.rope_fusion.rotary(
-        x, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full_tables,
-        conjugate=conjugate, out_dtype=out_dtype,
+def _eager(impl: Impl | None) -> Callable[..., Any]:
+    def run(*args: Any, **kw: Any) -> Any:
+        xs, cos, sin = _split(args)
+        params = RotaryParams(**kw)
+        check_args(xs, cos, sin, params)  # a direct call deserves the ValueError, not a kernel's failure
+        outs = impl(xs, cos, sin, params) if impl is not None else None
+        return _result(outs if outs is not None else _reference(xs, cos, sin, params))
+    return run
+
+
+def _setup_context(ctx: Any, inputs: tuple, keyword_only_inputs: dict, output: Any) -> None:
+    xs, cos, sin = _split(inputs)
+    ctx.params = RotaryParams(**keyword_only_inputs)
+    ctx.x_dtypes = [x.dtype for x in xs]
+    ctx.tables_need_grad = cos.requires_grad or sin.requires_grad
+    # x is needed only for the tables' gradients; saving it otherwise would cost activation memory
+    ctx.save_for_backward(cos, sin, *(xs if ctx.tables_need_grad else ()))
+
+
+def _backward(ctx: Any, *grads: Any) -> tuple:
+    """The gradient of a rotation is the conjugate rotation (with the sin entry of the partner lane when
+    the tables hold one entry per lane); tables that require grad get the sums of reference.table_grads."""
+    p: RotaryParams = ctx.params
+    cos, sin, *xs = ctx.saved_tensors
+    back_sin = partner_lanes(sin, p.rotary_dim, p.interleaved) if p.full_tables else sin
+    inverse = [p.replace(conjugate=not p.conjugate, out_dtype=dtype) for dtype in ctx.x_dtypes]
+    if len(grads) == 2 and None not in grads and inverse[0] == inverse[1]:  # q and k: one launch
+        gx = list(ROTARY_QK(*grads, cos, back_sin, **inverse[0].kwargs()))
+    else:
+        gx = [None if g is None else ROTARY(g, cos, back_sin, **q.kwargs()) for g, q in zip(grads, inverse)]
+    gcos = gsin = None
+    if ctx.tables_need_grad:
+        gcos, gsin = table_grads(grads, xs, cos, sin, interleaved=p.interleaved, rotary_dim=p.rotary_dim,
+                                 full_tables=p.full_tables, conjugate=p.conjugate)
+    return (*gx, gcos, gsin)
+
+
+def define_rotary_ops(suffix: str = "", impl: Impl | None = None, impl_qk: Impl | None = None) -> tuple:
+    """Define `rope_fusion::rotary{suffix}` and `rope_fusion::rotary_qk{suffix}` (one tensor, or q and k that
+    share tables, in one call) and return their default overloads."""
+    ops = []
+    for arity, name, fn in ((1, f"rotary{suffix}", impl), (2, f"rotary_qk{suffix}", impl_qk or impl)):
+        qualname = f"rope_fusion::{name}"
+        torch.library.define(qualname, op_schema(arity), lib=LIBRARY)
+        torch.library.impl(qualname, "default", lib=LIBRARY)(_eager(fn))
+        torch.library.register_fake(qualname, lib=LIBRARY)(_fake)
+        torch.library.register_autograd(qualname, _backward, setup_context=_setup_context, lib=LIBRARY)
+        ops.append(getattr(torch.ops.rope_fusion, name).default)
+    return tuple(ops)
+
+
+ROTARY, ROTARY_QK = define_rotary_ops()
+
+
+def register_device_kernel(device_type: str, impl: Impl) -> None:
+    """Serve eager calls of `rotary` / `rotary_qk` on one device type with `impl` (None from it: reference)."""
+    for op in (ROTARY, ROTARY_QK):
+        torch.library.register_kernel(op._schema.name, device_type, _eager(impl), lib=LIBRARY)
+
+
+def _call(xs: list, cos: torch.Tensor, sin: torch.Tensor, options: dict) -> Any:
+    from .backends import load_backends
+
+    unknown = set(options) - set(RotaryParams.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; expected {list(RotaryParams.__dataclass_fields__)}")
+    names = ("x",) if len(xs) == 1 else ("q", "k")
+    for name, x in zip(names, xs):
+        if not isinstance(x, torch.Tensor) or x.dim() < 1:
+            raise ValueError(f"{name} must be a tensor with at least one dimension (the head dim)")
+    if options.get("out_dtype") is None and len({x.dtype for x in xs}) > 1:
+        raise ValueError(f"q is {xs[0].dtype} and k is {xs[1].dtype}: pass out_dtype=, both are written in it")
+    params = RotaryParams(
+        interleaved=bool(options.get("interleaved", False)),
+        rotary_dim=options.get("rotary_dim") or xs[0].shape[-1],
+        full_tables=bool(options.get("full_tables", False)),
+        conjugate=bool(options.get("conjugate", False)),
+        out_dtype=options.get("out_dtype") or xs[0].dtype,
     )
+    check_args(xs, cos, sin, params)
+    load_backends()  # device kernels (Triton on CUDA) register on import
+    op = ROTARY if len(xs) == 1 else ROTARY_QK
+    return op(*xs, cos, sin, **params.kwargs())
 
 
-def apply_rotary_qk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    interleaved: bool = False,
-    rotary_dim: int | None = None,
-    full_tables: bool = False,
-    conjugate: bool = False,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k (head counts may differ) by shared tables in one call."""
-    rotary_dim = q.shape[-1] if rotary_dim is None else rotary_dim
-    out_dtype = q.dtype if out_dtype is None else out_dtype
-    check_args(q, cos, sin, rotary_dim, full_tables, out_dtype, name="q")
-    check_args(k, cos, sin, rotary_dim, full_tables, out_dtype, name="k")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must share the head dim, got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    return torch.ops.rope_fusion.rotary_qk(
-        q, k, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full_tables,
-        conjugate=conjugate, out_dtype=out_dtype,
-    )
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False,
+                 rotary_dim: int | None = None, full_tables: bool = False, conjugate: bool = False,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rotate the last dim of x by the tables; differentiable (the gradient is the inverse rotation).
+
+    Pairs are (2j, 2j+1) when `interleaved`, else NeoX (j, j + R/2), R = `rotary_dim` (default: the whole
+    head dim; lanes >= R pass through). Tables: one entry per pair, width R/2 (the flash-attn / vLLM
+    convention), or with `full_tables` one entry per lane, width R (the Hugging Face convention); they
+    broadcast against x's leading dims and may be strided views. `conjugate` rotates by minus the angle.
+    The math is fp32 (fp64 for fp64 inputs), rounded once to `out_dtype` (default x's dtype). Raises
+    ValueError naming the argument for bad shapes, dtypes or devices."""
+    return _call([x], cos, sin, dict(interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full_tables,
+                                     conjugate=conjugate, out_dtype=out_dtype))
+
+
+def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by shared tables in one call (head counts may differ); options as for `apply_rotary`.
+    Both results are written in one dtype: when q and k differ in dtype, `out_dtype` must say which."""
+    return _call([q, k], cos, sin, options)

@@ -3,7 +3,8 @@
 The inner function loads x at the lane and at its partner (index arithmetic with ModularIndexing, so
 every load stays in bounds) and the tables at the lane or pair index; Inductor then fuses the node with
 its neighbours (casts, norms) into one generated kernel. On the GPU this form of access is slower than
-the hand-written Triton kernel (DESIGN.md section 3), so there it is the fallback, not the default.
+the hand-written Triton kernel (docs/design.md section 3), so there it is chosen only where the cost
+model says fusing with neighbours wins.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from torch._inductor.utils import sympy_index_symbol  # noqa: F401  (import chec
 from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import ModularIndexing
 
-from .library import rotary, rotary_qk  # noqa: F401  (defines the ops)
+from .library import ROTARY, ROTARY_QK
+from .schema import RotaryParams
 
 
 def _compute_dtype(x, cos, sin, out_dtype):
@@ -23,11 +25,12 @@ def _compute_dtype(x, cos, sin, out_dtype):
     return torch.float64 if wide and out_dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def _rotary_pointwise(x, cos, sin, interleaved, rotary_dim, full_tables, conjugate, out_dtype):
+def _rotary_pointwise(x, cos, sin, p: RotaryParams):
+    interleaved, full_tables, conjugate, out_dtype = p.interleaved, p.full_tables, p.conjugate, p.out_dtype
     size = list(x.get_size())
     nd = len(size)
     head = size[-1]
-    r = rotary_dim
+    r = p.rotary_dim
     half = r // 2
     cd = _compute_dtype(x, cos, sin, out_dtype)
     x_load = x.make_loader()
@@ -72,12 +75,12 @@ def _rotary_pointwise(x, cos, sin, interleaved, rotary_dim, full_tables, conjuga
     return ir.Pointwise.create(device=x.get_device(), dtype=out_dtype, inner_fn=inner_fn, ranges=size)
 
 
-@register_lowering(torch.ops.rope_fusion.rotary.default, type_promotion_kind=None)
-def _lower_rotary(x, cos, sin, *, interleaved, rotary_dim, full_tables, conjugate, out_dtype):
-    return _rotary_pointwise(x, cos, sin, interleaved, rotary_dim, full_tables, conjugate, out_dtype)
+def _lower(*args, **kw):
+    *xs, cos, sin = args
+    p = RotaryParams(**kw)
+    outs = [_rotary_pointwise(x, cos, sin, p) for x in xs]
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-@register_lowering(torch.ops.rope_fusion.rotary_qk.default, type_promotion_kind=None)
-def _lower_rotary_qk(q, k, cos, sin, *, interleaved, rotary_dim, full_tables, conjugate, out_dtype):
-    return (_rotary_pointwise(q, cos, sin, interleaved, rotary_dim, full_tables, conjugate, out_dtype),
-            _rotary_pointwise(k, cos, sin, interleaved, rotary_dim, full_tables, conjugate, out_dtype))
+register_lowering(ROTARY, type_promotion_kind=None)(_lower)
+register_lowering(ROTARY_QK, type_promotion_kind=None)(_lower)

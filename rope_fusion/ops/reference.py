@@ -1,63 +1,15 @@
-"""Reference semantics of the fused rotary op (DESIGN.md section 2).
+"""Reference semantics of the fused rotary op (docs/design.md section 2).
 
 Every backend (Inductor lowering, Triton, NPU bridge) is tested against this function, so it is written
-for clarity: plain slicing, no tricks. It also validates arguments, because direct callers deserve a
-ValueError that names the bad argument rather than a shape error deep inside a kernel.
+for clarity: plain slicing, no tricks. It is also the op's eager implementation where no device kernel is
+registered, and the source of the table gradients in the op's autograd formula.
 """
 
 from __future__ import annotations
 
 import torch
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def math_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype) -> torch.dtype:
-    """fp64 math only when an input is fp64 and the output can hold the extra precision."""
-    wide = torch.float64 in (x.dtype, cos.dtype, sin.dtype)
-    return torch.float64 if wide and out_dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def table_width(rotary_dim: int, full_tables: bool) -> int:
-    return rotary_dim if full_tables else rotary_dim // 2
-
-
-def check_args(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    rotary_dim: int,
-    full_tables: bool,
-    out_dtype: torch.dtype,
-    name: str = "x",
-) -> None:
-    """Raise ValueError naming the offending argument; shapes may be symbolic (fake tensors)."""
-    if x.dim() < 1:
-        raise ValueError(f"{name} must have at least one dimension (the head dim), got shape {tuple(x.shape)}")
-    for arg, t in ((name, x), ("cos", cos), ("sin", sin)):
-        if t.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{arg} has unsupported dtype {t.dtype}; expected one of {FLOAT_DTYPES}")
-    if out_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"out_dtype {out_dtype} is unsupported; expected one of {FLOAT_DTYPES}")
-    head_dim = x.shape[-1]
-    if rotary_dim <= 0 or rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
-    if rotary_dim > head_dim:
-        raise ValueError(f"rotary_dim={rotary_dim} exceeds the head dim of {name} (shape {tuple(x.shape)})")
-    width = table_width(rotary_dim, full_tables)
-    for arg, t in (("cos", cos), ("sin", sin)):
-        if t.dim() < 1 or t.shape[-1] != width:
-            raise ValueError(
-                f"{arg} must have last dim {width} (rotary_dim={rotary_dim}, full_tables={full_tables}), "
-                f"got shape {tuple(t.shape)}"
-            )
-        if t.dim() > x.dim():
-            raise ValueError(f"{arg} of shape {tuple(t.shape)} has more dims than {name} {tuple(x.shape)}")
-        for a, b in zip(reversed(t.shape[:-1]), reversed(x.shape[:-1])):
-            if a != 1 and a != b:
-                raise ValueError(
-                    f"{arg} of shape {tuple(t.shape)} does not broadcast against {name} of shape {tuple(x.shape)}"
-                )
+from .schema import check_args, math_dtype  # noqa: F401  (re-exported: the reference validates like the op)
 
 
 def _lane_tables(t: torch.Tensor, rotary_dim: int, interleaved: bool, full_tables: bool):
@@ -83,7 +35,7 @@ def rotary_reference(
 ) -> torch.Tensor:
     """out[a]=x[a]C[a]-x[b]S[a], out[b]=x[b]C[b]+x[a]S[b] per pair (a,b); S negated when conjugate."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    cd = math_dtype(x, cos, sin, out_dtype)
+    cd = math_dtype([x], cos, sin, out_dtype)
     r = rotary_dim
     xr = x[..., :r].to(cd)
     if interleaved:
@@ -104,3 +56,47 @@ def rotary_reference(
     if r < x.shape[-1]:
         rot = torch.cat((rot, x[..., r:].to(out_dtype)), dim=-1)
     return rot
+
+
+def partner_lanes(t: torch.Tensor, rotary_dim: int, interleaved: bool) -> torch.Tensor:
+    """A full-width table with each pair's two entries swapped: entry a_j of the result is t[b_j].
+
+    The gradient of a rotation reads the sin entry of the partner lane (d out[b]/d x[a] = S[b]), so the
+    backward is the conjugate rotation by (C, partner_lanes(S)); for one entry per pair this is S itself."""
+    if interleaved:
+        return t.unflatten(-1, (rotary_dim // 2, 2)).flip(-1).flatten(-2)
+    half = rotary_dim // 2
+    return torch.cat((t[..., half:], t[..., :half]), dim=-1)
+
+
+def table_grads(grads, xs, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, rotary_dim: int,
+                full_tables: bool, conjugate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of the tables, summed over every rotated tensor and reduced to each table's shape.
+
+    With pairs (a, b): out[a] = x[a]C[a] - x[b]S[a] and out[b] = x[b]C[b] + x[a]S[b] (S negated when
+    conjugate), so dC[a] = g[a]x[a], dC[b] = g[b]x[b], dS[a] = -g[a]x[b], dS[b] = g[b]x[a]; a per-pair table
+    receives the sum over both lanes of its pair."""
+    cd = torch.float64 if torch.float64 in (cos.dtype, sin.dtype) else torch.float32
+    sign = -1.0 if conjugate else 1.0
+    r = rotary_dim
+    gc = gs = None
+    for g, x in zip(grads, xs):
+        if g is None:
+            continue
+        g, x = g[..., :r].to(cd), x[..., :r].to(cd)
+        if interleaved:
+            ga, gb, xa, xb = g[..., 0::2], g[..., 1::2], x[..., 0::2], x[..., 1::2]
+        else:
+            ga, gb, xa, xb = g[..., : r // 2], g[..., r // 2:], x[..., : r // 2], x[..., r // 2:]
+        if full_tables:
+            join = (lambda a, b: torch.stack((a, b), -1).flatten(-2)) if interleaved else \
+                (lambda a, b: torch.cat((a, b), -1))
+            c, s = join(ga * xa, gb * xb), join(-ga * xb, gb * xa) * sign
+        else:
+            c, s = ga * xa + gb * xb, (gb * xa - ga * xb) * sign
+        c, s = c.sum_to_size(cos.shape), s.sum_to_size(sin.shape)  # q and k broadcast differently (GQA)
+        gc = c if gc is None else gc + c
+        gs = s if gs is None else gs + s
+    if gc is None:
+        return torch.zeros_like(cos), torch.zeros_like(sin)
+    return gc.to(cos.dtype), gs.to(sin.dtype)

@@ -1,4 +1,5 @@
-"""Graph analysis and rewriting: lane algebra, matcher, q/k grouping, the pass."""
+"""Graph analysis and rewriting: lane algebra, matcher, sites, q/k grouping, emission, the pass."""
 
+from .installation import inductor_options, install, installed, uninstall  # noqa: F401
 from .report import Report  # noqa: F401
-from .rope_pass import RopeFusionPass, inductor_options, install, uninstall  # noqa: F401
+from .rope_pass import RopeFusionPass  # noqa: F401

@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..ops import host_tables  # noqa: F401  (defines the op)
+from .grouping import fake_mode_of
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -42,9 +45,6 @@ def _is_host_input(node: fx.Node) -> bool:
 def cache_host_tables(graph: fx.Graph, tables: list) -> list[str]:
     """Replace the host-to-device copies of graph inputs that the given table nodes depend on; returns the
     names of the inputs whose copies are now cached."""
-    from ..ops import host_tables  # noqa: F401  (defines the op)
-    from .rewrite import _fake_mode_of
-
     seen: set = set()
     stack = [t for t in tables if isinstance(t, fx.Node)]
     copies = []
@@ -66,15 +66,14 @@ def cache_host_tables(graph: fx.Graph, tables: list) -> list[str]:
         with graph.inserting_before(n):
             new = graph.call_function(op, (src, dev))
         new.meta.update(n.meta)
-        with _fake_mode_of(src.meta["val"]):
+        with fake_mode_of(src.meta["val"]):
             fake = op(src.meta["val"], dev)
         if old is not None and (tuple(fake.shape) != tuple(old.shape) or fake.stride() != old.stride()
                                 or fake.dtype != old.dtype):
             graph.erase_node(new)  # the copy's layout differs from what the graph expects: leave it
             continue
         new.meta["val"] = fake
-        n.replace_all_uses_with(new)
-        graph.erase_node(n)
+        n.replace_all_uses_with(new)  # the old copy is dead now; the pass's dead-code elimination drops it
         cached.append(src.name)
     return cached
 

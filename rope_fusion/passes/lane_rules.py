@@ -3,6 +3,9 @@
 Each rule takes the interpreter and an FX node and returns a LaneValue (or a list, for unbind/split), or
 raises Unsupported, which makes the node a source. Rules keep the right-aligned meaning of atoms: they
 either leave the leading dims alone or pull a leading dim into the lane grid first (`promote`).
+Importing this module registers the rules (`@lane_rule`) in `lanes.RULES`.
+
+In the examples, x is a source with 4 lanes (x0, x1, x2, x3) in its last dim, unless stated otherwise.
 """
 
 from __future__ import annotations
@@ -13,91 +16,105 @@ import operator
 import torch
 import torch.fx as fx
 
-from . import poly as P
+from . import poly
+from .fx_util import as_int, meta, norm_dim, same_dim
 from .lanes import (
     LaneInterpreter,
     LaneValue,
     Unsupported,
-    _indices,
-    _ints,
-    _meta,
-    _norm_dim,
-    _strides,
-    as_int,
-    same_dim,
+    grid_indices,
+    lane_dims,
+    lane_rule,
+    row_major_strides,
 )
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 
-def _lane_int(a):
+def _lane_int(arg):
     """A slice bound or size along a lane dim: an int, or a symbolic value specialized to its hint."""
-    if a is None or isinstance(a, int):
-        return a
-    val = _meta(a) if isinstance(a, fx.Node) else a
+    if arg is None or isinstance(arg, int):
+        return arg
+    val = meta(arg) if isinstance(arg, fx.Node) else arg
     out = as_int(val, specialize=True)
-    return out if out is not None else a
+    return out if out is not None else arg
 
 
 def _out_shape(node) -> tuple:
-    val = _meta(node)
+    val = meta(node)
     if not isinstance(val, torch.Tensor):
         raise Unsupported("no tensor meta")
     return tuple(val.shape) + ((2,) if val.dtype.is_complex else ())
 
 
 def _check_float(node) -> None:
-    val = _meta(node)
+    val = meta(node)
     if not isinstance(val, torch.Tensor) or not (val.dtype.is_floating_point or val.dtype.is_complex):
         raise Unsupported("not a float tensor")
 
 
 # -- elementwise ---------------------------------------------------------------------------------
 
-def _is_gather(v: LaneValue) -> bool:
+def _is_gather(value: LaneValue) -> bool:
     """Every lane is one source lane: a table or a view of x, not arithmetic."""
-    return all(e is not None and len(e) == 1 and len(next(iter(e))) == 1 for e in v.entries)
+    return all(e is not None and len(e) == 1 and len(next(iter(e))) == 1 for e in value.entries)
 
 
-def _broadcast_entries(v: LaneValue, grid: tuple) -> list:
-    """v's entries over `grid` (same rank), replicating size-1 grid dims."""
-    if tuple(v.grid) == tuple(grid):
-        return v.entries
-    vs = _strides(v.grid)
+def _broadcast_entries(value: LaneValue, grid: tuple) -> list:
+    """The value's entries over `grid` (same rank), replicating size-1 grid dims."""
+    if tuple(value.grid) == tuple(grid):
+        return value.entries
+    strides = row_major_strides(value.grid)
     out = []
-    for idx in _indices(grid):
-        f = sum((0 if v.grid[a] == 1 else idx[a]) * vs[a] for a in range(len(grid)))
-        out.append(v.entries[f])
+    for index in grid_indices(grid):
+        flat = sum((0 if value.grid[axis] == 1 else index[axis]) * strides[axis] for axis in range(len(grid)))
+        out.append(value.entries[flat])
     return out
 
 
-def _align(I: LaneInterpreter, node, vals: list) -> tuple:
+def _align(interp: LaneInterpreter, node, values: list) -> tuple:
     """Promote operands to one grid rank and broadcast them to the node's grid."""
     shape = _out_shape(node)
-    k = max(v.k for v in vals)
+    k = max(value.k for value in values)
     k = min(k, len(shape))
-    vals = [I.promote(v, k) if v.k < k and len(v.shape) > v.k else v for v in vals]
-    grid = tuple(_ints(shape[len(shape) - k:]))
-    if math.prod(grid) > I.max_lanes:
+    values = [interp.promote(value, k) if value.k < k and len(value.shape) > value.k else value
+              for value in values]
+    grid = tuple(lane_dims(shape[len(shape) - k:]))
+    if math.prod(grid) > interp.max_lanes:
         raise Unsupported("too many lanes")
     out = []
-    for v in vals:
-        g = tuple(v.grid)
-        if len(g) < k:  # a 0-dim (or lower-rank) operand
-            g = (1,) * (k - len(g)) + g
-            v = LaneValue((1,) * (k - v.k) + v.shape, k, v.entries, v.is_complex, v.wide)
-        if any(a != b and a != 1 for a, b in zip(g, grid)):
+    for value in values:
+        value_grid = tuple(value.grid)
+        if len(value_grid) < k:  # a 0-dim (or lower-rank) operand
+            value_grid = (1,) * (k - len(value_grid)) + value_grid
+            value = LaneValue((1,) * (k - value.k) + value.shape, k, value.entries, value.is_complex, value.wide)
+        if any(a != b and a != 1 for a, b in zip(value_grid, grid)):
             raise Unsupported("grids do not broadcast")
-        out.append(_broadcast_entries(v, grid))
+        out.append(_broadcast_entries(value, grid))
     return shape, k, out
 
 
-def _pointwise(I, node, args, fn, complex_ok=False) -> LaneValue:
-    vals = [I.value(a) for a in args]
-    if any(v.is_complex for v in vals) and not complex_ok:
+def _pointwise(interp, node, args, fn, complex_ok=False) -> LaneValue:
+    values = [interp.value(arg) for arg in args]
+    if any(value.is_complex for value in values) and not complex_ok:
         raise Unsupported("complex operand")
-    return _pointwise_vals(I, node, vals, fn, is_complex=any(v.is_complex for v in vals))
+    return _pointwise_values(interp, node, values, fn, is_complex=any(value.is_complex for value in values))
+
+
+def _pointwise_values(interp, node, values, fn, is_complex=False):
+    _check_float(node)
+    shape, k, operand_entries = _align(interp, node, values)
+    out = []
+    for lane in zip(*operand_entries):
+        if any(entry is None for entry in lane):
+            out.append(None)
+            continue
+        result = fn(*lane)
+        if result is None:
+            raise Unsupported("polynomial too large")
+        out.append(result)
+    return LaneValue(shape, k, out, is_complex, any(value.wide for value in values))
 
 
 def _scalar_of(arg) -> float | None:
@@ -106,270 +123,316 @@ def _scalar_of(arg) -> float | None:
     return None
 
 
-def rule_add(I, node):
+@lane_rule(aten.add.Tensor)
+def rule_add(interp, node):
+    """Lanewise a + alpha*b, operands broadcast against each other.
+    add(x, y, alpha=2) with y of 4 lanes: lanes (x0 + 2*y0, ..., x3 + 2*y3)."""
     alpha = node.kwargs.get("alpha", 1)
-    return _pointwise(I, node, node.args[:2], lambda a, b: P.add(a, b, alpha), complex_ok=True)
+    return _pointwise(interp, node, node.args[:2], lambda a, b: poly.add(a, b, alpha), complex_ok=True)
 
 
-def rule_sub(I, node):
+@lane_rule(aten.sub.Tensor)
+def rule_sub(interp, node):
+    """Lanewise a - alpha*b.
+    sub(x, y): lanes (x0 - y0, ..., x3 - y3)."""
     alpha = node.kwargs.get("alpha", 1)
-    return _pointwise(I, node, node.args[:2], lambda a, b: P.add(a, b, -alpha), complex_ok=True)
+    return _pointwise(interp, node, node.args[:2], lambda a, b: poly.add(a, b, -alpha), complex_ok=True)
 
 
-def rule_rsub(I, node):
+@lane_rule(aten.rsub.Scalar)
+def rule_rsub(interp, node):
+    """Lanewise other - alpha*self (real operands only).
+    rsub(x, 2.0): lanes (2 - x0, ..., 2 - x3)."""
     alpha = node.kwargs.get("alpha", 1)
-    return _pointwise(I, node, node.args[:2], lambda a, b: P.add(b, a, -alpha))
+    return _pointwise(interp, node, node.args[:2], lambda a, b: poly.add(b, a, -alpha))
 
 
-def rule_neg(I, node):
-    return _pointwise(I, node, node.args[:1], lambda a: P.scale(a, -1.0), complex_ok=True)
+@lane_rule(aten.neg.default)
+def rule_neg(interp, node):
+    """Every lane negated.
+    neg(x): lanes (-x0, -x1, -x2, -x3)."""
+    return _pointwise(interp, node, node.args[:1], lambda a: poly.scale(a, -1.0), complex_ok=True)
 
 
-def rule_mul(I, node):
-    a, b = node.args[:2]
-    va = I.value(a)
-    vb = I.value(b)
-    if va.is_complex and vb.is_complex:
-        return _complex_mul(I, node, va, vb)
-    if va.is_complex or vb.is_complex:
+@lane_rule(aten.mul.Tensor, aten.mul.Scalar)
+def rule_mul(interp, node):
+    """Lanewise product (complex times complex as (re, im) pairs; a real factor scales both parts).
+    mul(x, cos) with cos of 4 lanes: lanes (x0*cos0, ..., x3*cos3); mul(x, 3): (3*x0, ..., 3*x3)."""
+    lhs, rhs = node.args[:2]
+    value_a = interp.value(lhs)
+    value_b = interp.value(rhs)
+    if value_a.is_complex and value_b.is_complex:
+        return _complex_mul(interp, node, value_a, value_b)
+    if value_a.is_complex or value_b.is_complex:
         # complex times real: the real operand scales both parts
-        c, r = (va, vb) if va.is_complex else (vb, va)
-        r = LaneValue(r.shape + (1,), r.k + 1, r.entries, False, r.wide)
-        return _pointwise_vals(I, node, [c, r], P.mul, is_complex=True)
-    return _pointwise_vals(I, node, [va, vb], P.mul)
+        cplx, real = (value_a, value_b) if value_a.is_complex else (value_b, value_a)
+        real = LaneValue(real.shape + (1,), real.k + 1, real.entries, False, real.wide)
+        return _pointwise_values(interp, node, [cplx, real], poly.mul, is_complex=True)
+    return _pointwise_values(interp, node, [value_a, value_b], poly.mul)
 
 
-def _pointwise_vals(I, node, vals, fn, is_complex=False):
-    _check_float(node)
-    shape, k, ents = _align(I, node, vals)
-    out = []
-    for es in zip(*ents):
-        if any(e is None for e in es):
-            out.append(None)
-            continue
-        r = fn(*es)
-        if r is None:
-            raise Unsupported("polynomial too large")
-        out.append(r)
-    return LaneValue(shape, k, out, is_complex, any(v.wide for v in vals))
-
-
-def _complex_mul(I, node, va, vb):
+def _complex_mul(interp, node, value_a, value_b):
     shape = _out_shape(node)
-    k = max(va.k, vb.k)
-    va, vb = I.promote(va, k), I.promote(vb, k)
-    grid = tuple(_ints(shape[len(shape) - k:]))
-    ea, eb = _broadcast_entries(va, grid), _broadcast_entries(vb, grid)
+    k = max(value_a.k, value_b.k)
+    value_a, value_b = interp.promote(value_a, k), interp.promote(value_b, k)
+    grid = tuple(lane_dims(shape[len(shape) - k:]))
+    entries_a, entries_b = _broadcast_entries(value_a, grid), _broadcast_entries(value_b, grid)
     out = []
-    for i in range(0, len(ea), 2):
-        ar, ai, br, bi = ea[i], ea[i + 1], eb[i], eb[i + 1]
+    for i in range(0, len(entries_a), 2):
+        ar, ai, br, bi = entries_a[i], entries_a[i + 1], entries_b[i], entries_b[i + 1]
         if None in (ar, ai, br, bi):
             out += [None, None]
             continue
-        p1, p2, p3, p4 = P.mul(ar, br), P.mul(ai, bi), P.mul(ar, bi), P.mul(ai, br)
-        if None in (p1, p2, p3, p4):
+        rr, ii, ri, ir = poly.mul(ar, br), poly.mul(ai, bi), poly.mul(ar, bi), poly.mul(ai, br)
+        if None in (rr, ii, ri, ir):
             raise Unsupported("polynomial too large")
-        out += [P.add(p1, p2, -1.0), P.add(p3, p4)]
-    return LaneValue(shape, k, out, True, va.wide or vb.wide)
+        out += [poly.add(rr, ii, -1.0), poly.add(ri, ir)]
+    return LaneValue(shape, k, out, True, value_a.wide or value_b.wide)
 
 
-def rule_div(I, node):
-    c = _scalar_of(node.args[1])
-    if c is None or c == 0:
+@lane_rule(aten.div.Tensor, aten.div.Scalar)
+def rule_div(interp, node):
+    """Division by a nonzero scalar constant scales every lane (a tensor divisor is unsupported).
+    div(x, 2): lanes (x0/2, ..., x3/2)."""
+    divisor = _scalar_of(node.args[1])
+    if divisor is None or divisor == 0:
         raise Unsupported("division by a tensor")
-    return _pointwise(I, node, node.args[:1], lambda a: P.scale(a, 1.0 / c), complex_ok=True)
+    return _pointwise(interp, node, node.args[:1], lambda a: poly.scale(a, 1.0 / divisor), complex_ok=True)
 
 
-def rule_addcmul(I, node):
+@lane_rule(aten.addcmul.default)
+def rule_addcmul(interp, node):
+    """Lanewise self + value*t1*t2.
+    addcmul(s, x, cos, value=0.5): lanes (s0 + 0.5*x0*cos0, ..., s3 + 0.5*x3*cos3)."""
     value = node.kwargs.get("value", node.args[3] if len(node.args) > 3 else 1)
 
-    def fn(s, t1, t2):
-        m = P.mul(t1, t2)
-        return None if m is None else P.add(s, m, value)
+    def fn(base, t1, t2):
+        product = poly.mul(t1, t2)
+        return None if product is None else poly.add(base, product, value)
 
-    return _pointwise(I, node, node.args[:3], fn)
+    return _pointwise(interp, node, node.args[:3], fn)
 
 
-def rule_identity(I, node):
+@lane_rule(aten.clone.default, aten.alias.default, aten.contiguous.default, aten.resolve_conj.default)
+def rule_identity(interp, node):
+    """The lanes of the first argument, unchanged (copies, aliases, layout changes).
+    clone(x): lanes (x0, x1, x2, x3)."""
     _check_float(node)
-    v = I.value(node.args[0])
-    return LaneValue(_out_shape(node), v.k, v.entries, v.is_complex, v.wide)
+    value = interp.value(node.args[0])
+    return LaneValue(_out_shape(node), value.k, value.entries, value.is_complex, value.wide)
 
 
-def rule_convert(I, node):
-    val = _meta(node)
+@lane_rule(prims.convert_element_type.default, aten._to_copy.default)
+def rule_convert(interp, node):
+    """A cast between real float dtypes keeps the lanes (a cast to fp64 marks the value wide).
+    convert_element_type(x, float64): lanes (x0, x1, x2, x3); a cast to int is unsupported."""
+    val = meta(node)
     if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
         raise Unsupported("cast to a non-float dtype")
-    v = I.value(node.args[0])
-    if v.is_complex:
+    value = interp.value(node.args[0])
+    if value.is_complex:
         raise Unsupported("complex cast")
-    return LaneValue(_out_shape(node), v.k, v.entries, False, v.wide)
+    return LaneValue(_out_shape(node), value.k, value.entries, False, value.wide)
 
 
-def rule_copy(I, node):
-    """copy(dst, src): src broadcast to dst's shape, converted to dst's dtype."""
+@lane_rule(aten.copy.default)
+def rule_copy(interp, node):
+    """copy(dst, src): src broadcast to dst's shape, converted to dst's dtype.
+    copy(empty [2, 4], x): lanes (x0, x1, x2, x3) in each of the 2 rows."""
     _check_float(node)
-    v = I.value(node.args[1])
-    return _expand_to(I, v, _out_shape(node))
+    value = interp.value(node.args[1])
+    return _expand_to(interp, value, _out_shape(node))
 
 
 # -- creation ------------------------------------------------------------------------------------
 
-def _filled(I, node, entry):
+def _filled(interp, node, entry):
     _check_float(node)
     shape = _out_shape(node)
     if not shape:
         return LaneValue((), 0, [entry])
-    (n,) = _ints(shape[-1:], specialize=True)
-    if n > I.max_lanes:
+    (count,) = lane_dims(shape[-1:], specialize=True)
+    if count > interp.max_lanes:
         raise Unsupported("too many lanes")
-    return LaneValue(shape[:-1] + (n,), 1, [entry] * n)
+    return LaneValue(shape[:-1] + (count,), 1, [entry] * count)
 
 
-def rule_empty(I, node):
-    return _filled(I, node, None)
+@lane_rule(aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default)
+def rule_empty(interp, node):
+    """A new tensor whose lanes are never written (None) until a scatter fills them.
+    empty([2, 4]): lanes (None, None, None, None)."""
+    return _filled(interp, node, None)
 
 
-def rule_full(I, node):
-    c = _scalar_of(node.args[1])
-    if c is None:
+@lane_rule(aten.full.default, aten.full_like.default)
+def rule_full(interp, node):
+    """A tensor filled with a scalar constant (a non-scalar fill is unsupported).
+    full([2, 4], 1.5): lanes (1.5, 1.5, 1.5, 1.5)."""
+    fill = _scalar_of(node.args[1])
+    if fill is None:
         raise Unsupported("non-scalar fill")
-    return _filled(I, node, P.const(c))
+    return _filled(interp, node, poly.const(fill))
 
 
-def rule_zeros(I, node):
-    return _filled(I, node, P.const(0.0))
+@lane_rule(aten.zeros.default, aten.zeros_like.default)
+def rule_zeros(interp, node):
+    """A tensor of zeros (the zero polynomial {} in every lane).
+    zeros([2, 4]): lanes (0, 0, 0, 0)."""
+    return _filled(interp, node, poly.const(0.0))
 
 
 # -- views and shape changes ---------------------------------------------------------------------
 
-def rule_reshape(I, node):
-    v = I.value(node.args[0])
-    if v.is_complex:
+@lane_rule(aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+def rule_reshape(interp, node):
+    """A reshape that splits or merges lane dims regroups the same lanes in row-major order; leading dims
+    join the grid when merged into it. view(x [2, 8], [2, 2, 4]): grid (2, 4), lanes x0..x7 in order.
+    A reshape of leading dims only makes a new source."""
+    value = interp.value(node.args[0])
+    if value.is_complex:
         raise Unsupported("complex reshape")
     new = _out_shape(node)
-    old = v.shape
-    if len(new) >= v.k and tuple(as_int(d) for d in new[len(new) - v.k:]) == tuple(v.grid):
+    old = value.shape
+    if len(new) >= value.k and tuple(as_int(d) for d in new[len(new) - value.k:]) == tuple(value.grid):
         if len(new) == len(old) and all(same_dim(a, b) for a, b in zip(old, new)):
-            return LaneValue(new, v.k, v.entries, False, v.wide)
+            return LaneValue(new, value.k, value.entries, False, value.wide)
         raise Unsupported("reshape of leading dims only: the result is a new source")
-    p = 0
-    while p < min(len(old), len(new)) and same_dim(old[p], new[p]):
-        p += 1
-    p = min(p, len(old) - v.k)
-    while p >= 0:
-        old_tail = [as_int(d) for d in old[p:]]
+    pos = 0
+    while pos < min(len(old), len(new)) and same_dim(old[pos], new[pos]):
+        pos += 1
+    pos = min(pos, len(old) - value.k)
+    while pos >= 0:
+        old_tail = [as_int(d) for d in old[pos:]]
         if None in old_tail:
             break
-        new_tail = [as_int(d, specialize=True) for d in new[p:]]
+        new_tail = [as_int(d, specialize=True) for d in new[pos:]]
         if None not in new_tail and math.prod(old_tail) == math.prod(new_tail):
-            if math.prod(new_tail) > I.max_lanes:
+            if math.prod(new_tail) > interp.max_lanes:
                 raise Unsupported("too many lanes")
-            pv = I.promote(v, len(old) - p)
-            return LaneValue(new[:p] + tuple(new_tail), len(new) - p, pv.entries, False, v.wide)
-        p -= 1
+            promoted = interp.promote(value, len(old) - pos)
+            return LaneValue(new[:pos] + tuple(new_tail), len(new) - pos, promoted.entries, False, value.wide)
+        pos -= 1
     raise Unsupported("reshape across symbolic dims")
 
 
-def rule_unsqueeze(I, node):
-    v = I.value(node.args[0])
-    if v.is_complex:
+@lane_rule(aten.unsqueeze.default)
+def rule_unsqueeze(interp, node):
+    """A size-1 dim in front (a leading dim) or inside the lanes (a grid dim); the lanes stay.
+    unsqueeze(x*cos [2, 4], -2): shape (2, 1, 4), grid (1, 4), lanes (x0*cos0, ..., x3*cos3). Between
+    leading dims, or in front of lanes that are each one source lane (`cos.unsqueeze(-2)`): a new source."""
+    value = interp.value(node.args[0])
+    if value.is_complex:
         raise Unsupported("complex unsqueeze")
-    nd_new = len(v.shape) + 1
-    pos = _norm_dim(node.args[1], nd_new)
+    new_ndim = len(value.shape) + 1
+    pos = norm_dim(node.args[1], new_ndim)
     if pos == 0:
-        return LaneValue((1,) + v.shape, v.k, v.entries, False, v.wide)
-    first_grid = nd_new - v.k - 1  # insertion points at or after this go into the grid
-    if pos == first_grid and _is_gather(v) and v.k < len(v.shape):
+        return LaneValue((1,) + value.shape, value.k, value.entries, False, value.wide)
+    first_grid = new_ndim - value.k - 1  # insertion points at or after this go into the grid
+    if pos == first_grid and _is_gather(value) and value.k < len(value.shape):
         # a table or x gaining a broadcast dim (`cos.unsqueeze(-2)`): a new source, so that every use of
         # the table sees the same lanes whatever rank the other operand has
         raise Unsupported("unsqueeze in front of the lanes of a plain tensor")
     if pos < first_grid:
         raise Unsupported("unsqueeze between leading dims: the result is a new source")
-    shape = v.shape[:pos] + (1,) + v.shape[pos:]
-    return LaneValue(shape, v.k + 1, v.entries, False, v.wide)
+    shape = value.shape[:pos] + (1,) + value.shape[pos:]
+    return LaneValue(shape, value.k + 1, value.entries, False, value.wide)
 
 
-def rule_squeeze(I, node):
-    v = I.value(node.args[0])
-    if v.is_complex:
+@lane_rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def rule_squeeze(interp, node):
+    """Size-1 grid dims dropped; the lanes stay (squeezing a leading dim makes a new source).
+    squeeze(unsqueeze(x*cos, -2), -2): grid (4,), lanes (x0*cos0, ..., x3*cos3)."""
+    value = interp.value(node.args[0])
+    if value.is_complex:
         raise Unsupported("complex squeeze")
-    nd = len(v.shape)
-    dims = node.args[1] if len(node.args) > 1 else [i for i in range(nd) if as_int(v.shape[i]) == 1]
+    ndim = len(value.shape)
+    if len(node.args) > 1:
+        dims = node.args[1]
+    else:
+        dims = [d for d in range(ndim) if as_int(value.shape[d]) == 1]
     dims = [dims] if isinstance(dims, int) else list(dims)
-    dims = sorted({_norm_dim(d, nd) for d in dims if as_int(v.shape[_norm_dim(d, nd)]) == 1})
+    dims = sorted({norm_dim(d, ndim) for d in dims if as_int(value.shape[norm_dim(d, ndim)]) == 1})
     if not dims:
-        return rule_identity(I, node)
-    if dims[0] < nd - v.k:
+        return rule_identity(interp, node)
+    if dims[0] < ndim - value.k:
         raise Unsupported("squeeze of a leading dim: the result is a new source")
-    shape = tuple(s for i, s in enumerate(v.shape) if i not in dims)
-    return LaneValue(shape, v.k - len(dims), v.entries, False, v.wide)
+    shape = tuple(size for d, size in enumerate(value.shape) if d not in dims)
+    return LaneValue(shape, value.k - len(dims), value.entries, False, value.wide)
 
 
-def _expand_to(I, v: LaneValue, shape: tuple) -> LaneValue:
-    if len(shape) < len(v.shape):
+def _expand_to(interp, value: LaneValue, shape: tuple) -> LaneValue:
+    if len(shape) < len(value.shape):
         raise Unsupported("expand to fewer dims")
-    k = v.k
-    grid = tuple(_ints(shape[len(shape) - k:]))
-    if math.prod(grid) > I.max_lanes:
+    k = value.k
+    grid = tuple(lane_dims(shape[len(shape) - k:]))
+    if math.prod(grid) > interp.max_lanes:
         raise Unsupported("too many lanes")
-    if any(a != b and a != 1 for a, b in zip(v.grid, grid)):
+    if any(a != b and a != 1 for a, b in zip(value.grid, grid)):
         raise Unsupported("bad expand")
-    return LaneValue(shape, k, _broadcast_entries(v, grid), v.is_complex, v.wide)
+    return LaneValue(shape, k, _broadcast_entries(value, grid), value.is_complex, value.wide)
 
 
-def rule_expand(I, node):
-    v = I.value(node.args[0])
-    if v.is_complex:
+@lane_rule(aten.expand.default)
+def rule_expand(interp, node):
+    """New leading dims are free; a size-1 grid dim repeats its lanes.
+    expand(y [2, 1], [2, 4]): lanes (y0, y0, y0, y0)."""
+    value = interp.value(node.args[0])
+    if value.is_complex:
         raise Unsupported("complex expand")
-    return _expand_to(I, v, _out_shape(node))
+    return _expand_to(interp, value, _out_shape(node))
 
 
-def _permute(I, node, perm):
-    v = I.value(node.args[0])
-    if v.is_complex:
+def _permute(interp, node, perm):
+    value = interp.value(node.args[0])
+    if value.is_complex:
         raise Unsupported("complex permute")
-    nd = len(v.shape)
-    perm = [_norm_dim(p, nd) for p in perm]
-    moved = [i for i in range(nd) if perm[i] != i]
+    ndim = len(value.shape)
+    perm = [norm_dim(p, ndim) for p in perm]
+    moved = [d for d in range(ndim) if perm[d] != d]
     if not moved:
-        return rule_identity(I, node)
-    if min(moved) < nd - v.k:
+        return rule_identity(interp, node)
+    if min(moved) < ndim - value.k:
         raise Unsupported("permute of leading dims: the result is a new source")
-    start = nd - v.k
-    gperm = [p - start for p in perm[start:]]
-    grid = v.grid
-    new_grid = [grid[p] for p in gperm]
-    st = _strides(grid)
+    start = ndim - value.k
+    grid_perm = [p - start for p in perm[start:]]
+    grid = value.grid
+    new_grid = [grid[p] for p in grid_perm]
+    strides = row_major_strides(grid)
     entries = []
-    for idx in _indices(new_grid):
-        f = sum(idx[a] * st[gperm[a]] for a in range(len(gperm)))
-        entries.append(v.entries[f])
-    return LaneValue(_out_shape(node), v.k, entries, False, v.wide)
+    for index in grid_indices(new_grid):
+        flat = sum(index[axis] * strides[grid_perm[axis]] for axis in range(len(grid_perm)))
+        entries.append(value.entries[flat])
+    return LaneValue(_out_shape(node), value.k, entries, False, value.wide)
 
 
-def rule_permute(I, node):
-    return _permute(I, node, list(node.args[1]))
+@lane_rule(aten.permute.default)
+def rule_permute(interp, node):
+    """A permutation of grid dims reorders the lanes (moving a leading dim makes a new source).
+    permute(v, [0, 2, 1]) with grid (2, 2) lanes (a, b, c, d): lanes (a, c, b, d)."""
+    return _permute(interp, node, list(node.args[1]))
 
 
-def rule_transpose(I, node):
-    nd = len(_out_shape(node))
-    a, b = _norm_dim(node.args[1], nd), _norm_dim(node.args[2], nd)
-    perm = list(range(nd))
+@lane_rule(aten.transpose.int)
+def rule_transpose(interp, node):
+    """A permute that swaps two dims.
+    transpose(v, -1, -2) with grid (2, 2) lanes (a, b, c, d): lanes (a, c, b, d)."""
+    ndim = len(_out_shape(node))
+    a, b = norm_dim(node.args[1], ndim), norm_dim(node.args[2], ndim)
+    perm = list(range(ndim))
     perm[a], perm[b] = perm[b], perm[a]
-    return _permute(I, node, perm)
+    return _permute(interp, node, perm)
 
 
-def _take(v: LaneValue, axis: int, picks: list, keep_axis: bool) -> list:
-    """Entries of v with grid axis `axis` restricted to `picks`, in row-major order of the new grid."""
-    grid = v.grid
-    st = _strides(grid)
+def _take(value: LaneValue, axis: int, picks: list, keep_axis: bool) -> list:
+    """The value's entries with grid axis `axis` restricted to `picks`, in row-major order of the new grid."""
+    grid = value.grid
+    strides = row_major_strides(grid)
     new_grid = list(grid)
     new_grid[axis] = len(picks)
     out = []
-    for idx in _indices(new_grid):
-        f = sum(i * s for a, (i, s) in enumerate(zip(idx, st)) if a != axis) + picks[idx[axis]] * st[axis]
-        out.append(v.entries[f])
+    for index in grid_indices(new_grid):
+        flat = sum(i * s for a, (i, s) in enumerate(zip(index, strides)) if a != axis)
+        out.append(value.entries[flat + picks[index[axis]] * strides[axis]])
     return out
 
 
@@ -379,281 +442,268 @@ def _slice_picks(size: int, start, end, step) -> list:
     return list(range(size))[slice(start, end, step)]
 
 
-def rule_slice(I, node):
+@lane_rule(aten.slice.Tensor)
+def rule_slice(interp, node):
+    """The picked lanes of a lane dim (a leading dim only when sliced whole, or a size-2 pair dim).
+    slice(x, -1, 1, 4, 2): lanes (x1, x3). Symbolic bounds on a leading dim are unsupported."""
     src = node.args[0]
     dim = node.args[1] if len(node.args) > 1 else 0
     start = node.args[2] if len(node.args) > 2 else None
     end = node.args[3] if len(node.args) > 3 else None
     step = node.args[4] if len(node.args) > 4 else 1
-    v = I.value(src)
-    if v.is_complex:
+    value = interp.value(src)
+    if value.is_complex:
         raise Unsupported("complex slice")
-    nd = len(v.shape)
-    d = _norm_dim(dim, nd)
-    if d >= nd - v.k:  # bounds along a lane dim are lane indices: fix them at their value
-        start, end, step = (_lane_int(a) for a in (start, end, step))
-    if not all(isinstance(s, int) or s is None for s in (start, end, step)):
+    ndim = len(value.shape)
+    pos = norm_dim(dim, ndim)
+    if pos >= ndim - value.k:  # bounds along a lane dim are lane indices: fix them at their value
+        start, end, step = (_lane_int(bound) for bound in (start, end, step))
+    if not all(isinstance(bound, int) or bound is None for bound in (start, end, step)):
         raise Unsupported("symbolic slice")
-    if d < nd - v.k:
-        size = v.shape[d]
+    if pos < ndim - value.k:
+        size = value.shape[pos]
         if (start in (0, None)) and step == 1 and (end is None or (isinstance(size, int) and end >= size)
                                                     or end >= 2**62):
-            return rule_identity(I, node)
-        v = I.ensure_dim_in_grid(v, d)
-    axis = d - (nd - v.k)
-    picks = _slice_picks(v.grid[axis], start, end, step)
-    entries = _take(v, axis, picks, True)
-    shape = v.shape[:d] + (len(picks),) + v.shape[d + 1:]
-    return LaneValue(shape, v.k, entries, False, v.wide)
+            return rule_identity(interp, node)
+        value = interp.ensure_dim_in_grid(value, pos)
+    axis = pos - (ndim - value.k)
+    picks = _slice_picks(value.grid[axis], start, end, step)
+    entries = _take(value, axis, picks, True)
+    shape = value.shape[:pos] + (len(picks),) + value.shape[pos + 1:]
+    return LaneValue(shape, value.k, entries, False, value.wide)
 
 
-def rule_select(I, node):
-    v = I.value(node.args[0])
-    if v.is_complex:
+@lane_rule(aten.select.int)
+def rule_select(interp, node):
+    """One index of a lane dim (or of a size-2 pair dim next to the lanes); that grid dim goes.
+    select(x, -1, 3): k = 0, the one lane x3; select(v [3, 2, 4], -2, 1): the 4 lanes of pair half 1."""
+    value = interp.value(node.args[0])
+    if value.is_complex:
         raise Unsupported("complex select")
-    nd = len(v.shape)
-    d = _norm_dim(node.args[1], nd)
-    idx = _lane_int(node.args[2])
-    if not isinstance(idx, int):
+    ndim = len(value.shape)
+    pos = norm_dim(node.args[1], ndim)
+    index = _lane_int(node.args[2])
+    if not isinstance(index, int):
         raise Unsupported("symbolic index")
-    v = I.ensure_dim_in_grid(v, d)
-    axis = d - (nd - v.k)
-    idx = idx + v.grid[axis] if idx < 0 else idx
-    entries = _take(v, axis, [idx], False)
-    shape = v.shape[:d] + v.shape[d + 1:]
-    return LaneValue(shape, v.k - 1, entries, False, v.wide)
+    value = interp.ensure_dim_in_grid(value, pos)
+    axis = pos - (ndim - value.k)
+    index = index + value.grid[axis] if index < 0 else index
+    entries = _take(value, axis, [index], False)
+    shape = value.shape[:pos] + value.shape[pos + 1:]
+    return LaneValue(shape, value.k - 1, entries, False, value.wide)
 
 
 def _split_points(size: int, sizes: list) -> list:
-    out, s = [], 0
-    for n in sizes:
-        out.append((s, min(s + n, size)))
-        s += n
+    out, start = [], 0
+    for count in sizes:
+        out.append((start, min(start + count, size)))
+        start += count
     return out
 
 
-def _split(I, node, sizes_of):
-    v = I.value(node.args[0])
-    if v.is_complex:
+def _split(interp, node, sizes_of):
+    value = interp.value(node.args[0])
+    if value.is_complex:
         raise Unsupported("complex split")
-    nd = len(v.shape)
+    ndim = len(value.shape)
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-    d = _norm_dim(dim, nd)
-    v = I.ensure_dim_in_grid(v, d)
-    axis = d - (nd - v.k)
-    size = v.grid[axis]
+    pos = norm_dim(dim, ndim)
+    value = interp.ensure_dim_in_grid(value, pos)
+    axis = pos - (ndim - value.k)
+    size = value.grid[axis]
     parts = []
-    for a, b in _split_points(size, sizes_of(size)):
-        picks = list(range(a, b))
-        shape = v.shape[:d] + (len(picks),) + v.shape[d + 1:]
-        parts.append(LaneValue(shape, v.k, _take(v, axis, picks, True), False, v.wide))
+    for lo, hi in _split_points(size, sizes_of(size)):
+        picks = list(range(lo, hi))
+        shape = value.shape[:pos] + (len(picks),) + value.shape[pos + 1:]
+        parts.append(LaneValue(shape, value.k, _take(value, axis, picks, True), False, value.wide))
     return parts
 
 
-def rule_split(I, node):
-    n = _lane_int(node.args[1])
-    if not isinstance(n, int):
+@lane_rule(aten.split.Tensor)
+def rule_split(interp, node):
+    """A list of values, one per chunk of a lane dim.
+    split(x, 3, -1) on 8 lanes: [(x0, x1, x2), (x3, x4, x5), (x6, x7)]."""
+    chunk = _lane_int(node.args[1])
+    if not isinstance(chunk, int):
         raise Unsupported("symbolic split")
-    return _split(I, node, lambda size: [n] * ((size + n - 1) // n))
+    return _split(interp, node, lambda size: [chunk] * ((size + chunk - 1) // chunk))
 
 
-def rule_split_with_sizes(I, node):
-    sizes = [_lane_int(a) for a in node.args[1]]
-    if not all(isinstance(s, int) for s in sizes):
+@lane_rule(aten.split_with_sizes.default)
+def rule_split_with_sizes(interp, node):
+    """A list of values, one per given size along a lane dim.
+    split_with_sizes(x, [1, 3], -1): [(x0,), (x1, x2, x3)]."""
+    sizes = [_lane_int(size) for size in node.args[1]]
+    if not all(isinstance(size, int) for size in sizes):
         raise Unsupported("symbolic split")
-    return _split(I, node, lambda size: sizes)
+    return _split(interp, node, lambda size: sizes)
 
 
-def rule_unbind(I, node):
-    v = I.value(node.args[0])
-    if v.is_complex:
+@lane_rule(aten.unbind.int)
+def rule_unbind(interp, node):
+    """A list of values, one per index of a lane dim (or of a size-2 pair dim), that dim gone.
+    unbind(v [3, 2, 4], -2): [lanes of pair half 0, lanes of pair half 1], 4 lanes each."""
+    value = interp.value(node.args[0])
+    if value.is_complex:
         raise Unsupported("complex unbind")
-    nd = len(v.shape)
-    d = _norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
-    v = I.ensure_dim_in_grid(v, d)
-    axis = d - (nd - v.k)
-    shape = v.shape[:d] + v.shape[d + 1:]
-    return [LaneValue(shape, v.k - 1, _take(v, axis, [i], False), False, v.wide)
-            for i in range(v.grid[axis])]
+    ndim = len(value.shape)
+    pos = norm_dim(node.args[1] if len(node.args) > 1 else 0, ndim)
+    value = interp.ensure_dim_in_grid(value, pos)
+    axis = pos - (ndim - value.k)
+    shape = value.shape[:pos] + value.shape[pos + 1:]
+    return [LaneValue(shape, value.k - 1, _take(value, axis, [i], False), False, value.wide)
+            for i in range(value.grid[axis])]
 
 
-def rule_getitem(I, node):
-    src, i = node.args
-    vals = I.values.get(src)
-    if not isinstance(vals, list) or not isinstance(i, int):
+@lane_rule(operator.getitem)
+def rule_getitem(interp, node):
+    """One value of a split or unbind.
+    getitem(split(x, 2, -1), 1): lanes (x2, x3)."""
+    src, index = node.args
+    values = interp.values.get(src)
+    if not isinstance(values, list) or not isinstance(index, int):
         raise Unsupported("getitem of an opaque node")
-    v = vals[i]
-    return v
+    return values[index]
 
 
-def rule_cat(I, node):
+@lane_rule(aten.cat.default)
+def rule_cat(interp, node):
+    """The operands' lanes one after another along a lane dim (or a size-2 pair dim).
+    cat([x[0:2], -x[2:4]], -1): lanes (x0, x1, -x2, -x3)."""
     tensors = list(node.args[0])
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     shape = _out_shape(node)
-    nd = len(shape)
-    d = _norm_dim(dim, nd)
-    vals = []
-    for t in tensors:
-        tv = _meta(t)
-        if isinstance(tv, torch.Tensor) and tv.dim() == 1 and tv.shape[0] == 0 and nd > 1:
+    ndim = len(shape)
+    pos = norm_dim(dim, ndim)
+    values = []
+    for tensor in tensors:
+        val = meta(tensor)
+        if isinstance(val, torch.Tensor) and val.dim() == 1 and val.shape[0] == 0 and ndim > 1:
             continue  # legacy empty tensors are skipped by cat
-        v = I.value(t)
-        if v.is_complex:
+        value = interp.value(tensor)
+        if value.is_complex:
             raise Unsupported("complex cat")
-        vals.append(I.ensure_dim_in_grid(v, d))
-    k = max(v.k for v in vals)
-    vals = [I.promote(v, k) for v in vals]
-    axis = d - (nd - k)
+        values.append(interp.ensure_dim_in_grid(value, pos))
+    k = max(value.k for value in values)
+    values = [interp.promote(value, k) for value in values]
+    axis = pos - (ndim - k)
     # concatenate along the axis: interleave blocks of each operand per outer index
-    n_outer = math.prod(vals[0].grid[:axis])
+    n_outer = math.prod(values[0].grid[:axis])
     entries = []
-    for o in range(n_outer):
-        for v in vals:
-            block = math.prod(v.grid[axis:])
-            entries.extend(v.entries[o * block:(o + 1) * block])
-    new_grid = _ints(shape[nd - k:])
+    for outer in range(n_outer):
+        for value in values:
+            block = math.prod(value.grid[axis:])
+            entries.extend(value.entries[outer * block:(outer + 1) * block])
+    new_grid = lane_dims(shape[ndim - k:])
     if math.prod(new_grid) != len(entries):
         raise Unsupported("cat operands disagree")
-    return LaneValue(shape[: nd - k] + tuple(new_grid), k, entries, False, any(v.wide for v in vals))
+    return LaneValue(shape[: ndim - k] + tuple(new_grid), k, entries, False, any(value.wide for value in values))
 
 
-def _scatter(I, node, base_v, src_v, d, picks):
-    nd = len(base_v.shape)
-    base_v = I.ensure_dim_in_grid(base_v, d)
-    if src_v.k > base_v.k:
-        base_v = I.promote(base_v, src_v.k)
-    k = base_v.k
-    axis = d - (nd - k)
-    src_v = I.promote(src_v, k) if src_v.k < k else src_v
-    if src_v.k != k:
+def _scatter(interp, node, base_value, src_value, pos, picks):
+    ndim = len(base_value.shape)
+    base_value = interp.ensure_dim_in_grid(base_value, pos)
+    if src_value.k > base_value.k:
+        base_value = interp.promote(base_value, src_value.k)
+    k = base_value.k
+    axis = pos - (ndim - k)
+    src_value = interp.promote(src_value, k) if src_value.k < k else src_value
+    if src_value.k != k:
         raise Unsupported("scatter source grid")
-    grid = list(base_v.grid)
-    sgrid = grid.copy()
-    sgrid[axis] = len(picks)
-    if list(src_v.grid) != sgrid:
-        src_entries = _broadcast_entries(src_v, tuple(sgrid))
+    grid = list(base_value.grid)
+    src_grid = grid.copy()
+    src_grid[axis] = len(picks)
+    if list(src_value.grid) != src_grid:
+        src_entries = _broadcast_entries(src_value, tuple(src_grid))
     else:
-        src_entries = src_v.entries
-    entries = list(base_v.entries)
-    st = _strides(grid)
-    sst = _strides(sgrid)
-    for sidx in _indices(sgrid):
-        bidx = list(sidx)
-        bidx[axis] = picks[sidx[axis]]
-        entries[sum(i * s for i, s in zip(bidx, st))] = src_entries[sum(i * s for i, s in zip(sidx, sst))]
-    return LaneValue(_out_shape(node), k, entries, False, base_v.wide or src_v.wide)
+        src_entries = src_value.entries
+    entries = list(base_value.entries)
+    strides = row_major_strides(grid)
+    src_strides = row_major_strides(src_grid)
+    for src_index in grid_indices(src_grid):
+        base_index = list(src_index)
+        base_index[axis] = picks[src_index[axis]]
+        base_flat = sum(i * s for i, s in zip(base_index, strides))
+        src_flat = sum(i * s for i, s in zip(src_index, src_strides))
+        entries[base_flat] = src_entries[src_flat]
+    return LaneValue(_out_shape(node), k, entries, False, base_value.wide or src_value.wide)
 
 
-def _scatter_operands(I, node, base, src, dim):
+def _scatter_operands(interp, node, base, src, dim):
     """Base and source values of a scatter, with the scattered dim pulled into the base's grid."""
     _check_float(node)
-    bv, sv = I.value(base), I.value(src)
-    if bv.is_complex or sv.is_complex:
+    base_value, src_value = interp.value(base), interp.value(src)
+    if base_value.is_complex or src_value.is_complex:
         raise Unsupported("complex scatter")
-    nd = len(bv.shape)
-    d = _norm_dim(dim, nd)
-    bv = I.ensure_dim_in_grid(bv, d)
-    return bv, sv, d, d - (nd - bv.k)
+    ndim = len(base_value.shape)
+    pos = norm_dim(dim, ndim)
+    base_value = interp.ensure_dim_in_grid(base_value, pos)
+    return base_value, src_value, pos, pos - (ndim - base_value.k)
 
 
-def rule_slice_scatter(I, node):
+@lane_rule(aten.slice_scatter.default)
+def rule_slice_scatter(interp, node):
+    """The base's lanes with the sliced ones replaced by the source's (strided slice assignment).
+    slice_scatter(empty [4], y [2], -1, 0, 4, 2): lanes (y0, None, y1, None)."""
     base, src = node.args[:2]
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
     start = _lane_int(node.args[3] if len(node.args) > 3 else node.kwargs.get("start"))
     end = _lane_int(node.args[4] if len(node.args) > 4 else node.kwargs.get("end"))
     step = _lane_int(node.args[5] if len(node.args) > 5 else node.kwargs.get("step", 1))
-    if not all(isinstance(a, int) or a is None for a in (start, end, step)):
+    if not all(isinstance(bound, int) or bound is None for bound in (start, end, step)):
         raise Unsupported("symbolic scatter")
-    bv, sv, d, axis = _scatter_operands(I, node, base, src, dim)
-    picks = _slice_picks(bv.grid[axis], start, end, step)
-    return _scatter(I, node, bv, sv, d, picks)
+    base_value, src_value, pos, axis = _scatter_operands(interp, node, base, src, dim)
+    picks = _slice_picks(base_value.grid[axis], start, end, step)
+    return _scatter(interp, node, base_value, src_value, pos, picks)
 
 
-def rule_select_scatter(I, node):
+@lane_rule(aten.select_scatter.default)
+def rule_select_scatter(interp, node):
+    """The base's lanes with one index of a lane dim replaced by the source's.
+    select_scatter(zeros [3, 2, 4], y [3, 4], -2, 1): grid (2, 4), lanes (0, 0, 0, 0, y0, y1, y2, y3)."""
     base, src, dim, index = node.args[:4]
-    bv, sv, d, axis = _scatter_operands(I, node, base, src, dim)
-    index = index + bv.grid[axis] if index < 0 else index
+    base_value, src_value, pos, axis = _scatter_operands(interp, node, base, src, dim)
+    index = index + base_value.grid[axis] if index < 0 else index
     # the source lacks the scattered dim: give it a size-1 grid dim there
-    s_axis_from_end = bv.k - axis - 1
-    if sv.k < s_axis_from_end:
-        sv = I.promote(sv, s_axis_from_end)
-    pos = len(sv.shape) - s_axis_from_end
-    sv = LaneValue(sv.shape[:pos] + (1,) + sv.shape[pos:], sv.k + 1, sv.entries, False, sv.wide)
-    return _scatter(I, node, bv, sv, d, [index])
+    src_axis_from_end = base_value.k - axis - 1
+    if src_value.k < src_axis_from_end:
+        src_value = interp.promote(src_value, src_axis_from_end)
+    at = len(src_value.shape) - src_axis_from_end
+    src_value = LaneValue(src_value.shape[:at] + (1,) + src_value.shape[at:], src_value.k + 1,
+                          src_value.entries, False, src_value.wide)
+    return _scatter(interp, node, base_value, src_value, pos, [index])
 
 
 # -- complex ---------------------------------------------------------------------------------------
 
-def rule_view_as_complex(I, node):
-    v = I.value(node.args[0])
-    if v.is_complex or as_int(v.shape[-1]) != 2:
+@lane_rule(aten.view_as_complex.default)
+def rule_view_as_complex(interp, node):
+    """Pairs of the last dim read as (re, im); the same lanes, held as a complex value.
+    view_as_complex(y [2, 2]): complex, grid (2, 2), lanes (y0, y1, y2, y3) = (re0, im0, re1, im1)."""
+    value = interp.value(node.args[0])
+    if value.is_complex or as_int(value.shape[-1]) != 2:
         raise Unsupported("view_as_complex of a non-pair")
-    v = I.promote(v, 2) if v.k < 2 and len(v.shape) > 1 else v
-    return LaneValue(v.shape, v.k, v.entries, True, v.wide)
+    value = interp.promote(value, 2) if value.k < 2 and len(value.shape) > 1 else value
+    return LaneValue(value.shape, value.k, value.entries, True, value.wide)
 
 
-def rule_view_as_real(I, node):
+@lane_rule(aten.view_as_real.default)
+def rule_view_as_real(interp, node):
+    """A complex value's (re, im) lanes as a real value.
+    view_as_real(z) for a complex source z [2]: grid (2, 2), lanes (z0, z1, z2, z3) = (re0, im0, re1, im1)."""
     src = node.args[0]
-    v = I.value(src)
-    if not v.is_complex:
+    value = interp.value(src)
+    if not value.is_complex:
         raise Unsupported("view_as_real of a real tensor")
-    return LaneValue(v.shape, v.k, v.entries, False, v.wide)
+    return LaneValue(value.shape, value.k, value.entries, False, value.wide)
 
 
-def rule_conj(I, node):
-    v = I.value(node.args[0])
-    if not v.is_complex:
+@lane_rule(aten._conj.default, aten.conj.default, aten.conj_physical.default)
+def rule_conj(interp, node):
+    """Complex conjugate: every imaginary lane negated.
+    conj(z) for a complex source z [2]: lanes (z0, -z1, z2, -z3)."""
+    value = interp.value(node.args[0])
+    if not value.is_complex:
         raise Unsupported("conj of a real tensor")
-    entries = [None if e is None else (P.scale(e, -1.0) if i % 2 else e) for i, e in enumerate(v.entries)]
-    return LaneValue(v.shape, v.k, entries, True, v.wide)
-
-
-RULES: dict = {
-    aten._conj.default: rule_conj,
-    aten.conj.default: rule_conj,
-    aten.conj_physical.default: rule_conj,
-    aten.resolve_conj.default: rule_identity,
-    aten.add.Tensor: rule_add,
-    aten.sub.Tensor: rule_sub,
-    aten.rsub.Scalar: rule_rsub,
-    aten.neg.default: rule_neg,
-    aten.mul.Tensor: rule_mul,
-    aten.mul.Scalar: rule_mul,
-    aten.div.Tensor: rule_div,
-    aten.div.Scalar: rule_div,
-    aten.addcmul.default: rule_addcmul,
-    aten.clone.default: rule_identity,
-    aten.alias.default: rule_identity,
-    aten.contiguous.default: rule_identity,
-    prims.convert_element_type.default: rule_convert,
-    aten._to_copy.default: rule_convert,
-    aten.copy.default: rule_copy,
-    aten.empty.memory_format: rule_empty,
-    aten.empty_like.default: rule_empty,
-    aten.empty_strided.default: rule_empty,
-    aten.full.default: rule_full,
-    aten.full_like.default: rule_full,
-    aten.zeros.default: rule_zeros,
-    aten.zeros_like.default: rule_zeros,
-    aten.reshape.default: rule_reshape,
-    aten.view.default: rule_reshape,
-    aten._unsafe_view.default: rule_reshape,
-    aten.unsqueeze.default: rule_unsqueeze,
-    aten.squeeze.dim: rule_squeeze,
-    aten.squeeze.dims: rule_squeeze,
-    aten.squeeze.default: rule_squeeze,
-    aten.expand.default: rule_expand,
-    aten.permute.default: rule_permute,
-    aten.transpose.int: rule_transpose,
-    aten.slice.Tensor: rule_slice,
-    aten.select.int: rule_select,
-    aten.split.Tensor: rule_split,
-    aten.split_with_sizes.default: rule_split_with_sizes,
-    aten.unbind.int: rule_unbind,
-    operator.getitem: rule_getitem,
-    aten.cat.default: rule_cat,
-    aten.slice_scatter.default: rule_slice_scatter,
-    aten.select_scatter.default: rule_select_scatter,
-    aten.view_as_complex.default: rule_view_as_complex,
-    aten.view_as_real.default: rule_view_as_real,
-}
+    entries = [None if e is None else (poly.scale(e, -1.0) if i % 2 else e) for i, e in enumerate(value.entries)]
+    return LaneValue(value.shape, value.k, entries, True, value.wide)

@@ -8,24 +8,52 @@ entry at the leading index that broadcasting (right-aligned) pairs with the valu
 keeps that alignment or absorbs leading dims into the grid first (`promote`). This is what lets one
 matcher accept `cat` rotate-half, `stack`+`flatten`, strided slice assignment, complex products and the
 rest without a pattern per spelling.
+
+The transfer rule of each op lives in lane_rules.py and is registered here with `@lane_rule(op, ...)`;
+this module never imports lane_rules, so the registry is filled once something imports it (the pass
+does); `LaneInterpreter.run()` refuses to run on an empty registry.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
 
-from . import poly as P
-
-aten = torch.ops.aten
-prims = torch.ops.prims
+from . import fx_util, poly
+from .fx_util import SymbolicSizeError, as_int, concrete_ints, meta, norm_dim
 
 MAX_LANES = 4096
 WIDE = (torch.float64, torch.complex128)
 
+
+# -- the rule registry -----------------------------------------------------------------------------
+
+RULES: dict = {}  # op overload (or operator.getitem) -> rule(interp, node) -> LaneValue | list
+
+
+def lane_rule(*targets) -> Callable:
+    """Register the decorated function as the transfer rule of each op in `targets`.
+
+    A rule takes the interpreter and an FX node and returns the node's LaneValue (a list of them for ops
+    with several outputs), or raises Unsupported: the node is then a source."""
+
+    def register(rule: Callable) -> Callable:
+        for target in targets:
+            known = RULES.get(target)
+            if known is not None and known.__qualname__ != rule.__qualname__:
+                raise ValueError(f"{target} already has the lane rule {known.__qualname__}")
+            RULES[target] = rule
+        return rule
+
+    return register
+
+
+# -- values ----------------------------------------------------------------------------------------
 
 class LaneValue:
     """Entries of a tensor over its last k dims. Complex tensors are held as their view_as_real."""
@@ -35,7 +63,7 @@ class LaneValue:
     def __init__(self, shape: tuple, k: int, entries: list, is_complex: bool = False, wide: bool = False):
         shape = tuple(shape)
         if k:
-            grid = tuple(as_int(g, specialize=True) for g in shape[len(shape) - k:])
+            grid = tuple(as_int(size, specialize=True) for size in shape[len(shape) - k:])
             if None in grid:
                 raise Unsupported("symbolic lane dims")
             shape = shape[: len(shape) - k] + grid
@@ -58,71 +86,37 @@ class Unsupported(Exception):
     """Raised inside a rule: the node becomes an opaque source."""
 
 
-# -- shape helpers ---------------------------------------------------------------------------------
+# -- lane-grid helpers -----------------------------------------------------------------------------
 
-def as_int(s: Any, specialize: bool = False) -> int | None:
-    """A concrete size; with `specialize`, a symbolic lane size is fixed (and guarded) at its hint."""
-    if isinstance(s, int):
-        return s
+def lane_dims(dims, specialize: bool = False) -> list[int]:
+    """`fx_util.concrete_ints`, raising Unsupported for a symbolic size (inside a rule: a source)."""
     try:
-        from torch.fx.experimental.symbolic_shapes import guard_int, is_concrete_int
-
-        if is_concrete_int(s):
-            return int(s)
-        if specialize:
-            return int(guard_int(s))
-    except Exception:
-        return None
-    return None
+        return concrete_ints(dims, specialize)
+    except SymbolicSizeError as err:
+        raise Unsupported(str(err)) from None
 
 
-def same_dim(a: Any, b: Any) -> bool:
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    try:
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-        return bool(statically_known_true(a == b))
-    except Exception:
-        return False
+def row_major_strides(grid) -> list[int]:
+    """Strides of a row-major grid: (2, 3, 4) -> [12, 4, 1]."""
+    strides, step = [], 1
+    for size in reversed(grid):
+        strides.append(step)
+        step *= size
+    return strides[::-1]
 
 
-def _ints(dims, specialize=False) -> list:
-    out = [as_int(d, specialize) for d in dims]
-    if any(d is None for d in out):
-        raise Unsupported("symbolic lane dims")
-    return out
+def unravel(flat: int, grid) -> list[int]:
+    """The multi-index of a row-major flat index: unravel(7, (2, 4)) -> [1, 3]."""
+    index = []
+    for size in reversed(grid):
+        index.append(flat % size)
+        flat //= size
+    return index[::-1]
 
 
-def _strides(grid) -> list:
-    st, acc = [], 1
-    for g in reversed(grid):
-        st.append(acc)
-        acc *= g
-    return st[::-1]
-
-
-def _unravel(flat: int, grid) -> list:
-    idx = []
-    for g in reversed(grid):
-        idx.append(flat % g)
-        flat //= g
-    return idx[::-1]
-
-
-def _indices(grid):
-    """All multi-indices of a grid in row-major order."""
-    import itertools
-
-    return itertools.product(*[range(g) for g in grid])
-
-
-def _meta(node) -> Any:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
-def _norm_dim(d: int, nd: int) -> int:
-    return d + nd if d < 0 else d
+def grid_indices(grid) -> Iterator[tuple]:
+    """All multi-indices of a grid in row-major order: (2, 2) -> (0, 0), (0, 1), (1, 0), (1, 1)."""
+    return itertools.product(*[range(size) for size in grid])
 
 
 # -- the interpreter -------------------------------------------------------------------------------
@@ -143,51 +137,47 @@ class Structure:
     def id(self, node: fx.Node) -> int:
         stack = [node]
         while stack:
-            n = stack[-1]
-            if n in self._id:
+            top = stack[-1]
+            if top in self._id:
                 stack.pop()
                 continue
-            pending = [a for a in n.all_input_nodes if a not in self._id]
-            if pending and self._pure(n):
+            pending = [arg for arg in top.all_input_nodes if arg not in self._id]
+            if pending and self._pure(top):
                 stack.extend(pending)
                 continue
             stack.pop()
-            key = (n.target, self._freeze(n.args), self._freeze(n.kwargs)) if self._pure(n) else ("node", n)
+            if self._pure(top):
+                key = (top.target, self._freeze(top.args), self._freeze(top.kwargs))
+            else:
+                key = ("node", top)
             try:
-                i = self._intern.setdefault(key, len(self._intern))
+                ident = self._intern.setdefault(key, len(self._intern))
             except TypeError:  # an unhashable constant: the node is only itself
-                i = self._intern.setdefault(("node", n), len(self._intern))
-            self._id[n] = i
-            self.first.setdefault(i, n)
+                ident = self._intern.setdefault(("node", top), len(self._intern))
+            self._id[top] = ident
+            self.first.setdefault(ident, top)
         return self._id[node]
 
     @staticmethod
-    def _pure(n: fx.Node) -> bool:
-        if n.op != "call_function" or n.is_impure():
+    def _pure(node: fx.Node) -> bool:
+        if node.op != "call_function" or node.is_impure():
             return False
-        tags = getattr(n.target, "tags", ())
+        tags = getattr(node.target, "tags", ())
         return torch.Tag.nondeterministic_seeded not in tags
 
-    def _freeze(self, a):
-        if isinstance(a, fx.Node):
-            return ("#", self._id[a])
-        if isinstance(a, (list, tuple)):
-            return tuple(self._freeze(x) for x in a)
-        if isinstance(a, dict):
-            return tuple(sorted((k, self._freeze(v)) for k, v in a.items()))
-        if isinstance(a, torch.SymInt):
-            return ("sym", str(a))
-        return a
+    def _freeze(self, arg):
+        if isinstance(arg, fx.Node):
+            return ("#", self._id[arg])
+        if isinstance(arg, (list, tuple)):
+            return tuple(self._freeze(item) for item in arg)
+        if isinstance(arg, dict):
+            return tuple(sorted((key, self._freeze(item)) for key, item in arg.items()))
+        if isinstance(arg, torch.SymInt):
+            return ("sym", str(arg))
+        return arg
 
     def canonical(self, node: fx.Node) -> fx.Node:
         return self.first[self.id(node)]
-
-
-def rules_for(target):
-    """The transfer rule of an op (lane_rules.py), or None: the node is then a source."""
-    from .lane_rules import RULES
-
-    return RULES.get(target)
 
 
 class LaneInterpreter:
@@ -202,31 +192,35 @@ class LaneInterpreter:
         self.structure = Structure()
 
     def run(self) -> None:
+        if not RULES:
+            raise RuntimeError("no lane transfer rules are registered: "
+                               "import rope_fusion.passes.lane_rules to register the transfer rules")
         for node in self.graph.nodes:
             self.nodes[node.name] = node
             if node.op != "call_function":
                 continue
-            rule = rules_for(node.target)
+            rule = RULES.get(node.target)
             if rule is None:
                 continue
             try:
-                v = rule(self, node)
+                value = rule(self, node)
             except Unsupported:
-                v = None
-            if v is not None:
-                if isinstance(v, LaneValue):
-                    v.wide = v.wide or _node_is_wide(node)
-                self.values[node] = v
+                value = None
+            if value is not None:
+                if isinstance(value, LaneValue):
+                    value.wide = value.wide or _node_is_wide(node)
+                self.values[node] = value
 
     # -- values ---------------------------------------------------------------------------------
     def value(self, arg: Any, min_k: int = 1) -> LaneValue:
+        """The lanes of a node argument (at least `min_k` grid dims) or of a scalar constant (k = 0)."""
         if isinstance(arg, fx.Node):
-            v = self.values.get(arg)
-            if isinstance(v, LaneValue):
-                return self.promote(v, min_k) if v.k < min_k else v
+            known = self.values.get(arg)
+            if isinstance(known, LaneValue):
+                return self.promote(known, min_k) if known.k < min_k else known
             return self.raw(arg, min_k)
         if isinstance(arg, (int, float)) and not isinstance(arg, bool):
-            return LaneValue((), 0, [P.const(arg)])
+            return LaneValue((), 0, [poly.const(arg)])
         raise Unsupported(f"argument {arg!r}")
 
     def raw(self, node: fx.Node, k: int = 1) -> LaneValue:
@@ -235,7 +229,7 @@ class LaneInterpreter:
         key = (node, k)
         if key in self._raw:
             return self._raw[key]
-        val = _meta(node)
+        val = meta(node)
         if not isinstance(val, torch.Tensor):
             raise Unsupported("no tensor meta")
         is_complex = val.dtype.is_complex
@@ -244,108 +238,119 @@ class LaneInterpreter:
         if not (val.dtype.is_floating_point or is_complex):
             raise Unsupported("not a float tensor")
         shape = tuple(val.shape) + ((2,) if is_complex else ())
-        kk = min(k + (1 if is_complex else 0), len(shape))
-        grid = _ints(shape[len(shape) - kk:], specialize=(kk <= (2 if is_complex else 1)))
-        n = math.prod(grid)
-        if n > self.max_lanes:
+        grid_rank = min(k + (1 if is_complex else 0), len(shape))
+        grid = lane_dims(shape[len(shape) - grid_rank:], specialize=(grid_rank <= (2 if is_complex else 1)))
+        count = math.prod(grid)
+        if count > self.max_lanes:
             raise Unsupported("too many lanes")
-        shape = shape[: len(shape) - kk] + tuple(grid)
-        name = node.name
-        v = LaneValue(shape, kk, [P.atom((name, kk, is_complex, f)) for f in range(n)], is_complex)
-        self._raw[key] = v
-        return v
+        shape = shape[: len(shape) - grid_rank] + tuple(grid)
+        entries = [poly.atom((node.name, grid_rank, is_complex, flat)) for flat in range(count)]
+        result = LaneValue(shape, grid_rank, entries, is_complex)
+        self._raw[key] = result
+        return result
 
-    def promote(self, v: LaneValue, k: int) -> LaneValue:
+    def promote(self, value: LaneValue, k: int) -> LaneValue:
         """Absorb leading dims into the grid until it has k dims (each absorbed dim must be concrete)."""
-        while v.k < k:
-            if v.k >= len(v.shape):
+        while value.k < k:
+            if value.k >= len(value.shape):
                 raise Unsupported("cannot promote past the first dim")
-            pos = len(v.shape) - v.k - 1
-            n = as_int(v.shape[pos])
-            if n is None:
+            pos = len(value.shape) - value.k - 1
+            size = as_int(value.shape[pos])
+            if size is None:
                 raise Unsupported("symbolic leading dim")
-            size = len(v.entries)
-            if n * size > self.max_lanes:
+            block = len(value.entries)
+            if size * block > self.max_lanes:
                 raise Unsupported("too many lanes")
             lead_len = pos + 1
             entries = []
-            for i in range(n):
-                fn = self._absorb(i, n, lead_len)
-                entries.extend(None if e is None else P.remap(e, fn) for e in v.entries)
-            v = LaneValue(v.shape, v.k + 1, entries, v.is_complex, v.wide)
-        return v
+            for index in range(size):
+                rename = self._absorb(index, size, lead_len)
+                entries.extend(None if entry is None else poly.remap(entry, rename) for entry in value.entries)
+            value = LaneValue(value.shape, value.k + 1, entries, value.is_complex, value.wide)
+        return value
 
-    def _absorb(self, i: int, n: int, lead_len: int) -> Callable:
+    def _absorb(self, index: int, size: int, lead_len: int) -> Callable:
+        """The atom renaming for block `index` of a leading dim of `size` that joins the grid."""
         geometry: dict = {}  # (name, ks, cplx) -> (size of the dim being absorbed, grid size) or None
 
-        def fn(a):
-            name, ks, cplx, flat = a
-            g = geometry.get((name, ks, cplx), False)
-            if g is False:
-                sval = _meta(self.nodes.get(name))
-                sshape = tuple(sval.shape) + ((2,) if cplx else ())
-                s_lead_len = len(sshape) - ks
-                g = None if s_lead_len <= 0 else (as_int(sshape[s_lead_len - 1]),
-                                                  math.prod(_ints(sshape[s_lead_len:])))
-                geometry[(name, ks, cplx)] = g
-            if g is None:
-                return a
-            m, grid = g
-            if m == n:
-                return (name, ks + 1, cplx, i * grid + flat)
-            if m == 1:
+        def rename(atom):
+            name, ks, cplx, flat = atom
+            geo = geometry.get((name, ks, cplx), False)
+            if geo is False:
+                source_val = meta(self.nodes.get(name))
+                source_shape = tuple(source_val.shape) + ((2,) if cplx else ())
+                source_lead_len = len(source_shape) - ks
+                if source_lead_len <= 0:
+                    geo = None
+                else:
+                    geo = (as_int(source_shape[source_lead_len - 1]),
+                           math.prod(lane_dims(source_shape[source_lead_len:])))
+                geometry[(name, ks, cplx)] = geo
+            if geo is None:
+                return atom
+            source_size, source_lanes = geo
+            if source_size == size:
+                return (name, ks + 1, cplx, index * source_lanes + flat)
+            if source_size == 1:
                 return (name, ks + 1, cplx, flat)
             raise Unsupported("source does not broadcast against the absorbed dim")
 
-        return fn
+        return rename
 
-    def ensure_dim_in_grid(self, v: LaneValue, dim: int) -> LaneValue:
+    def ensure_dim_in_grid(self, value: LaneValue, dim: int) -> LaneValue:
         """Lane ops along a leading dim pull that dim into the grid only when it borders the grid and has
         size 2: a pair dim kept outside the head dim (`x.reshape(..., 2, D/2)` sliced along -2) is lanes in
         disguise; a sequence or head dim is not, and its slices become new sources instead."""
-        nd = len(v.shape) - (1 if v.is_complex else 0)
-        d = _norm_dim(dim, nd)
-        need = len(v.shape) - d
-        if need <= v.k:
-            return v
-        if need > v.k + 1 or as_int(v.shape[d]) != 2:
+        ndim = len(value.shape) - (1 if value.is_complex else 0)
+        pos = norm_dim(dim, ndim)
+        need = len(value.shape) - pos
+        if need <= value.k:
+            return value
+        if need > value.k + 1 or as_int(value.shape[pos]) != 2:
             raise Unsupported("lane op on a leading dim")
-        return self.promote(v, need)
+        return self.promote(value, need)
 
 
 def _node_is_wide(node) -> bool:
-    val = _meta(node)
+    val = meta(node)
     return isinstance(val, torch.Tensor) and val.dtype in WIDE
 
 
-def demote(I: LaneInterpreter, v: LaneValue) -> LaneValue | None:
+def demote(interp: LaneInterpreter, value: LaneValue) -> LaneValue | None:
     """Inverse of `promote` for the outermost grid dim, when every block is the same function of the
     sources shifted along that dim; None otherwise. Lets the matcher look at the lanes of one head (or
     token) even after a rule absorbed heads or tokens into the grid."""
-    if v.k < 2:
+    if value.k < 2:
         return None
-    n = v.grid[0]
-    block = len(v.entries) // n
+    count = value.grid[0]
+    block = len(value.entries) // count
 
-    def lower(a):
-        name, ks, cplx, flat = a
-        sval = _meta(I.nodes.get(name))
-        sshape = tuple(sval.shape) + ((2,) if cplx else ())
-        if ks < 1 or ks >= len(sshape):
-            return a  # a source without leading dims was never shifted
-        inner = math.prod(_ints(sshape[len(sshape) - ks + 1:]))
+    def lower(atom):
+        name, ks, cplx, flat = atom
+        source_val = meta(interp.nodes.get(name))
+        source_shape = tuple(source_val.shape) + ((2,) if cplx else ())
+        if ks < 1 or ks >= len(source_shape):
+            return atom  # a source without leading dims was never shifted
+        inner = math.prod(lane_dims(source_shape[len(source_shape) - ks + 1:]))
         return (name, ks - 1, cplx, flat % inner)
 
     try:
-        base = [None if e is None else P.remap(e, lower) for e in v.entries[:block]]
-        lead_len = len(v.shape) - v.k + 1
-        for i in range(n):
-            fn = I._absorb(i, n, lead_len)
-            for e0, e in zip(base, v.entries[i * block:(i + 1) * block]):
-                if (e0 is None) != (e is None):
+        base = [None if entry is None else poly.remap(entry, lower) for entry in value.entries[:block]]
+        lead_len = len(value.shape) - value.k + 1
+        for index in range(count):
+            rename = interp._absorb(index, count, lead_len)
+            for first, entry in zip(base, value.entries[index * block:(index + 1) * block]):
+                if (first is None) != (entry is None):
                     return None
-                if e0 is not None and P.remap(e0, fn) != e:
+                if first is not None and poly.remap(first, rename) != entry:
                     return None
     except Unsupported:
         return None
-    return LaneValue(v.shape, v.k - 1, base, v.is_complex, v.wide)
+    return LaneValue(value.shape, value.k - 1, base, value.is_complex, value.wide)
+
+
+# -- aliases for modules not yet migrated to fx_util and the public names above (matcher.py, rewrite.py);
+# remove them once those modules import fx_util themselves. `as_int` is imported above and used here.
+_meta = meta  # alias for modules not yet migrated
+_ints = lane_dims  # alias for modules not yet migrated
+same_dim = fx_util.same_dim  # alias for modules not yet migrated

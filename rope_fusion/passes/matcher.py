@@ -15,8 +15,38 @@ import math
 import torch
 import torch.fx as fx
 
-from . import lanes as L
-from . import poly as P
+from . import lanes, poly
+from .fx_util import as_int, concrete_ints, meta, same_dim
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+# Ops whose result carries x's numbers unchanged (dtype, layout, a view): a table computed from any of them
+# is computed from x.
+_X_CARRIERS = {
+    prims.convert_element_type.default, aten._to_copy.default, aten.clone.default, aten.contiguous.default,
+    aten.alias.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+    aten.permute.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.expand.default, aten.slice.Tensor, aten.select.int, aten.view_as_real.default,
+    aten.view_as_complex.default,
+}
+# Ops that read only a tensor's sizes: a table built from `arange(x.shape[1])` does not depend on x's values.
+_SIZE_QUERIES = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default}
+
+
+class Rejection(str):
+    """The reason a value is not a rotation, with how far the check got (a later stage says more)."""
+
+    stage: int
+
+    def __new__(cls, stage: int, text: str) -> Rejection:
+        r = super().__new__(cls, text)
+        r.stage = stage
+        return r
+
+
+# Stages: lane form, pairing, each lane's products, tables and shapes.
+FORM, PAIRING, LANES, TABLES = range(4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +94,7 @@ def _affine(flats: list) -> tuple | None:
     return start, step
 
 
-def looks_like_rotation(v: L.LaneValue) -> bool:
+def looks_like_rotation(v: lanes.LaneValue) -> bool:
     """Some lane adds two products that read different lanes of one tensor: worth a near-miss record."""
     for e in v.entries:
         if e is None or len(e) < 2:
@@ -96,8 +126,8 @@ class _XLanes:
 class Acceptor:
     """Checks lane values for rotary form; caches graph queries across one graph."""
 
-    def __init__(self, interp: L.LaneInterpreter):
-        self.I = interp
+    def __init__(self, interp: lanes.LaneInterpreter):
+        self.interp = interp
         self.order = {n: i for i, n in enumerate(interp.graph.nodes)}
         self._anc: dict = {}
         self._gather: dict | None = None
@@ -114,6 +144,8 @@ class Acceptor:
         seen, stack, found = set(), [node], False
         while stack and not found:
             n = stack.pop()
+            if n.target in _SIZE_QUERIES:
+                continue
             for a in n.all_input_nodes:
                 if a is src:
                     found = True
@@ -124,24 +156,27 @@ class Acceptor:
         self._anc[key] = found
         return found
 
-    def accept(self, node: fx.Node, v: L.LaneValue) -> Match | str:
-        reason = "not a rotation"
+    def accept(self, node: fx.Node, v: lanes.LaneValue) -> Match | Rejection:
+        """The rotation `v` computes, or the most specific reason it is none: the grid is tried as one head,
+        as blocks of heads, and after demotion (a leading dim that a rule absorbed into the grid)."""
+        best = Rejection(FORM, "not a rotation")
         while v is not None:
             if any(e is None for e in v.entries):
                 d = next(i for i, e in enumerate(v.entries) if e is None)
-                return f"lane {d} is never written"
+                return Rejection(FORM, f"lane {d} is never written")
             if v.is_complex:
-                return "complex result"
+                return Rejection(FORM, "complex result")
             for m in range(v.k, 0, -1):
                 r = self._accept_blocks(node, v, m)
                 if isinstance(r, Match):
                     return r
-                reason = r
-            v = L.demote(self.I, v)
-        return reason
+                if r.stage > best.stage:
+                    best = r
+            v = lanes.demote(self.interp, v)
+        return best
 
     # -- x candidates ------------------------------------------------------------------------------
-    def _x_candidates(self, p1: dict, v: L.LaneValue, total: int) -> list:
+    def _x_candidates(self, p1: dict, v: lanes.LaneValue, total: int) -> list:
         out = []
         if len(p1) == 1:
             (m, c), = p1.items()
@@ -150,174 +185,215 @@ class Acceptor:
                 out.append(_XLanes(a[0], a[1], a[2]))
         if self._by_entry0 is None:
             self._by_entry0 = {}
-            for n, xv in self.I.values.items():
-                if isinstance(xv, L.LaneValue) and not xv.is_complex and xv.entries and xv.entries[0]:
-                    self._by_entry0.setdefault(P.signature(xv.entries[0]), []).append(n)
-        for n in self._by_entry0.get(P.signature(p1), []):
-            xv = self.I.values[n]
+            for n, xv in self.interp.values.items():
+                if isinstance(xv, lanes.LaneValue) and not xv.is_complex and xv.entries and xv.entries[0]:
+                    self._by_entry0.setdefault(poly.signature(xv.entries[0]), []).append(n)
+        for n in self._by_entry0.get(poly.signature(p1), []):
+            xv = self.interp.values[n]
             if len(xv.entries) == total and len(xv.lead) == len(v.lead) and None not in xv.entries:
                 out.append(_XLanes(n.name, xv.k, False, xv.entries))
         return out
 
-    def _accept_blocks(self, node, v, m) -> Match | str:
-        E = v.entries
+    def _accept_blocks(self, node, v, m) -> Match | Rejection:
+        entries = v.entries
         n = math.prod(v.grid[v.k - m:])
-        nblocks = len(E) // n
+        nblocks = len(entries) // n
         if n < 2:
-            return "fewer than two lanes"
-        e0 = E[0]
-        atoms0 = sorted(P.atoms_of(e0))
-        reason = "lane 0 is not x times a table plus x times a table"
-        cands = list(self._x_candidates(e0, v, len(E)))  # lane 0 may be a plain copy of x
+            return Rejection(FORM, "fewer than two lanes")
+        e0 = entries[0]
+        atoms0 = sorted(poly.atoms_of(e0))
+        best = Rejection(FORM, "lane 0 is not x times a table plus x times a table")
+        cands = list(self._x_candidates(e0, v, len(entries)))  # lane 0 may be a plain copy of x
         for ac in atoms0:
-            p1 = P.cofactor(e0, ac)
+            p1 = poly.cofactor(e0, ac)
             if p1:
-                cands.extend(self._x_candidates(p1, v, len(E)))
+                cands.extend(self._x_candidates(p1, v, len(entries)))
+            if ac[3] == 0:  # lane 0 of a source that lane 0 reads: x, when the products do not split
+                cands.append(_XLanes(ac[0], ac[1], ac[2]))
+        unique = {}
+        for xl in cands:
+            unique.setdefault((xl.name, xl.k, xl.as_real, xl.entries is None), xl)
+        cands = list(unique.values())
         # a source tensor before a computed one: x, not its rotate_half, is what the op should read
         cands.sort(key=lambda xl: xl.entries is not None)
         for xl in cands:
             r = self._accept_x(node, v, m, n, nblocks, xl)
             if isinstance(r, Match):
                 return r
-            reason = r
-        return reason
+            if r.stage >= best.stage:
+                best = r
+        return best
 
     def _split(self, e, xd, xp):
         """e == c1*a*xd + c2*b*xp for atoms a, b: return ((a, c1), (b, c2)) or None."""
         if not xd or not xp:
             return None
         ca = cb = None
-        for a in P.atoms_of(e):
-            q = P.cofactor(e, a)
-            r1 = P.ratio(q, xd)
+        for a in poly.atoms_of(e):
+            q = poly.cofactor(e, a)
+            r1 = poly.ratio(q, xd)
             if r1 is not None and ca is None:
                 ca = (a, r1)
                 continue
-            r2 = P.ratio(q, xp)
+            r2 = poly.ratio(q, xp)
             if r2 is not None and cb is None:
                 cb = (a, r2)
         if ca is None or cb is None or ca[0] == cb[0]:
             return None
-        rebuilt = P.add(P.scale(P.mul(P.atom(ca[0]), xd) or {}, ca[1]),
-                        P.scale(P.mul(P.atom(cb[0]), xp) or {}, cb[1]))
+        rebuilt = poly.add(poly.scale(poly.mul(poly.atom(ca[0]), xd) or {}, ca[1]),
+                        poly.scale(poly.mul(poly.atom(cb[0]), xp) or {}, cb[1]))
         if rebuilt != e and not _close(rebuilt, e):
             return None
         return ca, cb
 
-    def _accept_x(self, node, v, m, n, nblocks, xl: _XLanes) -> Match | str:
-        E = v.entries
+    @staticmethod
+    def _shared_factor(e, xd, xp) -> str | None:
+        """The table a lane multiplies both x lanes by (e == t*(xd +- xp)), or None."""
+        if not xd or not xp:
+            return None
+        for a in poly.atoms_of(e):
+            rest = poly.add(poly.cofactor(e, a), xd, -1.0)
+            if rest and (rest == xp or rest == poly.scale(xp, -1.0)):
+                return a[0]
+        return None
+
+    def _accept_x(self, node, v, m, n, nblocks, xl: _XLanes) -> Match | Rejection:
+        entries = v.entries
 
         def is_copy(i):
-            return _close(E[i], xl.entry(i))
+            return _close(entries[i], xl.entry(i))
 
-        # lanes [0, P) copied, [P, P+R) rotated, the rest copied (P > 0: the rotated part comes after a
-        # pass-through head, as in LTX's padded tables or DeepSeek-V4's rope at the end)
-        P = 0
-        while P < n and is_copy(P):
-            P += 1
-        R = n - P
-        for d in range(P, n):
+        # lanes [0, head) copied, [head, head + rot) rotated, the rest copied (head > 0: the rotated part comes
+        # after a pass-through head, as in LTX's padded tables or DeepSeek-V4's rope at the end)
+        head = 0
+        while head < n and is_copy(head):
+            head += 1
+        rot = n - head
+        for d in range(head, n):
             if is_copy(d):
-                R = d - P
+                rot = d - head
                 break
-        if R < 2 or R % 2:
-            return f"rotated lanes [{P}, {P + R}) are not an even count of at least 2"
-        half = R // 2
+        if rot < 2 or rot % 2:
+            if rot == 0 and head == n:
+                return Rejection(FORM, "every lane is a plain copy of x")
+            return Rejection(PAIRING, f"lanes [{head}, {head + rot}) differ from x but are not an even count of "
+                                      "rotated lanes: a permutation of x's lanes or another mix")
+        half = rot // 2
         # the partner of the first rotated lane decides the style
-        e0 = E[P]
-        x0 = xl.entry(P)
+        e0 = entries[head]
+        x0 = xl.entry(head)
         style = None
         for interleaved, p0 in ((False, half), (True, 1)):
-            if self._split(e0, x0, xl.entry(P + p0)) is not None:
+            if self._split(e0, x0, xl.entry(head + p0)) is not None:
                 style = interleaved
                 break
         if style is None:
-            return f"lane {P} pairs with neither lane {P}+R/2 (NeoX) nor lane {P + 1} (interleaved)"
+            for p0 in (half, 1):
+                shared = self._shared_factor(e0, x0, xl.entry(head + p0))
+                if shared is not None:
+                    return Rejection(LANES, f"lane {head} multiplies x[{head}] and x[{head + p0}] by the same "
+                                            f"entry of {shared}: cos and sin are one table here")
+            return Rejection(PAIRING, f"lane {head} pairs with neither lane {head}+R/2 (NeoX) nor lane {head + 1} "
+                                      "(interleaved) of x")
         interleaved = style
 
         def partner(d):
-            return d ^ 1 if interleaved else (d + half) % R
+            return d ^ 1 if interleaved else (d + half) % rot
 
         def first_of_pair(d):
             return d % 2 == 0 if interleaved else d < half
 
-        C, S = [], []
+        cos_lanes, sin_lanes = [], []
         conj = None
         for b in range(nblocks):
-            base = b * n + P
-            for d in range(R):
-                sp = self._split(E[base + d], xl.entry(base + d), xl.entry(base + partner(d)))
+            base = b * n + head
+            for d in range(rot):
+                sp = self._split(entries[base + d], xl.entry(base + d), xl.entry(base + partner(d)))
                 if sp is None:
-                    return f"lane {d} does not combine x[{d}] and x[{partner(d)}] with one table entry each"
+                    return Rejection(LANES, f"lane {d} does not combine x[{d}] and x[{partner(d)}] with one table "
+                                            "entry each")
                 (ca, cc), (sa, sc) = sp
                 if cc <= 0:
-                    return f"lane {d}: x[{d}] enters with a negative factor"
+                    return Rejection(LANES, f"lane {d}: x[{d}] enters with a negative factor")
                 if ca == sa:
-                    return f"lane {d} multiplies both x lanes by the same table entry"
+                    return Rejection(LANES, f"lane {d} multiplies both x lanes by the same table entry")
                 rotation_sign = -1.0 if first_of_pair(d) else 1.0
                 this_conj = (sc > 0) != (rotation_sign > 0)
                 if conj is None:
                     conj = this_conj
                 elif conj != this_conj:
-                    return f"lane {d} has the sign pattern of neither a rotation nor its inverse"
+                    return Rejection(LANES, f"lane {d} has the sign pattern of neither a rotation nor its inverse")
                 c_entry, s_entry = (ca, cc), (sa, abs(sc))
                 if b == 0:
-                    C.append(c_entry)
-                    S.append(s_entry)
-                elif C[d] != c_entry or S[d] != s_entry:
-                    return "the tables differ between heads of x"
-            for d in [*range(-P, 0), *range(R, n - P)]:
+                    cos_lanes.append(c_entry)
+                    sin_lanes.append(s_entry)
+                elif cos_lanes[d] != c_entry or sin_lanes[d] != s_entry:
+                    return Rejection(TABLES, "the tables differ between the heads of a flattened [.., H*D] x "
+                                             "(per-head tables on a flattened head dim are not supported)")
+            for d in [*range(-head, 0), *range(rot, n - head)]:
                 if not is_copy(base + d):
-                    return f"lane {P + d} outside the rotated part is not a copy of x"
-        x_node = self.I.nodes[xl.name]
-        for key in {a[:3] for a, _ in C} | {a[:3] for a, _ in S}:
-            tnode = self.I.nodes[key[0]]
-            if tnode is x_node:
-                return "the table is x itself"
-            if self.depends_on(tnode, x_node):
-                return f"the table {tnode.name} depends on x"
-        refs = self._tables(C, S, R, first_of_pair, partner)
+                    return Rejection(LANES, f"lane {head + d} outside the rotated part is not a copy of x")
+        x_node = self.interp.nodes[xl.name]
+        origins = self._x_origins(x_node, xl)
+        for key in {a[:3] for a, _ in cos_lanes} | {a[:3] for a, _ in sin_lanes}:
+            tnode = self.interp.nodes[key[0]]
+            if tnode in origins:
+                return Rejection(TABLES, "the table is x itself")
+            for o in origins:
+                if self.depends_on(tnode, o):
+                    return Rejection(TABLES, f"the table {tnode.name} is computed from x ({o.name}): a rotation "
+                                             "by angles taken from x itself is not a position embedding")
+        refs = self._tables(cos_lanes, sin_lanes, rot, first_of_pair, partner)
         if isinstance(refs, str):
-            return refs
+            return Rejection(TABLES, refs)
         cos, sin, full = refs
         for t in (cos, sin):
             if not self._broadcasts(t, v.lead):
-                return f"the table {t.name} does not broadcast against x"
+                return Rejection(TABLES, f"the table {t.name} does not broadcast against x")
         if xl.entries is None:
-            xval = L._meta(x_node)
+            xval = meta(x_node)
             xshape = tuple(xval.shape) + ((2,) if xl.as_real else ())
             x_lead = xshape[: len(xshape) - xl.k]
-            if len(x_lead) != len(v.lead) or not all(L.same_dim(a, b) for a, b in zip(x_lead, v.lead)):
-                return "x is broadcast to the output shape"
-            if math.prod(L._ints(xshape[len(xshape) - xl.k:])) != len(E):
-                return "x has a different lane count"
+            if len(x_lead) != len(v.lead) or not all(same_dim(a, b) for a, b in zip(x_lead, v.lead)):
+                return Rejection(TABLES, "x is broadcast to the output shape")
+            if math.prod(concrete_ints(xshape[len(xshape) - xl.k:])) != len(entries):
+                return Rejection(TABLES, "x has a different lane count")
         else:
-            xv = self.I.values[x_node]
+            xv = self.interp.values[x_node]
             x_lead = xv.lead
-            if len(x_lead) == len(v.lead) and not all(L.same_dim(a, b) for a, b in zip(x_lead, v.lead)):
-                return "x is broadcast to the output shape"
-        blocks = tuple(v.grid[: v.k - m])
-        return Match(node, v.k, blocks, xl.name, xl.k, xl.as_real, n, R, interleaved, full, bool(conj),
-                     cos, sin, v.wide, P)
+            if len(x_lead) == len(v.lead) and not all(same_dim(a, b) for a, b in zip(x_lead, v.lead)):
+                return Rejection(TABLES, "x is broadcast to the output shape")
+        return Match(node=node, value_k=v.k, blocks=tuple(v.grid[: v.k - m]), x_name=xl.name, x_k=xl.k,
+                     x_as_real=xl.as_real, head_dim=n, rotary_dim=rot, interleaved=interleaved, full_tables=full,
+                     conjugate=bool(conj), cos=cos, sin=sin, wide=v.wide, offset=head)
+
+    def _x_origins(self, x_node: fx.Node, xl: _XLanes) -> list:
+        """Where x's numbers come from: x (a source), or the sources its computed lanes read, with what they
+        carry unchanged from. A table computed from any of these is computed from x."""
+        if xl.entries is None:
+            return _carried_from(x_node)
+        names = {a[0] for e in xl.entries for a in poly.atoms_of(e)}
+        return [o for name in sorted(names) for o in _carried_from(self.interp.nodes[name])]
 
     # -- tables ------------------------------------------------------------------------------------
     def _broadcasts(self, t: TableRef, lead: tuple) -> bool:
-        val = L._meta(self.I.nodes[t.name])
+        val = meta(self.interp.nodes[t.name])
         shape = tuple(val.shape) + ((2,) if t.as_real else ())
         t_lead = shape[: len(shape) - t.k]
         if len(t_lead) > len(lead):
             return False
-        return all(L.as_int(a) == 1 or L.same_dim(a, b) for a, b in zip(reversed(t_lead), reversed(lead)))
+        return all(as_int(a) == 1 or same_dim(a, b) for a, b in zip(reversed(t_lead), reversed(lead)))
 
-    def _tables(self, C, S, R, first_of_pair, partner):
-        firsts = [d for d in range(R) if first_of_pair(d)]
-        halfable = all(C[d] == C[partner(d)] and S[d] == S[partner(d)] for d in firsts)
-        if halfable:
-            c = self._table([C[d] for d in firsts])
-            s = self._table([S[d] for d in firsts])
+    def _tables(self, cos_lanes, sin_lanes, rot, first_of_pair, partner):
+        firsts = [d for d in range(rot) if first_of_pair(d)]
+        per_pair = all(cos_lanes[d] == cos_lanes[partner(d)] and sin_lanes[d] == sin_lanes[partner(d)]
+                       for d in firsts)
+        if per_pair:
+            c = self._table([cos_lanes[d] for d in firsts])
+            s = self._table([sin_lanes[d] for d in firsts])
             if c and s:
                 return c, s, False
-        c, s = self._table(C), self._table(S)
+        c, s = self._table(cos_lanes), self._table(sin_lanes)
         if c and s:
             return c, s, True
         return "table lanes are not a strided view of one tensor"
@@ -330,12 +406,13 @@ class Acceptor:
         if len(keys) == 1 and all(c == 1.0 for _, c in entries):
             aff = _affine([a[3] for a in atoms])
             if aff:
-                return TableRef(*atoms[0][:3], aff[0], aff[1], len(atoms))
-        key = tuple(P.signature({(a,): c}) for a, c in entries)
+                name, k, as_real = atoms[0][:3]
+                return TableRef(name=name, k=k, as_real=as_real, start=aff[0], step=aff[1], width=len(atoms))
+        key = tuple(poly.signature({(a,): c}) for a, c in entries)
         hit = self._gathered().get(key)
         if hit is not None:
             node, k = hit
-            return TableRef(node.name, k, False, 0, 1, len(atoms))
+            return TableRef(name=node.name, k=k, as_real=False, start=0, step=1, width=len(atoms))
         return None
 
     def _gathered(self) -> dict:
@@ -343,17 +420,26 @@ class Acceptor:
         tensors, e.g. the per-axis frequencies of a video model, or scaled), keyed by lane signature."""
         if self._gather is None:
             self._gather = {}
-            for node, v in self.I.values.items():
-                if not isinstance(v, L.LaneValue) or v.is_complex:
+            for node, v in self.interp.values.items():
+                if not isinstance(v, lanes.LaneValue) or v.is_complex:
                     continue
                 while v is not None:
                     if all(e is not None and len(e) == 1 and len(next(iter(e))) == 1 for e in v.entries):
-                        key = tuple(P.signature(e) for e in v.entries)
+                        key = tuple(poly.signature(e) for e in v.entries)
                         self._gather.setdefault(key, (node, v.k))
-                        v = L.demote(self.I, v)
+                        v = lanes.demote(self.interp, v)
                     else:
                         v = None
         return self._gather
+
+
+def _carried_from(x: fx.Node) -> list:
+    """x and the nodes it carries unchanged from (casts, views, copies), back to where its numbers arise."""
+    out = [x]
+    while x.target in _X_CARRIERS and x.args and isinstance(x.args[0], fx.Node):
+        x = x.args[0]
+        out.append(x)
+    return out
 
 
 def _close(p: dict, q: dict) -> bool:
@@ -362,43 +448,3 @@ def _close(p: dict, q: dict) -> bool:
     if p is None or q is None or p.keys() != q.keys():
         return False
     return all(abs(p[m] - q[m]) <= 1e-12 * max(1.0, abs(q[m])) for m in p)
-
-
-def source_line(node: fx.Node) -> str:
-    """The innermost model-code frame of the node's stack trace ("path:line")."""
-    tb = node.meta.get("stack_trace") or ""
-    best = ""
-    for line in tb.splitlines():
-        line = line.strip()
-        if line.startswith("File "):
-            try:
-                path = line.split('"')[1]
-                lineno = line.split("line ")[1].split(",")[0]
-            except IndexError:
-                continue
-            best = f"{path}:{lineno}"
-    return best or "<unknown>"
-
-
-_ARITHMETIC = (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor,
-               torch.ops.aten.addcmul.default)
-
-
-def rotation_source(node: fx.Node) -> str:
-    """Where the rotation's arithmetic was written: the replaced node may be a view or transpose that the
-    model applies afterwards (attention dispatch code), so look back for the nearest add/mul."""
-    seen, queue, i = {node}, [node], 0
-    while i < len(queue) and i < 64:
-        n = queue[i]
-        i += 1
-        if n.target in _ARITHMETIC and n.meta.get("stack_trace"):
-            return source_line(n)
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                queue.append(a)
-    return source_line(node)
-
-
-def dtype_name(dt: torch.dtype) -> str:
-    return str(dt).replace("torch.", "")

@@ -9,6 +9,8 @@ off by the interpreter, so these stay tiny and plain dicts are fast enough.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 Atom = tuple  # (name: str, k: int, as_real: bool, flat: int)
 Poly = dict  # {tuple[Atom, ...]: float}
 
@@ -16,97 +18,102 @@ MAX_DEGREE = 6
 MAX_TERMS = 16
 
 
-def const(c: float) -> Poly:
-    return {(): float(c)} if c != 0 else {}
+def const(value: float) -> Poly:
+    """The constant polynomial `value` ({} for zero)."""
+    return {(): float(value)} if value != 0 else {}
 
 
-def atom(a: Atom) -> Poly:
-    return {(a,): 1.0}
+def atom(lane: Atom) -> Poly:
+    """The polynomial that is one atom."""
+    return {(lane,): 1.0}
 
 
-def add(p: Poly, q: Poly, alpha: float = 1.0) -> Poly:
-    out = dict(p)
-    for m, c in q.items():
-        v = out.get(m, 0.0) + alpha * c
-        if v == 0.0:
-            out.pop(m, None)
+def add(base: Poly, other: Poly, alpha: float = 1.0) -> Poly:
+    """base + alpha*other; terms that cancel are dropped."""
+    out = dict(base)
+    for mono, coef in other.items():
+        total = out.get(mono, 0.0) + alpha * coef
+        if total == 0.0:
+            out.pop(mono, None)
         else:
-            out[m] = v
+            out[mono] = total
     return out
 
 
-def scale(p: Poly, c: float) -> Poly:
-    if c == 0.0:
+def scale(poly: Poly, factor: float) -> Poly:
+    """factor*poly."""
+    if factor == 0.0:
         return {}
-    return {m: v * c for m, v in p.items()}
+    return {mono: coef * factor for mono, coef in poly.items()}
 
 
-def mul(p: Poly, q: Poly) -> Poly | None:
+def mul(left: Poly, right: Poly) -> Poly | None:
     """Product, or None when it grows past the degree/term caps (the value becomes opaque)."""
     out: Poly = {}
-    for m1, c1 in p.items():
-        for m2, c2 in q.items():
-            if not m1:
-                m = m2
-            elif not m2:
-                m = m1
-            elif len(m1) == 1 and len(m2) == 1:  # the common case: atom times atom
-                m = m1 + m2 if m1[0] <= m2[0] else m2 + m1
+    for mono_l, coef_l in left.items():
+        for mono_r, coef_r in right.items():
+            if not mono_l:
+                mono = mono_r
+            elif not mono_r:
+                mono = mono_l
+            elif len(mono_l) == 1 and len(mono_r) == 1:  # the common case: atom times atom
+                mono = mono_l + mono_r if mono_l[0] <= mono_r[0] else mono_r + mono_l
             else:
-                m = tuple(sorted(m1 + m2))
-                if len(m) > MAX_DEGREE:
+                mono = tuple(sorted(mono_l + mono_r))
+                if len(mono) > MAX_DEGREE:
                     return None
-            v = out.get(m, 0.0) + c1 * c2
-            if v == 0.0:
-                out.pop(m, None)
+            total = out.get(mono, 0.0) + coef_l * coef_r
+            if total == 0.0:
+                out.pop(mono, None)
             else:
-                out[m] = v
+                out[mono] = total
     if len(out) > MAX_TERMS:
         return None
     return out
 
 
-def remap(p: Poly, fn) -> Poly:
+def remap(poly: Poly, rename: Callable[[Atom], Atom]) -> Poly:
     """Rename atoms (used when a value's lane grid absorbs a leading dim)."""
     out: Poly = {}
-    for m, c in p.items():
-        nm = tuple(sorted(fn(a) for a in m))
-        out[nm] = out.get(nm, 0.0) + c
+    for mono, coef in poly.items():
+        renamed = tuple(sorted(rename(a) for a in mono))
+        out[renamed] = out.get(renamed, 0.0) + coef
     return out
 
 
-def cofactor(p: Poly, a: Atom) -> Poly:
-    """The polynomial q with p = a*q + (terms without a); a appears at most once per monomial here."""
+def cofactor(poly: Poly, lane: Atom) -> Poly:
+    """The polynomial q with poly = lane*q + (terms without lane); lane appears at most once per monomial."""
     out: Poly = {}
-    for m, c in p.items():
-        if a in m:
-            i = m.index(a)
-            rest = m[:i] + m[i + 1:]
-            out[rest] = out.get(rest, 0.0) + c
+    for mono, coef in poly.items():
+        if lane in mono:
+            i = mono.index(lane)
+            rest = mono[:i] + mono[i + 1:]
+            out[rest] = out.get(rest, 0.0) + coef
     return out
 
 
-def atoms_of(p: Poly) -> set:
-    return {a for m in p for a in m}
+def atoms_of(poly: Poly) -> set:
+    """Every atom that occurs in some monomial."""
+    return {a for mono in poly for a in mono}
 
 
-def ratio(p: Poly, q: Poly) -> float | None:
-    """c with p == c*q (q nonzero), else None."""
-    if not q or len(p) != len(q):
+def ratio(num: Poly, den: Poly) -> float | None:
+    """c with num == c*den (den nonzero; coefficients equal to a relative 1e-12), else None."""
+    if not den or len(num) != len(den):
         return None
-    c = None
-    for m, v in q.items():
-        pv = p.get(m)
-        if pv is None:
+    factor = None
+    for mono, coef in den.items():
+        num_coef = num.get(mono)
+        if num_coef is None:
             return None
-        r = pv / v
-        if c is None:
-            c = r
-        elif abs(r - c) > 1e-12 * max(1.0, abs(c)):
+        this = num_coef / coef
+        if factor is None:
+            factor = this
+        elif abs(this - factor) > 1e-12 * max(1.0, abs(factor)):
             return None
-    return c
+    return factor
 
 
-def signature(p: Poly) -> frozenset:
-    """p with the atoms' grid ranks dropped: equal for a value and its promoted first block."""
-    return frozenset((tuple((a[0], a[2], a[3]) for a in m), c) for m, c in p.items())
+def signature(poly: Poly) -> frozenset:
+    """poly with the atoms' grid ranks dropped: equal for a value and its promoted first block."""
+    return frozenset((tuple((a[0], a[2], a[3]) for a in mono), coef) for mono, coef in poly.items())

@@ -1,12 +1,19 @@
 """What the pass did, in records that a person (depyf dump, `rope-fusion explain`) can read.
 
-The report accumulates over every graph the pass sees; `graphs` counts them. Records are plain
-dataclasses of strings and numbers so that they pickle and print without the graph they came from.
+The report accumulates over every graph the pass sees. Counts are per compiled graph, not per run: a graph
+that Dynamo compiles once and runs for several layers (a block after a graph break) reports its sites once.
+A graph served from Inductor's FX graph cache never reaches the pass; the pass leaves counters in the
+cached artifact (Inductor replays them on a hit), and `cached` reads them, so a warm cache reports
+"reused from the FX graph cache: N sites" instead of nothing. Records are plain dataclasses of strings and
+numbers so that they pickle and print without the graph they came from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+# Table forms as the report names them: one entry per rotated pair, or one per lane.
+PER_PAIR, PER_LANE = "per-pair", "per-lane"
 
 
 @dataclasses.dataclass
@@ -18,7 +25,7 @@ class Site:
     style: str  # "neox" or "interleaved"
     rotary_dim: int
     head_dim: int
-    table_form: str  # "half" (one entry per pair) or "full" (one entry per lane)
+    table_form: str  # PER_PAIR or PER_LANE
     conjugate: bool
     x_dtype: str
     table_dtype: str
@@ -26,7 +33,8 @@ class Site:
     shape: tuple
     source: str  # "file:line" of the model code, from the node's stack trace
     kernel: int = -1  # index into Report.kernels
-    role: str = "x"  # "q", "k" or "x"
+    role: str = "x"  # "q" or "k" when the model source names it so, else "x"
+    origin: str = "arithmetic"  # what was replaced: RoPE arithmetic, or a rotary kernel already in the graph
 
 
 @dataclasses.dataclass
@@ -37,6 +45,7 @@ class Kernel:
     op: str  # e.g. "rope_fusion.rotary_qk"
     backend: str
     sites: list  # indices into Report.sites
+    fallback: str = ""  # why the backend that was asked for did not take the site
 
 
 @dataclasses.dataclass
@@ -51,10 +60,33 @@ class Miss:
 
 @dataclasses.dataclass
 class GraphError:
-    """An internal error that left one graph unchanged (the failure policy, DESIGN.md section 5)."""
+    """An internal error and what it left: "graph unchanged" or "site left unfused" (the failure policy)."""
 
     graph: int
     error: str
+    outcome: str = "graph unchanged"
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """One post-grad graph the pass saw."""
+
+    index: int
+    kind: str  # "inference", "forward" (training) or "backward"
+    outcome: str  # "fused", "nothing to fuse", "unchanged after an error", "partly fused after an error"
+    sites: int = 0
+    kernels: int = 0
+    misses: int = 0
+
+
+@dataclasses.dataclass
+class CacheReuse:
+    """Graphs served from Inductor's FX graph cache since the report started: the pass did not run on them,
+    their cached code is what it produced when they were first compiled."""
+
+    graphs: int = 0
+    sites: int = 0
+    kernels: int = 0
 
 
 @dataclasses.dataclass
@@ -64,34 +96,47 @@ class Report:
     misses: list = dataclasses.field(default_factory=list)
     errors: list = dataclasses.field(default_factory=list)
     host_tables: list = dataclasses.field(default_factory=list)  # "graph:input" copied once, not per call
+    graph_records: list = dataclasses.field(default_factory=list)
     graphs: int = 0
+    cache_counter: object = dataclasses.field(default=None, repr=False, compare=False)  # set by the pass
 
     def clear(self) -> None:
-        self.sites.clear()
-        self.kernels.clear()
-        self.misses.clear()
-        self.errors.clear()
-        self.host_tables.clear()
+        for records in (self.sites, self.kernels, self.misses, self.errors, self.host_tables, self.graph_records):
+            records.clear()
         self.graphs = 0
+        if self.cache_counter is not None:
+            self.cache_counter.rebase()
+
+    @property
+    def cached(self) -> CacheReuse:
+        return self.cache_counter.reused() if self.cache_counter is not None else CacheReuse()
 
     def summary(self) -> str:
-        return (f"fused {len(self.sites)} sites in {len(self.kernels)} kernels, "
-                f"{len(self.misses)} near misses")
+        text = f"fused {len(self.sites)} sites in {len(self.kernels)} kernels, {len(self.misses)} near misses"
+        c = self.cached
+        if c.graphs:
+            text += (f"; reused from the FX graph cache: {c.sites} sites in {c.kernels} kernels "
+                     f"({c.graphs} graphs the pass did not need to see again)")
+        return text
 
     def table(self) -> str:
         """A plain-text table of sites, kernels and misses (rich renders the same rows in the CLI)."""
-        lines = [self.summary()]
+        lines = [self.summary() + " (counted per compiled graph; a graph run for several layers counts once)"]
         for i, s in enumerate(self.sites):
             k = self.kernels[s.kernel] if 0 <= s.kernel < len(self.kernels) else None
+            style = s.style + (" conjugate" if s.conjugate else "")
             lines.append(
-                f"  site {i:3d} {s.role:1s} {s.style:11s} R={s.rotary_dim:<4d} D={s.head_dim:<4d} "
-                f"{s.table_form:4s} {s.x_dtype}->{s.out_dtype} tables {s.table_dtype} "
+                f"  site {i:3d} {s.role:1s} {style:21s} R={s.rotary_dim:<4d} D={s.head_dim:<4d} "
+                f"tables {s.table_form} {s.table_dtype}, x {s.x_dtype} -> {s.out_dtype} "
                 f"{k.op if k else '?'}[{k.backend if k else '?'}] at {s.source}"
             )
+        for k in self.kernels:
+            if k.fallback:
+                lines.append(f"  kernel {k.op}[{k.backend}] fell back: {k.fallback}")
         for m in self.misses:
             lines.append(f"  miss {m.node}: {m.reason} at {m.source}")
         if self.host_tables:
             lines.append(f"  host tables copied to the device once: {', '.join(self.host_tables)}")
         for e in self.errors:
-            lines.append(f"  error in graph {e.graph}: {e.error}")
+            lines.append(f"  error in graph {e.graph} ({e.outcome}): {e.error}")
         return "\n".join(lines)

@@ -1,4 +1,10 @@
-"""`RopeFusionPass`: the Inductor post-grad custom pass, and the ways to install it.
+"""`RopeFusionPass`: the Inductor post-grad custom pass.
+
+One call walks the graph through four steps: find the rotations (sites.py), group q with k (grouping.py),
+plan and commit the fused nodes (emission.py), and cache host tables (host_tables.py). The failure policy
+(docs/design.md section 5) holds at every step: the graph is snapshotted first; a failure while planning one
+group leaves that group unfused, any other failure restores the snapshot, and the report and the log line
+say which happened.
 
 The pass object is what Inductor's FX graph cache and vLLM's config hash see, so its `uuid()` covers the
 package's source files and the options, and it pickles and deep-copies as a plain object (the report is
@@ -7,20 +13,29 @@ per instance, and a copy starts with an empty one).
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import logging
 import os
 from typing import Any
 
-import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
+import torch.fx as fx
 
-from .report import GraphError, Report
+from ..ops.backends import BACKEND_NAMES, SiteSpec, choose_backend
+from . import emission
+from .emission import Emitter, GraphTransaction
+from .grouping import pair_up
+from .provenance import dtype_name, role, rotation_source, source_line
+from .report import PER_LANE, PER_PAIR, CacheReuse, GraphError, GraphRecord, Kernel, Miss, Report, Site
+from .sites import find_sites
+
+try:  # torch passes `is_inference` to such passes (inference graph or training forward)
+    from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass as _PassBase
+except ImportError:  # older torch
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
 
 log = logging.getLogger("rope_fusion")
-
-BACKENDS = ("auto", "inductor", "triton", "npu")
 
 
 @functools.lru_cache(maxsize=1)
@@ -39,41 +54,181 @@ def source_hash() -> str:
     return h.hexdigest()
 
 
-class RopeFusionPass(CustomGraphPass):
-    """Find every RoPE in a post-grad graph and replace it (or each q/k pair) with one fused op."""
+# -- what a cache hit reuses -------------------------------------------------------------------------------
+
+_LIVE: collections.Counter = collections.Counter()  # what passes recorded while running, per counter key
+
+
+class CacheCounter:
+    """Counts that the pass adds to Inductor's counters while it runs. Inductor stores the counter deltas of
+    a compile in the FX graph cache entry and replays them on a hit, so the counters minus what passes
+    recorded live is what cached graphs brought in."""
+
+    FIELDS = ("graphs", "sites", "kernels")
+
+    def __init__(self, uuid: str):
+        tag = hashlib.sha256(uuid.encode()).hexdigest()[:16]
+        self.keys = {f: f"rope_fusion_{f}:{tag}" for f in self.FIELDS}
+        self.rebase()
+
+    @staticmethod
+    def _counters() -> collections.Counter:
+        from torch._dynamo.utils import counters
+
+        return counters["inductor"]
+
+    def rebase(self) -> None:
+        c = self._counters()
+        self.base = {f: c[k] - _LIVE[k] for f, k in self.keys.items()}
+
+    def add(self, **counts: int) -> None:
+        c = self._counters()
+        for f, n in counts.items():
+            if n:
+                c[self.keys[f]] += n
+                _LIVE[self.keys[f]] += n
+
+    def reused(self) -> CacheReuse:
+        c = self._counters()
+        return CacheReuse(**{f: max(0, c[k] - _LIVE[k] - self.base[f]) for f, k in self.keys.items()})
+
+
+# -- the pass ----------------------------------------------------------------------------------------------
+
+class RopeFusionPass(_PassBase):
+    """Find every RoPE it can prove in a post-grad graph and replace it (or each q/k pair) with one fused op."""
 
     def __init__(self, backend: str = "auto", fuse_qk: bool = True, cache_host_tables: bool = True) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend not in BACKEND_NAMES:
+            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
         self.backend = backend
         self.fuse_qk = bool(fuse_qk)
         self.cache_host_tables = bool(cache_host_tables)  # ops/host_tables.py
         self.report = Report()
-        self._logged_error = False
+        self.report.cache_counter = CacheCounter(self.uuid())
+        self._logged: set = set()
 
     # -- CustomGraphPass -------------------------------------------------------------------------
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        from .rewrite import fuse_graph
-
+    def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
         index = self.report.graphs
         self.report.graphs += 1
-        n_sites, n_kernels, n_misses, n_host = (len(self.report.sites), len(self.report.kernels),
-                                                len(self.report.misses), len(self.report.host_tables))
+        record = GraphRecord(index, _graph_kind(graph, is_inference), "nothing to fuse")
+        self.report.graph_records.append(record)
+        mark = self._mark()
+        tx = GraphTransaction(graph)
         try:
-            fuse_graph(graph, self.report, index, backend=self.backend, fuse_qk=self.fuse_qk,
-                       cache_host_tables=self.cache_host_tables)
+            planned = self._fuse(graph, index)
         except Exception as e:  # the failure policy: never break a compile
-            del self.report.sites[n_sites:], self.report.kernels[n_kernels:], self.report.misses[n_misses:]
-            del self.report.host_tables[n_host:]
-            self.report.errors.append(GraphError(index, f"{type(e).__name__}: {e}"))
-            if not self._logged_error:
-                self._logged_error = True
-                log.warning("rope_fusion left a graph unchanged after an internal error: %s: %s",
-                            type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+            try:
+                tx.rollback()
+                outcome = "graph unchanged"
+            except Exception as undo:  # cannot happen unless FX itself misbehaves; say so
+                outcome = f"graph NOT restored ({type(undo).__name__}: {undo})"
+            self._truncate(mark)
+            self.report.errors.append(GraphError(index, f"{type(e).__name__}: {e}", outcome))
+            record.outcome = "unchanged after an error"
+            self._log_once(("error", type(e).__name__), logging.WARNING,
+                           "rope_fusion graph %d: %s after an internal error: %s: %s", index, outcome,
+                           type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
             return
-        log.info("rope_fusion graph %d: fused %d sites in %d kernels, %d near misses", index,
-                 len(self.report.sites) - n_sites, len(self.report.kernels) - n_kernels,
-                 len(self.report.misses) - n_misses)
+        self._cache_tables(graph, index, planned)
+        try:
+            graph.eliminate_dead_code()
+        except Exception:  # dead nodes are harmless; Inductor removes them too
+            pass
+        sites, kernels, misses = (len(getattr(self.report, f)) - mark[f] for f in ("sites", "kernels", "misses"))
+        record.sites, record.kernels, record.misses = sites, kernels, misses
+        if any(e.graph == index for e in self.report.errors):
+            record.outcome = "partly fused after an error"
+        elif sites:
+            record.outcome = "fused"
+        self.report.cache_counter.add(graphs=1, sites=sites, kernels=kernels)
+        log.info("rope_fusion graph %d (%s): fused %d sites in %d kernels, %d near misses%s", index, record.kind,
+                 sites, kernels, misses, "; some sites left unfused after an error" if
+                 record.outcome.startswith("partly") else "")
+
+    def _fuse(self, graph: fx.Graph, index: int) -> list:
+        matches, misses, acc = find_sites(graph)
+        for node, reason in misses:
+            self.report.misses.append(Miss(index, node.name, reason, source_line(node)))
+        if not matches:
+            return []
+        nodes, order = acc.interp.nodes, acc.order
+        groups = pair_up(matches, acc) if self.fuse_qk else [(m,) for m in matches]
+        em = Emitter(graph)
+        planned = []
+        for group in groups:
+            before = set(graph.nodes)
+            try:
+                planned.append(emission.plan_group(em, group, nodes, emission.anchor_of(group, nodes, order),
+                                                   self._choose))
+            except Exception as e:  # this group stays as it was; the others still fuse
+                GraphTransaction(graph).erase([n for n in graph.nodes if n not in before])
+                self.report.errors.append(GraphError(index, f"{group[0].node.name}: {type(e).__name__}: {e}",
+                                                     "site left unfused"))
+                self._log_once(("site", type(e).__name__), logging.WARNING,
+                               "rope_fusion graph %d: a site was left unfused after an internal error: %s: %s",
+                               index, type(e).__name__, e)
+        emission.commit(planned)
+        emission.finish(graph, planned, order)
+        for p in planned:
+            self._record(index, p, nodes)
+        return planned
+
+    def _choose(self, spec: SiteSpec):
+        backend, reasons = choose_backend(self.backend, spec)
+        fallback = "; ".join(reasons)
+        if fallback:
+            self._log_once(("fallback", fallback), logging.WARNING,
+                           "rope_fusion: backend %r did not take a site, using %r (%s)", self.backend,
+                           backend.name, fallback)
+        return backend, fallback
+
+    def _record(self, index: int, p: emission.PlannedGroup, nodes: dict) -> None:
+        kernel = len(self.report.kernels)
+        ids = []
+        for m, x in zip(p.group, p.xs):
+            ids.append(len(self.report.sites))
+            self.report.sites.append(Site(
+                graph=index, node=m.node.name, style="interleaved" if m.interleaved else "neox",
+                rotary_dim=m.rotary_dim, head_dim=m.head_dim, table_form=PER_LANE if m.full_tables else PER_PAIR,
+                conjugate=m.conjugate, x_dtype=dtype_name(x.meta["val"].dtype),
+                table_dtype=dtype_name(p.cos.meta["val"].dtype), out_dtype=dtype_name(m.node.meta["val"].dtype),
+                shape=tuple(str(s) for s in m.node.meta["val"].shape), source=rotation_source(m.node),
+                kernel=kernel, role=role(m.node)))
+        self.report.kernels.append(Kernel(index, p.op_name, p.backend, ids, p.fallback))
+
+    def _cache_tables(self, graph: fx.Graph, index: int, planned: list) -> None:
+        """Host tables of fused sites: cached device copies (their own transaction: a failure keeps the sites)."""
+        tables = [t for p in planned for t in (p.cos, p.sin)]
+        if not (self.cache_host_tables and tables):
+            return
+        from .host_tables import cache_host_tables
+
+        tx = GraphTransaction(graph)
+        try:
+            names = cache_host_tables(graph, tables)
+        except Exception as e:
+            tx.rollback()
+            self.report.errors.append(GraphError(index, f"host tables: {type(e).__name__}: {e}",
+                                                 "host-table copies left as they were; the sites are fused"))
+            self._log_once(("host", type(e).__name__), logging.WARNING,
+                           "rope_fusion graph %d: host tables left as they were after an internal error: %s: %s",
+                           index, type(e).__name__, e)
+            return
+        self.report.host_tables += [f"{index}:{name}" for name in names]
+
+    def _mark(self) -> dict:
+        return {f: len(getattr(self.report, f)) for f in ("sites", "kernels", "misses", "host_tables")}
+
+    def _truncate(self, mark: dict) -> None:
+        for f, n in mark.items():
+            del getattr(self.report, f)[n:]
+
+    def _log_once(self, key: Any, level: int, msg: str, *args: Any, **kw: Any) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.log(level, msg, *args, **kw)
 
     def uuid(self) -> Any:
         return (f"rope_fusion-{source_hash()[:32]}-{self.backend}-{int(self.fuse_qk)}"
@@ -91,53 +246,16 @@ class RopeFusionPass(CustomGraphPass):
                 f"cache_host_tables={self.cache_host_tables})")
 
 
-def inductor_options(pass_: RopeFusionPass | None = None, **pass_kwargs: Any) -> dict:
-    """Options for `torch.compile(m, options=...)` that run the pass (a new one unless given)."""
-    return {"post_grad_custom_post_pass": pass_ if pass_ is not None else RopeFusionPass(**pass_kwargs)}
+def _graph_kind(graph: fx.Graph, is_inference: bool | None) -> str:
+    """AOTAutograd names the incoming gradients of a backward graph `tangents_N`."""
+    for n in graph.nodes:
+        if n.op != "placeholder":
+            break
+        if n.name.startswith("tangents"):
+            return "backward"
+    if is_inference is None:
+        return "forward or inference"
+    return "inference" if is_inference else "forward"
 
 
-class _ChainedPass(CustomGraphPass):
-    """Runs a pass that was already configured, then ours; keeps both uuids in its own."""
-
-    def __init__(self, first: Any, second: RopeFusionPass) -> None:
-        self.first = first
-        self.second = second
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        self.first(graph)
-        self.second(graph)
-
-    def uuid(self) -> Any:
-        first = self.first.uuid() if hasattr(self.first, "uuid") else repr(self.first)
-        return ("chain", first, self.second.uuid())
-
-    @property
-    def report(self) -> Report:
-        return self.second.report
-
-
-_installed: list = []  # stack of (previous config value, installed pass)
-
-
-def install(pass_: RopeFusionPass | None = None, **pass_kwargs: Any) -> RopeFusionPass:
-    """Run the pass in every later torch.compile of this process (chained after any pass already set).
-
-    Returns the installed pass, whose `report` fills as graphs compile. `uninstall()` undoes it.
-    """
-    import torch._inductor.config as cfg
-
-    p = pass_ if pass_ is not None else RopeFusionPass(**pass_kwargs)
-    previous = cfg.post_grad_custom_post_pass
-    cfg.post_grad_custom_post_pass = p if previous is None else _ChainedPass(previous, p)
-    _installed.append((previous, p))
-    return p
-
-
-def uninstall() -> None:
-    """Restore the post-grad pass that was configured before the last `install()`."""
-    import torch._inductor.config as cfg
-
-    if not _installed:
-        return
-    previous, _ = _installed.pop()
-    cfg.post_grad_custom_post_pass = previous
+__all__ = ["RopeFusionPass", "CacheCounter", "source_hash", "log"]

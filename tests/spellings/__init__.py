@@ -9,8 +9,8 @@ function in fp64: an upcast is written `up(x)` (in a bf16/fp16 graph it is the s
 in the fp64 evaluation it keeps fp64), a cast back is `.to(x.dtype)` / `.type_as(x)`.
 """
 
+from . import catalogue, near_misses, variations  # noqa: F401
 from .case import Case, Expect  # noqa: F401
-from . import catalogue, variations, near_misses  # noqa: F401
 
 CATALOGUE = catalogue.CASES
 VARIATIONS = variations.CASES

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -26,7 +26,7 @@ class Expect:
     style: str  # "neox" or "interleaved"
     rotary_dim: int | tuple  # an int, or a tuple of accepted values
     head_dim: int | tuple | None  # None: not asserted
-    table_form: str  # "half" or "full"
+    table_form: str  # "per-pair" (width R/2) or "per-lane" (width R)
     conjugate: bool = False
 
 
@@ -69,7 +69,7 @@ _DISTINCT = [False]
 @contextlib.contextmanager
 def distinct_tables():
     """Inside: "full" tables get an independent angle per lane, so that a wrong lane of a table shows up in
-    the numbers (the pass may assume nothing about table values, DESIGN.md section 1)."""
+    the numbers (the pass may assume nothing about table values, docs/design.md section 1)."""
     _DISTINCT.append(True)
     try:
         yield

@@ -1,4 +1,5 @@
-"""Assertions on a pass's report against a spelling's `Expect`."""
+"""Assertions on a pass's report against a spelling's `Expect`, and on the graph the pass left, checked
+independently of the report."""
 
 from __future__ import annotations
 
@@ -43,3 +44,15 @@ def check_report(p, e: Expect, out_dtypes=(), check_source: bool = True) -> None
         for s in r.sites:
             assert any(f in s.source for f in SPELLING_FILES), \
                 f"site source {s.source!r} does not point into the spelling (tests/spellings):\n{t}"
+
+
+def check_graph(p, e: Expect) -> None:
+    """What the pass left in the post-grad graph, by tests/zoo/harness.py's analysis (not the pass's report):
+    RoPE arithmetic before it, exactly `e.kernels` rope_fusion nodes and no table x activation product or
+    negation of an activation after it."""
+    cap = p.capture
+    t = p.report.table()
+    assert cap.products_before, f"the independent analysis found no RoPE products before the pass:\n{t}"
+    assert cap.rope_ops == e.kernels, f"{cap.rope_ops} rope_fusion nodes in the graph, expected {e.kernels}:\n{t}"
+    assert cap.products_after == [], f"table x activation products left: {cap.products_after}\n{t}"
+    assert cap.negations_after == [], f"negations of activations left: {cap.negations_after}\n{t}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .case import B, D, H, S, Case, full_neox_tables, half_tables, rnd, rope
+from .case import B, Case, D, H, S, full_neox_tables, half_tables, rnd, rope
 from .catalogue import omni_wan_rope, rotate_half
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32

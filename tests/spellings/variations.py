@@ -4,9 +4,25 @@ from __future__ import annotations
 
 import torch
 
-from .case import B, D, H, ONE, QK, S, Case, Expect, complex_freqs, full_il_tables, full_neox_tables, half_tables, \
-    noncontig_bhsd, rnd, rope, up
-from .catalogue import flux_rope, omni_wan_rope, rotate_half, rotate_every_two
+from .case import (
+    ONE,
+    QK,
+    B,
+    Case,
+    D,
+    Expect,
+    H,
+    S,
+    complex_freqs,
+    full_il_tables,
+    full_neox_tables,
+    half_tables,
+    noncontig_bhsd,
+    rnd,
+    rope,
+    up,
+)
+from .catalogue import flux_rope, omni_wan_rope, rotate_every_two, rotate_half
 
 bf16, fp16, fp32, fp64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 IL, NX = "interleaved", "neox"
@@ -267,33 +283,33 @@ def vllm_ref(pos, q, k, cache):
 
 
 CASES = [
-    Case("V_operand_order_cos_first", cos_first, x_neox_make, x_neox_ref, E(1, NX, D, "full")),
-    Case("V_sum_order_sin_first", sum_order_swapped, x_neox_make, x_neox_ref, E(1, NX, D, "full")),
-    Case("V_neg_torch_neg", neg_torch_neg, x_neox_make, x_neox_ref, E(1, NX, D, "full")),
-    Case("V_neg_zero_minus", neg_zero_minus, x_neox_make, x_neox_ref, E(1, NX, D, "full"), (fp16,)),
-    Case("V_neg_mul_minus_one", neg_mul_minus_one, x_neox_make, x_neox_ref, E(1, NX, D, "full"), (fp32,)),
-    Case("V_addcmul", addcmul, x_neox_make, x_neox_ref, E(1, NX, D, "full")),
-    Case("V_sub_as_add_of_negative", sub_as_add_neg, x_half_make, x_half_neox_ref, E(1, NX, D, "half")),
-    Case("V_table_cat_cc_in_graph", table_cat_neox, x_half_make, x_half_neox_ref, E(1, NX, D, "half"), (fp16,)),
-    Case("V_select_lanes_vs_unbind", select_lanes, x_half_make, x_half_il_ref, E(1, IL, D, "half")),
-    Case("V_split_by_view", split_by_view, x_half_make, x_half_il_ref, E(1, IL, D, "half"), (fp32,)),
-    Case("V_split_by_reshape", split_by_reshape, x_half_make, x_half_il_ref, E(1, IL, D, "half")),
-    Case("V_table_stack_flatten_in_graph", table_stack_flatten, x_half_make, x_half_il_ref, E(1, IL, D, "half")),
-    Case("V_odd_lanes_written_first", odd_lanes_first, wan_make, wan_ref, E(1, IL, D, "half")),
-    Case("V_scatter_base_clone", scatter_base_clone, wan_make, wan_ref, E(1, IL, D, "half")),
-    Case("V_scatter_base_zeros_like", scatter_base_zeros, wan_make, wan_ref, E(1, IL, D, "half"), (fp16,)),
-    Case("V_x_bhsd_transposed", bhsd_transposed, bhsd_make, bhsd_ref, E(1, IL, D, "half")),
-    Case("V_gqa_different_head_counts", gqa_llama, gqa_make, gqa_ref, E(2, NX, D, "full")),
-    Case("V_conjugate_interleaved", conj_interleaved, conj_il_make, conj_il_ref, E(1, IL, D, "full", conj=True)),
+    Case("V_operand_order_cos_first", cos_first, x_neox_make, x_neox_ref, E(1, NX, D, "per-lane")),
+    Case("V_sum_order_sin_first", sum_order_swapped, x_neox_make, x_neox_ref, E(1, NX, D, "per-lane")),
+    Case("V_neg_torch_neg", neg_torch_neg, x_neox_make, x_neox_ref, E(1, NX, D, "per-lane")),
+    Case("V_neg_zero_minus", neg_zero_minus, x_neox_make, x_neox_ref, E(1, NX, D, "per-lane"), (fp16,)),
+    Case("V_neg_mul_minus_one", neg_mul_minus_one, x_neox_make, x_neox_ref, E(1, NX, D, "per-lane"), (fp32,)),
+    Case("V_addcmul", addcmul, x_neox_make, x_neox_ref, E(1, NX, D, "per-lane")),
+    Case("V_sub_as_add_of_negative", sub_as_add_neg, x_half_make, x_half_neox_ref, E(1, NX, D, "per-pair")),
+    Case("V_table_cat_cc_in_graph", table_cat_neox, x_half_make, x_half_neox_ref, E(1, NX, D, "per-pair"), (fp16,)),
+    Case("V_select_lanes_vs_unbind", select_lanes, x_half_make, x_half_il_ref, E(1, IL, D, "per-pair")),
+    Case("V_split_by_view", split_by_view, x_half_make, x_half_il_ref, E(1, IL, D, "per-pair"), (fp32,)),
+    Case("V_split_by_reshape", split_by_reshape, x_half_make, x_half_il_ref, E(1, IL, D, "per-pair")),
+    Case("V_table_stack_flatten_in_graph", table_stack_flatten, x_half_make, x_half_il_ref, E(1, IL, D, "per-pair")),
+    Case("V_odd_lanes_written_first", odd_lanes_first, wan_make, wan_ref, E(1, IL, D, "per-pair")),
+    Case("V_scatter_base_clone", scatter_base_clone, wan_make, wan_ref, E(1, IL, D, "per-pair")),
+    Case("V_scatter_base_zeros_like", scatter_base_zeros, wan_make, wan_ref, E(1, IL, D, "per-pair"), (fp16,)),
+    Case("V_x_bhsd_transposed", bhsd_transposed, bhsd_make, bhsd_ref, E(1, IL, D, "per-pair")),
+    Case("V_gqa_different_head_counts", gqa_llama, gqa_make, gqa_ref, E(2, NX, D, "per-lane")),
+    Case("V_conjugate_interleaved", conj_interleaved, conj_il_make, conj_il_ref, E(1, IL, D, "per-lane", conj=True)),
     Case("V_conjugate_complex", conj_complex, conj_complex_make, conj_complex_ref,
-         E(1, IL, D, "half", conj=True)),
-    Case("V_qk_different_tables", qk_different_tables, qk_diff_make, qk_diff_ref, E(2, IL, D, "full", kernels=2)),
-    Case("V_four_calls_two_tables", four_calls_two_tables, four_make, four_ref, E(4, IL, D, "half", kernels=2)),
-    Case("V_vllm_native_gathered_cache", vllm_native, vllm_make, vllm_ref, E(2, NX, RV, "half")),
+         E(1, IL, D, "per-pair", conj=True)),
+    Case("V_qk_different_tables", qk_different_tables, qk_diff_make, qk_diff_ref, E(2, IL, D, "per-lane", kernels=2)),
+    Case("V_four_calls_two_tables", four_calls_two_tables, four_make, four_ref, E(4, IL, D, "per-pair", kernels=2)),
+    Case("V_vllm_native_gathered_cache", vllm_native, vllm_make, vllm_ref, E(2, NX, RV, "per-pair")),
 ]
 
 # May fuse (it is a rotation) or be left alone (roll is opaque to the lane algebra): both are correct, but a
 # fusion must be the right one and the numbers must hold.
 OPTIONAL = [
-    Case("V_roll_with_sign_vector", roll_with_sign, x_neox_make, x_neox_ref, E(1, NX, D, "full")),
+    Case("V_roll_with_sign_vector", roll_with_sign, x_neox_make, x_neox_ref, E(1, NX, D, "per-lane")),
 ]

@@ -4,14 +4,15 @@ Each entry builds a model (no downloads) and its example inputs, and states how 
 forward pass has, counted from the model's own source (the `note` says where). `kernels` is the number of
 fused nodes expected when q and k that share tables are grouped, `qk` how many of those are
 `rotary_qk`. Categories: "must" (every site must fuse) and "should" (catalogue forms M8-M10: fused
-correctly or left alone, never a wrong rewrite). Configs come from /work/shared/zoo_configs.md.
+correctly or left alone, never a wrong rewrite). The configs are the team's list of tiny configurations with
+which these models build offline.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable
+from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -406,7 +407,8 @@ add(
         "hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 32,
         "num_layers": 2, "pad_token_id": 0, "vocab_size": 1000, "in_channels": 4, "time_step_dim": 4,
         "rope_scaling": {"long_factor": [1, 2], "short_factor": [1, 2]}}, lambda: {
-        "hidden_states": _r(2, 4, 8, 8), "timestep": torch.tensor([0.5, 0.5]), "input_ids": torch.randint(3, 1000, (2, 24)),
+        "hidden_states": _r(2, 4, 8, 8), "timestep": torch.tensor([0.5, 0.5]),
+        "input_ids": torch.randint(3, 1000, (2, 24)),
         "input_img_latents": [_r(1, 4, 8, 8)], "input_image_sizes": {0: [[0, 16]]},
         "attention_mask": torch.ones(2, 41, 41), "position_ids": torch.arange(41).repeat(2, 1)}),
         4, 2, 2, _df_src("transformer_omnigen.py"),

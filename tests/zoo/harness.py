@@ -23,7 +23,8 @@ import copy
 import dataclasses
 import re
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx
@@ -83,6 +84,7 @@ class GraphStats:
     rope_products: list  # [(node name, source)] table x activation products
     rope_ops: int  # rope_fusion nodes
     nodes: int
+    negations: list = dataclasses.field(default_factory=list)  # [(node name, source)] neg of an activation
 
 
 def analyze(graph: torch.fx.Graph, placeholder_names: list | None = None,
@@ -91,6 +93,7 @@ def analyze(graph: torch.fx.Graph, placeholder_names: list | None = None,
     act: dict = {}
     counts: collections.Counter = collections.Counter()
     products = []
+    negations = []
     rope_ops = 0
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     names = {}
@@ -129,6 +132,8 @@ def analyze(graph: torch.fx.Graph, placeholder_names: list | None = None,
             continue
         any_t = any(table.get(i, False) for i in ins)
         any_a = any(act.get(i, False) or table.get(i, False) for i in ins)
+        if node.target is aten.neg.default and ins and act.get(ins[0], False) and not table.get(ins[0], False):
+            negations.append((node.name, _source(node)))
         if node.target in _RESETS:
             table[node], act[node] = False, any_a
             continue
@@ -147,7 +152,7 @@ def analyze(graph: torch.fx.Graph, placeholder_names: list | None = None,
                     products.append((node.name, _source(node)))
         table[node] = any_t
         act[node] = any(act.get(i, False) for i in ins)
-    return GraphStats(counts, products, rope_ops, sum(1 for _ in graph.nodes))
+    return GraphStats(counts, products, rope_ops, sum(1 for _ in graph.nodes), negations)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -175,6 +180,10 @@ class Capture:
     @property
     def products_after(self) -> list:
         return [p for g in self.graphs if g.after for p in g.after.rope_products]
+
+    @property
+    def negations_after(self) -> list:
+        return [p for g in self.graphs if g.after for p in g.after.negations]
 
     @property
     def rope_ops(self) -> int:
@@ -212,7 +221,8 @@ class _Probe:
         return None
 
 
-def _passes(pass_, capture: Capture, table_re: str) -> list:
+def probe_passes(pass_, capture: Capture, table_re: str) -> list:
+    """The post-grad passes [probe before, pass_, probe after] (pass_ None: only the probes)."""
     ps = [_Probe(capture, "before", table_re)]
     if pass_ is not None:
         ps.append(pass_)
@@ -246,7 +256,7 @@ def graph_level_backend(pass_, capture: Capture, table_re: str = TABLE_NAME_RE) 
 
 
 def _config_patches(pass_, capture, table_re) -> dict:
-    return {"post_grad_custom_post_pass": _passes(pass_, capture, table_re), "fx_graph_cache": False,
+    return {"post_grad_custom_post_pass": probe_passes(pass_, capture, table_re), "fx_graph_cache": False,
             "fx_graph_remote_cache": False}
 
 
@@ -356,7 +366,7 @@ def run_entry(entry, dtype: torch.dtype, *, full: bool = False, backend: str = "
     torch.manual_seed(0)
     model, inputs = entry.build()
     model.eval()
-    # fp64 reference (the numerics contract, DESIGN.md section 2)
+    # fp64 reference (the numerics contract, docs/design.md section 2)
     key = entry.name
     ref64 = None if ref64_cache is None else ref64_cache.get(key)
     if ref64 is None:

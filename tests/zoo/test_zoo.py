@@ -5,7 +5,7 @@ post-grad graph eagerly (harness.py); `full_compile` entries also go through rea
 (fp32). Numerics: the compiled-with-pass output's relative error (max abs difference / max abs of the
 reference, over every floating output) against an fp64 evaluation of the uncompiled model must be at most
 twice the uncompiled model's own error in that dtype plus a small slack (1e-4 fp32, 2e-2 bf16): the
-contract of DESIGN.md section 2 applied to the whole model. A wrong rewrite (wrong pairing, sign, table
+contract of docs/design.md section 2 applied to the whole model. A wrong rewrite (wrong pairing, sign, table
 lane) gives errors of order 1 and fails in both dtypes.
 
 Slow subset (`-m slow` / `ROPE_ZOO_ALL=1`): bf16 of entries marked slow.

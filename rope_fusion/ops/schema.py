@@ -1,0 +1,106 @@
+"""The parameters of the fused rotary op, spelled once.
+
+Every op variant (`rotary`, `rotary_qk`, a backend's own), its torch.library schema, its fake, the Python
+API and the pass's emission derive from `RotaryParams`. Adding a parameter is adding a field here (its type
+annotation gives the schema type) and giving it a meaning in the reference, the lowering and the kernels;
+nothing else spells the op's signature. docs/design.md section 2 gives the semantics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# Python annotation -> torch schema type of a keyword-only parameter.
+_SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", torch.dtype: "ScalarType"}
+
+# Names of the rotated tensors of each arity (one tensor, or a query and a key that share tables).
+TENSOR_NAMES = {1: ("x",), 2: ("q", "k")}
+
+
+@dataclasses.dataclass(frozen=True)
+class RotaryParams:
+    """What a fused rotation does, besides its tensors: the keyword-only arguments of every op variant.
+
+    interleaved: pairs (2j, 2j+1) when True, NeoX pairs (j, j + rotary_dim/2) when False.
+    rotary_dim: lanes [0, rotary_dim) rotate; the rest of the head dim passes through.
+    full_tables: tables hold one entry per lane (width rotary_dim) instead of one per pair (rotary_dim/2).
+    conjugate: rotate by minus the angle (sin negated).
+    out_dtype: the dtype of the result (the math is fp32, fp64 when an input is fp64 and the output holds it).
+    """
+
+    interleaved: bool
+    rotary_dim: int
+    full_tables: bool
+    conjugate: bool
+    out_dtype: torch.dtype
+
+    def kwargs(self) -> dict[str, Any]:
+        """The op's keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def replace(self, **changes: Any) -> RotaryParams:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def table_width(self) -> int:
+        return self.rotary_dim if self.full_tables else self.rotary_dim // 2
+
+
+def op_schema(arity: int) -> str:
+    """The torch.library schema of a variant that rotates `arity` tensors, e.g.
+    `(Tensor x, Tensor cos, Tensor sin, *, bool interleaved, ...) -> Tensor`."""
+    hints = typing.get_type_hints(RotaryParams)
+    options = ", ".join(f"{_SCHEMA_TYPES[hints[f.name]]} {f.name}" for f in dataclasses.fields(RotaryParams))
+    tensors = ", ".join(f"Tensor {n}" for n in (*TENSOR_NAMES[arity], "cos", "sin"))
+    out = "Tensor" if arity == 1 else "(" + ", ".join(["Tensor"] * arity) + ")"
+    return f"({tensors}, *, {options}) -> {out}"
+
+
+def math_dtype(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.dtype:
+    """fp64 math only when an input is fp64 and the output can hold the extra precision."""
+    wide = torch.float64 in (*(x.dtype for x in xs), cos.dtype, sin.dtype)
+    return torch.float64 if wide and out_dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams) -> None:
+    """Raise ValueError naming the offending argument; shapes may be symbolic (fake tensors)."""
+    names = TENSOR_NAMES[len(xs)]
+    for name, x in zip(names, xs):
+        if x.dim() < 1:
+            raise ValueError(f"{name} must have at least one dimension (the head dim), got a 0-dim tensor")
+    devices = {f"{n}": t.device for n, t in zip((*names, "cos", "sin"), (*xs, cos, sin))}
+    if len(set(devices.values())) > 1:
+        on = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"all tensors must be on one device, got {on}")
+    for name, t in (*zip(names, xs), ("cos", cos), ("sin", sin)):
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name} has unsupported dtype {t.dtype}; expected one of {FLOAT_DTYPES}")
+    if params.out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype {params.out_dtype} is unsupported; expected one of {FLOAT_DTYPES}")
+    r = params.rotary_dim
+    if r <= 0 or r % 2:
+        raise ValueError(f"rotary_dim must be a positive even number, got {r}")
+    if len(xs) > 1 and xs[0].shape[-1] != xs[1].shape[-1]:
+        raise ValueError(f"q and k must share the head dim, got q {tuple(xs[0].shape)} and k {tuple(xs[1].shape)}")
+    width = params.table_width
+    for name, x in zip(names, xs):
+        if r > x.shape[-1]:
+            raise ValueError(f"rotary_dim={r} exceeds the head dim of {name} (shape {tuple(x.shape)})")
+        for arg, t in (("cos", cos), ("sin", sin)):
+            if t.dim() < 1 or t.shape[-1] != width:
+                raise ValueError(f"{arg} must have last dim {width} (rotary_dim={r}, "
+                                 f"full_tables={params.full_tables}), got shape {tuple(t.shape)}")
+            if t.dim() > x.dim():
+                raise ValueError(f"{arg} of shape {tuple(t.shape)} has more dims than {name} {tuple(x.shape)}")
+            for a, b in zip(reversed(t.shape[:-1]), reversed(x.shape[:-1])):
+                if a != 1 and a != b:
+                    raise ValueError(f"{arg} of shape {tuple(t.shape)} does not broadcast against {name} of "
+                                     f"shape {tuple(x.shape)}")

@@ -1,0 +1,284 @@
+"""Emission: new nodes for each site or q/k pair, planned first and committed together, with an undo.
+
+Planning a group inserts the nodes that compute its rotation (views of x and of the tables, the backend's
+op or kernel, the reshapes back) without touching any existing use; a group whose planning fails is erased
+and the others go on. Committing replaces the uses of every planned site at once. A `GraphTransaction`
+snapshot taken before anything else restores the graph exactly (inputs of every node, node order, no new
+node) when anything fails after that, so the failure policy holds whatever step raised: the graph is as it
+was, or holds exactly the committed sites. Every new node gets a fake-tensor `val` (Inductor lowers from
+it) and the stack trace of the node it replaces (depyf and the report show where the RoPE came from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..ops.backends import Backend, SiteSpec
+from ..ops.schema import RotaryParams
+from .fx_util import as_int
+from .grouping import out_dtype
+from .matcher import Match, TableRef
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_EXACT_UPCASTS = {
+    (torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.bfloat16, torch.float64),
+    (torch.float16, torch.float64), (torch.float32, torch.float64),
+}
+
+
+class GraphTransaction:
+    """A snapshot of a graph's nodes, their order and their inputs, to restore after a failure."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.order = list(graph.nodes)
+        self.known = set(self.order)
+        self.inputs = {n: (n.args, n.kwargs) for n in self.order}
+
+    def new_nodes(self, since: set | None = None) -> list:
+        known = self.known if since is None else since
+        return [n for n in self.graph.nodes if n not in known]
+
+    def erase(self, nodes: list) -> None:
+        """Erase new nodes, users first (nothing old may use them any more)."""
+        pending = list(nodes)
+        while pending:
+            left = []
+            for n in reversed(pending):
+                if n.users:
+                    left.append(n)
+                else:
+                    self.graph.erase_node(n)
+            if len(left) == len(pending):
+                raise RuntimeError(f"cannot erase {left[0]}: still used by {list(left[0].users)}")
+            pending = left[::-1]
+
+    def rollback(self) -> None:
+        for n in self.order:
+            args, kwargs = self.inputs[n]
+            if n.args is not args or n.kwargs is not kwargs:
+                n.args, n.kwargs = args, kwargs
+        self.erase(self.new_nodes())
+        if list(self.graph.nodes) != self.order:
+            for prev, n in zip(self.order, self.order[1:]):
+                if prev.next is not n:
+                    prev.append(n)
+
+
+class Emitter:
+    """Creates nodes with fake values at the graph's insertion point."""
+
+    # Views and sizes are emitted once per distinct argument list: the q/k pair and its tables would
+    # otherwise repeat them, and each view of a complex table (view_as_real) is a fallback call that the
+    # compiled code pays on every call.
+    _SHARED = (aten.view_as_real.default, aten.reshape.default, aten.slice.Tensor, aten.unsqueeze.default,
+               aten.sym_size.int)
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.fake_mode = _graph_fake_mode(graph)
+        self._made: dict = {}
+
+    def call(self, target: Any, args: tuple, kwargs: dict | None = None, like: fx.Node | None = None) -> fx.Node:
+        kwargs = kwargs or {}
+        key = None
+        if target in self._SHARED and not kwargs:
+            try:
+                key = (target, tuple(tuple(a) if isinstance(a, list) else a for a in args))
+                hash(key)
+            except TypeError:
+                key = None
+            made = self._made.get(key) if key is not None else None
+            if made is not None and not made._erased and made.graph is self.graph:
+                return made
+        node = self.graph.call_function(target, tuple(args), kwargs)
+        if key is not None:
+            self._made[key] = node
+
+        def val(a):
+            if isinstance(a, fx.Node):
+                return a.meta["val"]
+            if isinstance(a, (list, tuple)):
+                return type(a)(val(x) for x in a)
+            return a
+
+        if self.fake_mode is not None:
+            with self.fake_mode:
+                node.meta["val"] = target(*val(list(args)), **val(kwargs))
+        else:
+            node.meta["val"] = target(*val(list(args)), **val(kwargs))
+        if like is not None:
+            copy_provenance(node, like)
+        return node
+
+    def size_args(self, base: fx.Node, dims: range, like: fx.Node) -> list:
+        """Sizes of base's dims as ints or sym_size nodes (FX args cannot hold SymInts)."""
+        shape = base.meta["val"].shape
+        out = []
+        for i in dims:
+            c = as_int(shape[i])
+            out.append(c if c is not None else self.call(aten.sym_size.int, (base, i), like=like))
+        return out
+
+    def flatten_tail(self, base: fx.Node, k: int, like: fx.Node) -> fx.Node:
+        """base with its last k dims merged into one (k == 1: base itself; k == 0: a trailing 1 added)."""
+        if k == 1:
+            return base
+        if k == 0:
+            return self.call(aten.unsqueeze.default, (base, -1), like=like)
+        shape = base.meta["val"].shape
+        nd = len(shape)
+        lead = self.size_args(base, range(nd - k), like)
+        n = 1
+        for s in shape[nd - k:]:
+            n *= as_int(s)
+        return self.call(aten.reshape.default, (base, lead + [n]), like=like)
+
+
+def copy_provenance(node: fx.Node, like: fx.Node) -> None:
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
+
+
+def _graph_fake_mode(graph: fx.Graph):
+    mode = torch._guards.detect_fake_mode()  # Inductor's tracing context, when there is one
+    if mode is not None:
+        return mode
+    for n in graph.nodes:  # else the first value that has one
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return torch._guards.detect_fake_mode([val])
+    return None
+
+
+# -- one group: x and table views, the backend's nodes, the result in the replaced node's shape ----------
+
+def _source_view(em: Emitter, node: fx.Node, as_real: bool, like: fx.Node) -> fx.Node:
+    return em.call(aten.view_as_real.default, (node,), like=like) if as_real else node
+
+
+def table_view(em: Emitter, nodes: dict, t: TableRef, blocks: tuple, like: fx.Node) -> fx.Node:
+    """The table as the op reads it: a strided view of the source, unsqueezed once per head block of x."""
+    view = em.flatten_tail(_source_view(em, nodes[t.name], t.as_real, like), t.k, like)
+    n = as_int(view.meta["val"].shape[-1])
+    if not (t.start == 0 and t.step == 1 and t.width == n):
+        end = t.start + t.step * (t.width - 1) + 1
+        view = em.call(aten.slice.Tensor, (view, -1, t.start, end, t.step), like=like)
+    for _ in blocks:  # the same table for every head of x
+        view = em.call(aten.unsqueeze.default, (view, -2), like=like)
+    return view
+
+
+def x_input(em: Emitter, nodes: dict, m: Match) -> fx.Node:
+    """x as the op reads it: [..., head_dim], heads of a flattened [.., H*D] split out as blocks."""
+    x = nodes[m.x_name]
+    # an exact upcast of x changes nothing: the fused op computes in fp32 (fp64 when the subgraph did)
+    if (not m.x_as_real and x.target is prims.convert_element_type.default and isinstance(x.args[0], fx.Node)
+            and (x.args[0].meta["val"].dtype, x.meta["val"].dtype) in _EXACT_UPCASTS):
+        x = x.args[0]
+    flat = em.flatten_tail(_source_view(em, x, m.x_as_real, m.node), m.x_k, m.node)
+    if not m.blocks:
+        return flat
+    nd = len(flat.meta["val"].shape)
+    sizes = em.size_args(flat, range(nd - 1), m.node) + list(m.blocks) + [m.head_dim]
+    return em.call(aten.reshape.default, (flat, sizes), like=m.node)
+
+
+def _unflatten(em: Emitter, out: fx.Node, m: Match) -> fx.Node:
+    shape = m.node.meta["val"].shape
+    if tuple(out.meta["val"].shape) == tuple(shape):
+        return out
+    lead_len = len(shape) - m.value_k
+    sizes = em.size_args(out, range(lead_len), m.node) + [as_int(s) for s in shape[lead_len:]]
+    return em.call(aten.reshape.default, (out, sizes), like=m.node)
+
+
+def params_of(m: Match) -> RotaryParams:
+    return RotaryParams(interleaved=m.interleaved, rotary_dim=m.rotary_dim, full_tables=m.full_tables,
+                        conjugate=m.conjugate, out_dtype=out_dtype(m))
+
+
+def site_spec(xs: list, cos: fx.Node, params: RotaryParams) -> SiteSpec:
+    """What a backend sees of a site: the x inputs and table as the op reads them."""
+    xv = xs[0].meta["val"]
+    return SiteSpec(device_type=xv.device.type, x_shapes=tuple(tuple(as_int(d) for d in x.meta["val"].shape)
+                                                                for x in xs),
+                    x_dtype=xv.dtype, table_dtype=cos.meta["val"].dtype, params=params)
+
+
+@dataclasses.dataclass
+class PlannedGroup:
+    group: tuple  # the matches, in order
+    xs: list  # per match, x as the op reads it
+    finals: list  # per match, the node that replaces it
+    op_name: str
+    backend: str
+    fallback: str  # why the backend asked for did not take the site ("" when it did)
+    cos: fx.Node
+    sin: fx.Node
+    anchor: fx.Node
+
+
+def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
+               choose: Callable[[SiteSpec], tuple[Backend, str]]) -> PlannedGroup:
+    """New nodes for one site or q/k pair, inserted before `anchor`; no existing use changes. `choose` picks
+    the backend from the site as the op reads it, and says why when it is not the one asked for."""
+    m0 = group[0]
+    with em.graph.inserting_before(anchor):
+        xs = inputs = [x_input(em, nodes, m) for m in group]
+        cos = table_view(em, nodes, m0.cos, m0.blocks, m0.node)
+        sin = table_view(em, nodes, m0.sin, m0.blocks, m0.node)
+        params = params_of(m0)
+        if m0.wide and params.out_dtype in (torch.float32, torch.float64):
+            dts = {x.meta["val"].dtype for x in xs} | {cos.meta["val"].dtype, sin.meta["val"].dtype}
+            if torch.float64 not in dts:  # the subgraph computed in fp64: so does the op
+                xs = [em.call(prims.convert_element_type.default, (x, torch.float64), like=m0.node) for x in xs]
+        heads = []
+        if m0.offset:  # rotate the lanes after the pass-through head, then put the head back in front
+            offset, n = m0.offset, m0.head_dim
+            heads = [em.call(prims.convert_element_type.default,
+                             (em.call(aten.slice.Tensor, (x, -1, 0, offset), like=m0.node), params.out_dtype),
+                             like=m0.node) for x in xs]
+            xs = [em.call(aten.slice.Tensor, (x, -1, offset, n), like=m0.node) for x in xs]
+        backend, fallback = choose(site_spec(xs, cos, params))
+        outs = backend.emit(em, xs, cos, sin, params, m0.node)
+        if heads:
+            outs = [em.call(aten.cat.default, ([h, o], -1), like=m0.node) for h, o in zip(heads, outs)]
+        finals = [_unflatten(em, o, m) for o, m in zip(outs, group)]
+    op_name = "rope_fusion.rotary_qk" if len(group) == 2 else "rope_fusion.rotary"
+    return PlannedGroup(group, inputs, finals, op_name, backend.name, fallback, cos, sin, anchor)
+
+
+def anchor_of(group: tuple, nodes: dict, order: dict) -> fx.Node:
+    """Where a group's nodes go: before its own node, or for a pair right after the last input of either
+    (users of the first match that came earlier are moved after it by `finish`)."""
+    if len(group) == 1:
+        return group[0].node
+    m0 = group[0]
+    inputs = [nodes[m.x_name] for m in group] + [nodes[m0.cos.name], nodes[m0.sin.name]]
+    return max(inputs, key=lambda n: order[n]).next
+
+
+def commit(planned: list[PlannedGroup]) -> None:
+    """Replace the uses of every planned site."""
+    for p in planned:
+        for m, new in zip(p.group, p.finals):
+            m.node.replace_all_uses_with(new)
+
+
+def finish(graph: fx.Graph, planned: list[PlannedGroup], order: dict) -> None:
+    """Restore topological order where a pair's nodes were placed after users of its first site."""
+    moved = any(len(p.group) > 1 and any(order.get(u, 1 << 62) < order.get(p.anchor, 1 << 62)
+                                         for f in p.finals for u in f.users) for p in planned)
+    if moved:
+        from torch._inductor.pattern_matcher import stable_topological_sort
+
+        stable_topological_sort(graph)

@@ -1,0 +1,115 @@
+"""q/k grouping: rotations that read the same tables with the same options share one launch.
+
+Almost every model rotates q and k with two calls on the same tables; their head counts may differ (GQA).
+Two rotations pair when their options agree, their tables are provably the same numbers as the op reads
+them, and neither's inputs depend on the other's result (one launch needs all inputs first). Sequence
+parallel models (4 calls over 2 tables) and cross-attention (q and k with different tables) pair only
+where the tables agree, never by position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .fx_util import as_int, same_dim
+from .matcher import Acceptor, Match, TableRef
+
+
+def fake_mode_of(val: Any):
+    """The fake mode a node's value lives in (a null context when there is none)."""
+    mode = torch._guards.detect_fake_mode([val])
+    return mode if mode is not None else contextlib.nullcontext()
+
+
+def out_dtype(m: Match) -> torch.dtype:
+    return m.node.meta["val"].dtype
+
+
+def table_view_geometry(node: fx.Node, t: TableRef, blocks: tuple = ()):
+    """(identity, sizes) of the table view the op would read, from fake tensors; None if unknown. The
+    identity is the storage, offset, dtype and the (size, stride) of every dim but broadcast (size-1) ones:
+    views of one storage equal under it read the same numbers wherever they broadcast."""
+    try:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        val = node.meta["val"]
+        with fake_mode_of(val):
+            view = torch.view_as_real(val) if t.as_real else val
+            if t.k != 1:
+                view = view.reshape(*view.shape[: view.dim() - t.k], -1)
+            view = view[..., t.start: t.start + t.step * (t.width - 1) + 1: t.step]
+            for _ in blocks:
+                view = view.unsqueeze(-2)
+        sizes = tuple(as_int(d) for d in view.shape)
+        strides = tuple(as_int(d) for d in view.stride())
+        if None in sizes or None in strides:
+            return None
+        dims = tuple((n, st) for i, (n, st) in enumerate(zip(sizes, strides)) if n != 1 or i == len(sizes) - 1)
+        key = (StorageWeakRef(view.untyped_storage()).cdata, as_int(view.storage_offset()), view.dtype, dims)
+        return key, sizes
+    except Exception:  # a view fake tensors cannot build: not provably the same table
+        return None
+
+
+def _options(m: Match) -> tuple:
+    return (m.interleaved, m.rotary_dim, m.full_tables, m.conjugate, m.head_dim, m.wide, m.offset, out_dtype(m))
+
+
+class _Pairing:
+    def __init__(self, acc: Acceptor):
+        self.acc = acc
+        self.nodes = acc.interp.nodes
+        self.structure = acc.interp.structure
+
+    def same_table(self, a: TableRef, ablocks: tuple, b: TableRef, bblocks: tuple, mb: Match) -> bool:
+        """One table for both: the same recipe on structurally equal nodes, read with the same number of
+        head blocks; or views of one storage that read the same numbers as the op shapes them
+        (`freqs.unsqueeze(2)` against `freqs[:, :, None]`) and broadcast against both x."""
+        st, nodes = self.structure, self.nodes
+        if (st.id(nodes[a.name]), a.k, a.as_real, a.start, a.step, a.width, len(ablocks)) == (
+                st.id(nodes[b.name]), b.k, b.as_real, b.start, b.step, b.width, len(bblocks)):
+            return True
+        va = table_view_geometry(nodes[a.name], a, ablocks)
+        vb = table_view_geometry(nodes[b.name], b, bblocks)
+        return va is not None and vb is not None and va[0] == vb[0] and self.fits(va[1], mb)
+
+    @staticmethod
+    def fits(view_sizes: tuple, m: Match) -> bool:
+        """The table as emitted for the first site (unsqueezed for its blocks) broadcasts against m's x."""
+        shape = view_sizes[:-1]
+        val = m.node.meta["val"]
+        lead = tuple(val.shape[: val.dim() - m.value_k]) + tuple(m.blocks)
+        if len(shape) > len(lead):
+            return False
+        return all(a == 1 or same_dim(a, b) for a, b in zip(reversed(shape), reversed(lead)))
+
+    def can_pair(self, a: Match, b: Match) -> bool:
+        if b.node is a.node or a.x_name == b.x_name or _options(a) != _options(b):
+            return False
+        if not (self.same_table(a.cos, a.blocks, b.cos, b.blocks, b)
+                and self.same_table(a.sin, a.blocks, b.sin, b.blocks, b)):
+            return False
+        inputs = [self.nodes[a.x_name], self.nodes[b.x_name], self.nodes[a.cos.name], self.nodes[a.sin.name]]
+        # one launch for both is possible unless an input of one needs the other's result
+        return not any(self.acc.depends_on(i, r.node) for i in inputs for r in (a, b))
+
+
+def pair_up(matches: list[Match], acc: Acceptor) -> list[tuple[Match, ...]]:
+    """Group matches (in graph order) into pairs that share one launch, first come first paired."""
+    pairing = _Pairing(acc)
+    groups: list[tuple[Match, ...]] = []
+    used: set = set()
+    for i, a in enumerate(matches):
+        if i in used:
+            continue
+        j = next((j for j in range(i + 1, len(matches)) if j not in used and pairing.can_pair(a, matches[j])), None)
+        if j is None:
+            groups.append((a,))
+        else:
+            used.add(j)
+            groups.append((a, matches[j]))
+    return groups
