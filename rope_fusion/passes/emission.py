@@ -165,16 +165,33 @@ def _source_view(em: Emitter, node: fx.Node, as_real: bool, like: fx.Node) -> fx
     return em.call(aten.view_as_real.default, (node,), like=like) if as_real else node
 
 
-def table_view(em: Emitter, nodes: dict, t: TableRef, blocks: tuple, like: fx.Node) -> fx.Node:
+def table_view(em: Emitter, nodes: dict, t: TableRef, blocks: tuple, like: fx.Node,
+               interleaved: bool = False) -> fx.Node:
     """The table as the op reads it: a strided view of the source, unsqueezed once per head block of x."""
     view = em.flatten_tail(_source_view(em, nodes[t.name], t.as_real, like), t.k, like)
     n = as_int(view.meta["val"].shape[-1])
     if not (t.start == 0 and t.step == 1 and t.width == n):
         end = t.start + t.step * (t.width - 1) + 1
         view = em.call(aten.slice.Tensor, (view, -1, t.start, end, t.step), like=like)
+    if t.partner:  # the entries of each pair swapped: a table-sized copy
+        view = _swap_pairs(em, view, interleaved, like)
     for _ in blocks:  # the same table for every head of x
         view = em.call(aten.unsqueeze.default, (view, -2), like=like)
     return view
+
+
+def _swap_pairs(em: Emitter, t: fx.Node, interleaved: bool, like: fx.Node) -> fx.Node:
+    """reference.partner_lanes as graph nodes: entry a_j holds t[b_j] and b_j holds t[a_j]."""
+    width = as_int(t.meta["val"].shape[-1])
+    if interleaved:  # stack(t[1::2], t[0::2]) flattened, in ops every backend lowers (not aten.flip)
+        lead = em.size_args(t, range(t.meta["val"].dim() - 1), like)
+        odd, even = (em.call(aten.unsqueeze.default, (em.call(aten.slice.Tensor, (t, -1, s, width, 2), like=like),
+                                                      -1), like=like) for s in (1, 0))
+        pairs = em.call(aten.cat.default, ([odd, even], -1), like=like)
+        return em.call(aten.reshape.default, (pairs, lead + [width]), like=like)
+    half = width // 2
+    return em.call(aten.cat.default, ([em.call(aten.slice.Tensor, (t, -1, half, width), like=like),
+                                       em.call(aten.slice.Tensor, (t, -1, 0, half), like=like)], -1), like=like)
 
 
 def x_input(em: Emitter, nodes: dict, m: Match) -> fx.Node:
@@ -234,8 +251,8 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
     m0 = group[0]
     with em.graph.inserting_before(anchor):
         xs = inputs = [x_input(em, nodes, m) for m in group]
-        cos = table_view(em, nodes, m0.cos, m0.blocks, m0.node)
-        sin = table_view(em, nodes, m0.sin, m0.blocks, m0.node)
+        cos = table_view(em, nodes, m0.cos, m0.blocks, m0.node, m0.interleaved)
+        sin = table_view(em, nodes, m0.sin, m0.blocks, m0.node, m0.interleaved)
         params = params_of(m0)
         if m0.wide and params.out_dtype in (torch.float32, torch.float64):
             dts = {x.meta["val"].dtype for x in xs} | {cos.meta["val"].dtype, sin.meta["val"].dtype}
@@ -265,6 +282,20 @@ def anchor_of(group: tuple, nodes: dict, order: dict) -> fx.Node:
     m0 = group[0]
     inputs = [nodes[m.x_name] for m in group] + [nodes[m0.cos.name], nodes[m0.sin.name]]
     return max(inputs, key=lambda n: order[n]).next
+
+
+def erase_between(graph: fx.Graph, start: fx.Node, end: fx.Node) -> None:
+    """Erase the nodes a failed group inserted between `start` and `end` (users first)."""
+    new = []
+    n = start.next
+    while n is not end:
+        new.append(n)
+        n = n.next
+    for n in reversed(new):
+        for u in list(n.users):  # only the group's own nodes can use them
+            if u not in new:
+                raise RuntimeError(f"{n} is used outside its group by {u}")
+        graph.erase_node(n)
 
 
 def commit(planned: list[PlannedGroup]) -> None:

@@ -70,9 +70,10 @@ class _Pairing:
         head blocks; or views of one storage that read the same numbers as the op shapes them
         (`freqs.unsqueeze(2)` against `freqs[:, :, None]`) and broadcast against both x."""
         st, nodes = self.structure, self.nodes
-        if (st.id(nodes[a.name]), a.k, a.as_real, a.start, a.step, a.width, len(ablocks)) == (
-                st.id(nodes[b.name]), b.k, b.as_real, b.start, b.step, b.width, len(bblocks)):
+        if (st.id(nodes[a.name]), *a.key[1:], len(ablocks)) == (st.id(nodes[b.name]), *b.key[1:], len(bblocks)):
             return True
+        if a.partner or b.partner:  # a swapped copy is no view: only the same recipe is provably the same
+            return False
         va = table_view_geometry(nodes[a.name], a, ablocks)
         vb = table_view_geometry(nodes[b.name], b, bblocks)
         return va is not None and vb is not None and va[0] == vb[0] and self.fits(va[1], mb)

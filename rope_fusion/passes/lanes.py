@@ -188,7 +188,8 @@ class LaneInterpreter:
         self.max_lanes = max_lanes
         self.values: dict = {}
         self._raw: dict = {}
-        self.nodes: dict = {}
+        self.nodes: dict = {}  # name -> node
+        self.order: dict = {}  # node -> position in the graph
         self.structure = Structure()
 
     def run(self) -> None:
@@ -197,6 +198,7 @@ class LaneInterpreter:
                                "import rope_fusion.passes.lane_rules to register the transfer rules")
         for node in self.graph.nodes:
             self.nodes[node.name] = node
+            self.order[node] = len(self.order)
             if node.op != "call_function":
                 continue
             rule = RULES.get(node.target)

@@ -51,7 +51,9 @@ FORM, PAIRING, LANES, TABLES = range(4)
 
 @dataclasses.dataclass(frozen=True)
 class TableRef:
-    """A table as the op reads it: node (as_real when complex), last k dims flattened, then a strided slice."""
+    """A table as the op reads it: node (as_real when complex), last k dims flattened, then a strided slice;
+    with `partner`, the two entries of every pair swapped (the backward of a rotation reads the sin entry of
+    the partner lane: d out[b] / d x[a] = S[b])."""
 
     name: str
     k: int
@@ -59,10 +61,11 @@ class TableRef:
     start: int
     step: int
     width: int
+    partner: bool = False
 
     @property
     def key(self) -> tuple:
-        return (self.name, self.k, self.as_real, self.start, self.step, self.width)
+        return (self.name, self.k, self.as_real, self.start, self.step, self.width, self.partner)
 
 
 @dataclasses.dataclass
@@ -128,7 +131,7 @@ class Acceptor:
 
     def __init__(self, interp: lanes.LaneInterpreter):
         self.interp = interp
-        self.order = {n: i for i, n in enumerate(interp.graph.nodes)}
+        self.order = interp.order
         self._anc: dict = {}
         self._gather: dict | None = None
         self._by_entry0: dict | None = None
@@ -394,6 +397,9 @@ class Acceptor:
             if c and s:
                 return c, s, False
         c, s = self._table(cos_lanes), self._table(sin_lanes)
+        if c and not s:  # the backward of a rotation: sin read at the partner lane
+            s = self._table([sin_lanes[partner(d)] for d in range(rot)])
+            s = dataclasses.replace(s, partner=True) if s else None
         if c and s:
             return c, s, True
         return "table lanes are not a strided view of one tensor"

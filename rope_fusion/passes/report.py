@@ -35,6 +35,7 @@ class Site:
     kernel: int = -1  # index into Report.kernels
     role: str = "x"  # "q" or "k" when the model source names it so, else "x"
     origin: str = "arithmetic"  # what was replaced: RoPE arithmetic, or a rotary kernel already in the graph
+    graph_kind: str = ""  # "inference", "forward" or "backward" (GraphRecord.kind)
 
 
 @dataclasses.dataclass
@@ -127,6 +128,7 @@ class Report:
             style = s.style + (" conjugate" if s.conjugate else "")
             lines.append(
                 f"  site {i:3d} {s.role:1s} {style:21s} R={s.rotary_dim:<4d} D={s.head_dim:<4d} "
+                f"{'[backward] ' if s.graph_kind == 'backward' else ''}"
                 f"tables {s.table_form} {s.table_dtype}, x {s.x_dtype} -> {s.out_dtype} "
                 f"{k.op if k else '?'}[{k.backend if k else '?'}] at {s.source}"
             )

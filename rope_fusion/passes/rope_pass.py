@@ -158,12 +158,12 @@ class RopeFusionPass(_PassBase):
         em = Emitter(graph)
         planned = []
         for group in groups:
-            before = set(graph.nodes)
+            anchor = emission.anchor_of(group, nodes, order)
+            start = anchor.prev  # a group's nodes all go between start and anchor
             try:
-                planned.append(emission.plan_group(em, group, nodes, emission.anchor_of(group, nodes, order),
-                                                   self._choose))
+                planned.append(emission.plan_group(em, group, nodes, anchor, self._choose))
             except Exception as e:  # this group stays as it was; the others still fuse
-                GraphTransaction(graph).erase([n for n in graph.nodes if n not in before])
+                emission.erase_between(graph, start, anchor)
                 self.report.errors.append(GraphError(index, f"{group[0].node.name}: {type(e).__name__}: {e}",
                                                      "site left unfused"))
                 self._log_once(("site", type(e).__name__), logging.WARNING,
@@ -195,7 +195,7 @@ class RopeFusionPass(_PassBase):
                 conjugate=m.conjugate, x_dtype=dtype_name(x.meta["val"].dtype),
                 table_dtype=dtype_name(p.cos.meta["val"].dtype), out_dtype=dtype_name(m.node.meta["val"].dtype),
                 shape=tuple(str(s) for s in m.node.meta["val"].shape), source=rotation_source(m.node),
-                kernel=kernel, role=role(m.node)))
+                kernel=kernel, role=role(m.node), graph_kind=self.report.graph_records[index].kind))
         self.report.kernels.append(Kernel(index, p.op_name, p.backend, ids, p.fallback))
 
     def _cache_tables(self, graph: fx.Graph, index: int, planned: list) -> None:

@@ -40,8 +40,24 @@ def find_sites(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]],
     # is replaced where it is computed: the view then reads the fused result instead of rotating again.
     chosen = [accepted[n] for n in last
               if not any(accepted[a].x_name == accepted[n].x_name for a in _derived_from(n, last, accepted))]
+    chosen = _needed(chosen, acc)
     chosen.sort(key=lambda m: acc.order[m.node])
     return chosen, near_misses(acc, accepted, rejected), acc
+
+
+def _needed(chosen: list[Match], acc: Acceptor) -> list[Match]:
+    """Drop rotations whose every use dies with a larger rotation that is replaced too (the 8 rotated lanes
+    of a partial rotary's backward, scattered into the 16-lane gradient that is itself a rotation with a
+    pass-through tail): replacing them would only leave dead work and a misleading report."""
+    if len(chosen) < 2:
+        return chosen
+    replaced = {m.node for m in chosen}
+    reaches: set = set()  # nodes whose value reaches the graph output other than through a replaced node
+    for n in sorted(acc.order, key=acc.order.get, reverse=True):
+        if any(u.op == "output" or (u not in replaced and u in reaches) for u in n.users):
+            reaches.add(n)
+    return [m for m in chosen if any(u.op == "output" or (u not in replaced and u in reaches)
+                                     for u in m.node.users)]
 
 
 def _derived_from(node: fx.Node, last: set, accepted: dict) -> list:
