@@ -52,10 +52,6 @@ KNOWN_GAPS = {  # case id -> (applies to dynamic?, the fields that differ and th
     "N8_magi_packed_sin_first": (
         (False, True), dict(table_form="per-lane"),
         "the table is duplicated by cat after a leading-dim unsqueeze, so it is read full width instead of half"),
-    "V_vllm_native_gathered_cache": (
-        (True,), dict(kernels=2, op="rope_fusion.rotary"),
-        "with dynamic=True the tables cast to x's dtype inside each call are not recognised as one table, so q "
-        "and k fuse in two launches"),
 }
 
 

@@ -328,7 +328,7 @@ def test_host_side_runs_on_fake_tensors():
         assert ko.shape == k.shape
     assert len(launches) == 1
     grid, args, kwargs = launches[0]
-    assert grid[0] == 16 and kwargs["NSIDES"] == 2 and args[8:10] == (16, 2)  # tokens (2*8), heads
+    assert grid[0] == 16 and kwargs["NSIDES"] == 2 and args[9:11] == (16, 2)  # tokens (2*8), heads
 
 
 @pytest.mark.skipif(OP_INTERPRETED, reason="interpreted kernels cannot run on fake tensors")
@@ -438,3 +438,19 @@ def test_gpu_compiled_op_and_pass():
     eq, ek = neox(q, k, cos, sin)
     torch.testing.assert_close(qo, eq, atol=0.05, rtol=0.02)
     torch.testing.assert_close(ko, ek, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("interleaved,rotary_dim", [(False, 64), (True, 64), (False, 32)])
+def test_cache_rows_picked_by_positions(interleaved, rotary_dim):
+    """vLLM's gathered tables: one [max_pos, R/2] cos and sin (views of one cos|sin cache), a row per token."""
+    torch.manual_seed(3)
+    cache = torch.randn(40, rotary_dim)
+    cos, sin = cache[:, : rotary_dim // 2], cache[:, rotary_dim // 2:]
+    q = torch.randn(9, 4, 64, dtype=torch.bfloat16)  # [T, H, D]
+    k = torch.randn(9, 2, 64, dtype=torch.bfloat16)
+    pos = torch.randint(0, 40, (9, 1))
+    kw = opts(interleaved, rotary_dim)
+    with poisoned_outputs():
+        qo, ko = tr.launch([q, k], cos, sin, RotaryParams(**kw), pos, kernel=KERNEL)
+    check(qo, q, cos[pos], sin[pos], **kw)
+    check(ko, k, cos[pos], sin[pos], **kw)

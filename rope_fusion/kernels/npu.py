@@ -175,9 +175,13 @@ def rotary_qk_via_apply(q, k, cos, sin, *, layout, full_tables, conjugate):
 
 # -- the ops the pass emits ------------------------------------------------------------------------------
 
-def _impl(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams) -> list | None:
+def _impl(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
+          positions: torch.Tensor | None = None) -> list | None:
     """q and k through one npu_apply_rotary_pos_emb where allowed, else npu_rotary_mul per tensor; None (the
-    reference) for a tensor whose case the documented constraints exclude."""
+    reference) for a tensor whose case the documented constraints exclude. Cache rows picked by positions
+    are gathered first (the NPU ops take plain tables)."""
+    if positions is not None:
+        cos, sin = cos[positions], sin[positions]
     kw = params.kwargs()
     if len(xs) == 2:
         layout = apply_layout(*xs, cos, sin, **{k: v for k, v in kw.items() if k != "conjugate"})
@@ -206,8 +210,8 @@ def supports(spec: SiteSpec) -> str | None:
     return None
 
 
-register_backend(Backend("npu", supports, lambda em, xs, cos, sin, p, like: emit_op_call(
-    (ROTARY_NPU, ROTARY_QK_NPU), em, xs, cos, sin, p, like)))
+register_backend(Backend("npu", supports, lambda em, xs, cos, sin, p, like, positions=None: emit_op_call(
+    (ROTARY_NPU, ROTARY_QK_NPU), em, xs, cos, sin, p, like, positions)))
 if torch._C._get_privateuse1_backend_name() == "npu":  # torch_npu is loaded: serve direct calls of the op too
     from ..ops.library import register_device_kernel
 

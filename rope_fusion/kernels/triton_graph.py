@@ -31,20 +31,20 @@ def _concrete(t: torch.Tensor) -> bool:
 
 
 def emit_triton(graph: fx.Graph, fake_mode: Any, xs: list, cos: fx.Node, sin: fx.Node, params: RotaryParams,
-                like: fx.Node) -> list | None:
+                like: fx.Node, positions: fx.Node | None = None) -> list | None:
     """Nodes computing the rotated xs (inserted at the graph's current insertion point), or None when the
     site has symbolic sizes (the caller then emits the op call)."""
     from torch._dispatch.python import enable_python_dispatcher
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    inputs = [*xs, cos, sin]
+    inputs = [*xs, cos, sin] + ([positions] if positions is not None else [])
     vals = [a.meta["val"] for a in inputs]
     if not all(_concrete(v) for v in vals):
         return None
     n = len(xs)
 
     def fn(*args):
-        return tuple(launch(list(args[:n]), args[n], args[n + 1], params))
+        return tuple(launch(list(args[:n]), args[n], args[n + 1], params, args[n + 2] if len(args) > n + 2 else None))
 
     with fake_mode, enable_python_dispatcher():
         gm = make_fx(fn, tracing_mode="real")(*vals)

@@ -55,14 +55,14 @@ MIN_PROGRAMS = 1024  # below this many tokens, head blocks are also spread over 
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
-    N1, N2, HQ, HK, NSPLIT,
+    q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr,
+    N1, N2, HQ, HK, NSPLIT, crow, srow,
     sq0, sq1, sq2, sqh, sqo0, sqo1, sqo2, sqoh,
     sk0, sk1, sk2, skh, sko0, sko1, sko2, skoh,
     sc0, sc1, sc2, scd, ss0, ss1, ss2, ssd,
     ROT: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, NSIDES: tl.constexpr, INTERLEAVED: tl.constexpr, FULL_TABLES: tl.constexpr,
-    CONJ: tl.constexpr, MATH_FP64: tl.constexpr, NEOX_ROW: tl.constexpr,
+    CONJ: tl.constexpr, MATH_FP64: tl.constexpr, NEOX_ROW: tl.constexpr, HAS_POS: tl.constexpr,
 ):
     """Rotate the rows of one token of q (and k): grid = (tokens, NSPLIT).
 
@@ -102,8 +102,13 @@ def _rotary_kernel(
     else:
         ia = jt
         ib = jt
-    c_row = cos_ptr + i0 * sc0 + i1 * sc1 + i2 * sc2
-    s_row = sin_ptr + i0 * ss0 + i1 * ss1 + i2 * ss2
+    if HAS_POS:  # a cache row per token: sc*/ss* are the strides of positions over the token dims
+        pos = tl.load(pos_ptr + i0 * sc0 + i1 * sc1 + i2 * sc2).to(tl.int64)
+        c_row = cos_ptr + pos * crow
+        s_row = sin_ptr + pos * srow
+    else:
+        c_row = cos_ptr + i0 * sc0 + i1 * sc1 + i2 * sc2
+        s_row = sin_ptr + i0 * ss0 + i1 * ss1 + i2 * ss2
     ca = tl.load(c_row + ia * scd, mask=tmask, other=0.0).to(cdt)[None, :]
     sa = tl.load(s_row + ia * ssd, mask=tmask, other=0.0).to(cdt)[None, :]
     if FULL_TABLES:
@@ -197,9 +202,32 @@ class _Plan:
     s_strides: list  # the same for sin
 
 
-def _plan(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], cos: torch.Tensor,
-          sin: torch.Tensor) -> _Plan | None:
+@dataclasses.dataclass
+class _Tables:
+    """The tables of a launch: plain tables that broadcast against x, or cache rows picked by positions
+    (then positions, with a trailing dim, stand in for the tables in the grid plan: the row is constant
+    wherever positions are)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: Any = None
+
+    def key(self) -> tuple:
+        geo = [(tuple(t.shape), t.stride(), t.dtype) for t in (self.cos, self.sin)]
+        if self.positions is not None:
+            geo.append((tuple(self.positions.shape), self.positions.stride()))
+        return tuple(geo)
+
+    def planned(self) -> tuple:
+        if self.positions is None:
+            return self.cos, self.sin
+        p = self.positions.unsqueeze(-1)
+        return p, p
+
+
+def _plan(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables: _Tables) -> _Plan | None:
     """One launch's geometry for tensors that share tables, or None if they cannot share one grid."""
+    cos, sin = tables.planned()
     lead = [tuple(x.shape[:-1]) for x in xs]
     n = len(lead[0])
     if any(len(s) != n for s in lead):
@@ -259,8 +287,8 @@ def _plan(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], cos: torch.T
             x_strides.append(column(2 * t) + [x.stride(head)])
             o_strides.append(column(2 * t + 1) + [o.stride(head)])
             heads.append(x.shape[head])
-    return _Plan(tokens, x_strides, o_strides, heads, column(nstr - 2) + [cos.stride(-1)],
-                 column(nstr - 1) + [sin.stride(-1)])
+    return _Plan(tokens, x_strides, o_strides, heads, column(nstr - 2) + [tables.cos.stride(-1)],
+                 column(nstr - 1) + [tables.sin.stride(-1)])
 
 
 def _block_heads(heads: Sequence[Any], lanes_pad: int) -> int:
@@ -299,51 +327,56 @@ def _prepare(x: torch.Tensor) -> torch.Tensor:
 _LAUNCH_CACHE: dict = {}  # geometry key -> launches; keeps the host side of a repeated call to a few us
 
 
-def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams, *, kernel: Any = None,
-           block_h: int | None = None, num_warps: int | None = None, nsplit: int | None = None,
-           neox_row: bool | None = None) -> list:
+def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams, positions: Any = None, *,
+           kernel: Any = None, block_h: int | None = None, num_warps: int | None = None,
+           nsplit: int | None = None, neox_row: bool | None = None) -> list:
     """Rotate 1 or 2 tensors sharing tables; one launch when their geometry allows it, else one each.
-    The tuning options override the rules below (the benchmarks' sweeps use them)."""
+    With positions, the tables are rows of a cache read per token (`cos[positions]`). The tuning options
+    override the rules below (the benchmarks' sweeps use them)."""
     xs = [_prepare(x) for x in xs]
     outs = [torch.empty(x.shape, dtype=params.out_dtype, device=x.device) for x in xs]
     fn = wrap_triton(_rotary_kernel) if kernel is None else kernel
     opts = (params, block_h, num_warps, nsplit, neox_row)
+    tables = _Tables(cos, sin, positions)
     try:
-        key = (tuple((tuple(x.shape), x.stride(), x.dtype) for x in xs), tuple(cos.shape), cos.stride(),
-               cos.dtype, tuple(sin.shape), sin.stride(), sin.dtype, opts)
+        key = (tuple((tuple(x.shape), x.stride(), x.dtype) for x in xs), tables.key(), opts)
         hash(key)
     except TypeError:  # symbolic sizes: plan every time
         key = None
     launches = _LAUNCH_CACHE.get(key) if key is not None else None
     if launches is None:
-        launches = _make_launches(xs, outs, cos, sin, *opts)
+        launches = _make_launches(xs, outs, tables, *opts)
         if launches is not None and key is not None:
             if len(_LAUNCH_CACHE) > 4096:
                 _LAUNCH_CACHE.clear()
             _LAUNCH_CACHE[key] = launches
     if launches is not None:
+        pos = positions if positions is not None else cos  # an unused pointer without positions
         for group, grid, scalars, meta in launches:
             q, k, qo, ko = xs[group[0]], xs[group[-1]], outs[group[0]], outs[group[-1]]
-            fn[grid](q, k, qo, ko, cos, sin, *scalars, **meta)
+            fn[grid](q, k, qo, ko, cos, sin, pos, *scalars, **meta)
         return outs
     # More than 3 token dims that do not merge: materialize x and tables (rare, correct), one launch each.
+    if positions is not None:
+        cos, sin = cos[positions], sin[positions]
     for i, x in enumerate(xs):
         if _is_true(x.numel() == 0):
             continue
         x = x.contiguous()
         c = cos.expand(*x.shape[:-1], cos.shape[-1]).contiguous()
         s = sin.expand(*x.shape[:-1], sin.shape[-1]).contiguous()
-        p = _plan([x], [outs[i]], c, s)
+        t = _Tables(c, s)
+        p = _plan([x], [outs[i]], t)
         assert p is not None
-        grid, scalars, meta = _launch_args(p, [x], [outs[i]], c, s, *opts)
-        fn[grid](x, x, outs[i], outs[i], c, s, *scalars, **meta)
+        grid, scalars, meta = _launch_args(p, [x], [outs[i]], t, *opts)
+        fn[grid](x, x, outs[i], outs[i], c, s, c, *scalars, **meta)
     return outs
 
 
-def _make_launches(xs: list, outs: list, cos: torch.Tensor, sin: torch.Tensor, *opts: Any) -> list | None:
+def _make_launches(xs: list, outs: list, tables: _Tables, *opts: Any) -> list | None:
     """[(tensor indices, grid, scalar args, meta args)]: one entry for q and k together when possible."""
     groups = [list(range(len(xs)))]
-    plan = _plan(xs, outs, cos, sin)
+    plan = _plan(xs, outs, tables)
     if plan is None and len(xs) > 1:
         groups = [[i] for i in range(len(xs))]
     launches = []
@@ -352,14 +385,14 @@ def _make_launches(xs: list, outs: list, cos: torch.Tensor, sin: torch.Tensor, *
         go = [outs[i] for i in group]
         if any(_is_true(x.numel() == 0) for x in gx):
             continue
-        p = _plan(gx, go, cos, sin) if len(groups) > 1 else plan
+        p = _plan(gx, go, tables) if len(groups) > 1 else plan
         if p is None:
             return None
-        launches.append((group, *_launch_args(p, gx, go, cos, sin, *opts)))
+        launches.append((group, *_launch_args(p, gx, go, tables, *opts)))
     return launches
 
 
-def _launch_args(p: _Plan, xs: list, outs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
+def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, params: RotaryParams,
                  block_h: int | None, num_warps: int | None, nsplit: int | None,
                  neox_row: bool | None) -> tuple:
     interleaved, rotary_dim = params.interleaved, params.rotary_dim
@@ -380,12 +413,14 @@ def _launch_args(p: _Plan, xs: list, outs: list, cos: torch.Tensor, sin: torch.T
     sk = p.x_strides[-1] if len(xs) > 1 else [0, 0, 0, 0]
     sko = p.o_strides[-1] if len(xs) > 1 else [0, 0, 0, 0]
     hk = p.heads[-1] if len(xs) > 1 else 0
+    cos, sin = tables.cos, tables.sin
     wide = math_dtype(xs, cos, sin, params.out_dtype) == torch.float64
-    scalars = (p.tokens[1], p.tokens[2], p.heads[0], hk, nsplit, *p.x_strides[0], *p.o_strides[0], *sk, *sko,
-               *p.c_strides, *p.s_strides)
+    rows = (cos.stride(0), sin.stride(0)) if tables.positions is not None else (0, 0)
+    scalars = (p.tokens[1], p.tokens[2], p.heads[0], hk, nsplit, *rows, *p.x_strides[0], *p.o_strides[0],
+               *sk, *sko, *p.c_strides, *p.s_strides)
     meta = dict(ROT=rotary_dim, HEAD_DIM=head_dim, HALF_PAD=half_pad, TAIL_PAD=tail_pad, BLOCK_H=bh,
                 NSIDES=len(xs), INTERLEAVED=interleaved, FULL_TABLES=params.full_tables, CONJ=params.conjugate,
-                MATH_FP64=wide, NEOX_ROW=neox_row,
+                MATH_FP64=wide, NEOX_ROW=neox_row, HAS_POS=tables.positions is not None,
                 num_warps=num_warps or _num_warps(bh * lanes_pad, "rows" if interleaved or neox_row else "halves"))
     return (ntok, nsplit), scalars, meta
 
@@ -394,10 +429,11 @@ def _launch_args(p: _Plan, xs: list, outs: list, cos: torch.Tensor, sin: torch.T
 # The op variant, the eager kernel and the backend.
 
 
-def _impl(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams) -> list | None:
+def _impl(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
+          positions: torch.Tensor | None = None) -> list | None:
     if any(t.device.type != "cuda" for t in (*xs, cos, sin)) and not _INTERPRETED:
         return None  # the reference serves other devices
-    return launch(xs, cos, sin, params)
+    return launch(xs, cos, sin, params, positions)
 
 
 def _interpreted() -> bool:
@@ -430,16 +466,16 @@ def supports(spec: SiteSpec) -> str | None:
     return None
 
 
-def _emit(emitter: Any, xs: list, cos: Any, sin: Any, params: RotaryParams, like: Any) -> list:
+def _emit(emitter: Any, xs: list, cos: Any, sin: Any, params: RotaryParams, like: Any, positions: Any = None) -> list:
     """Inductor's own user-kernel node where the sizes are concrete (launched from generated code, no op
     dispatch per call); the opaque op otherwise."""
     from .triton_graph import emit_triton
 
     if emitter.fake_mode is not None:
-        outs = emit_triton(emitter.graph, emitter.fake_mode, xs, cos, sin, params, like)
+        outs = emit_triton(emitter.graph, emitter.fake_mode, xs, cos, sin, params, like, positions)
         if outs is not None:
             return outs
-    return emit_op_call((ROTARY_TRITON, ROTARY_QK_TRITON), emitter, xs, cos, sin, params, like)
+    return emit_op_call((ROTARY_TRITON, ROTARY_QK_TRITON), emitter, xs, cos, sin, params, like, positions)
 
 
 register_backend(Backend("triton", supports, _emit))

@@ -65,9 +65,9 @@ class SiteSpec:
         return total
 
 
-# emit(emitter, xs, cos, sin, params, like) -> output nodes, one per x. The emitter (passes/emission.py)
-# creates nodes with fake values: `emitter.call(target, args, kwargs, like=node)`.
-Emit = Callable[[Any, list, Any, Any, RotaryParams, Any], list]
+# emit(emitter, xs, cos, sin, params, like, positions=None) -> output nodes, one per x. The emitter
+# (passes/emission.py) creates nodes with fake values: `emitter.call(target, args, kwargs, like=node)`.
+Emit = Callable[..., list]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +86,12 @@ def register_backend(backend: Backend) -> None:
     _BACKENDS[backend.name] = backend
 
 
-def emit_op_call(ops: tuple, emitter: Any, xs: list, cos: Any, sin: Any, params: RotaryParams, like: Any) -> list:
+def emit_op_call(ops: tuple, emitter: Any, xs: list, cos: Any, sin: Any, params: RotaryParams, like: Any,
+                 positions: Any = None) -> list:
     """One call of an op pair (`rotary*`, `rotary_qk*`): the emission of every backend that is an op."""
     op = ops[0] if len(xs) == 1 else ops[1]
-    node = emitter.call(op, (*xs, cos, sin), params.kwargs(), like=like)
+    tensors = (*xs, cos, sin) + ((positions,) if positions is not None else ())
+    node = emitter.call(op, tensors, params.kwargs(), like=like)
     if len(xs) == 1:
         return [node]
     return [emitter.call(operator.getitem, (node, i), like=like) for i in range(len(xs))]
@@ -161,8 +163,9 @@ def _inductor_supports(spec: SiteSpec) -> str | None:
     return None
 
 
-def _inductor_emit(emitter: Any, xs: list, cos: Any, sin: Any, params: RotaryParams, like: Any) -> list:
-    return emit_op_call((ROTARY, ROTARY_QK), emitter, xs, cos, sin, params, like)
+def _inductor_emit(emitter: Any, xs: list, cos: Any, sin: Any, params: RotaryParams, like: Any,
+                   positions: Any = None) -> list:
+    return emit_op_call((ROTARY, ROTARY_QK), emitter, xs, cos, sin, params, like, positions)
 
 
 register_backend(Backend("inductor", _inductor_supports, _inductor_emit))

@@ -25,7 +25,7 @@ def _compute_dtype(x, cos, sin, out_dtype):
     return torch.float64 if wide and out_dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def _rotary_pointwise(x, cos, sin, p: RotaryParams):
+def _rotary_pointwise(x, cos, sin, p: RotaryParams, positions=None):
     interleaved, full_tables, conjugate, out_dtype = p.interleaved, p.full_tables, p.conjugate, p.out_dtype
     size = list(x.get_size())
     nd = len(size)
@@ -35,8 +35,12 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams):
     cd = _compute_dtype(x, cos, sin, out_dtype)
     x_load = x.make_loader()
     tables = []
+    if positions is not None:  # tables are cache rows: the row index is loaded from positions per token
+        psize = list(positions.get_size())
+        pos_load = positions.make_loader()
+        rows = cos.get_size()[0]
     for t in (cos, sin):
-        tsize = list(t.get_size())
+        tsize = list(t.get_size()) if positions is None else [*positions.get_size(), t.get_size()[-1]]
         offset = nd - len(tsize)
         tables.append((t.make_loader(), tsize, offset))
 
@@ -44,6 +48,9 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams):
         out = []
         for i, s in enumerate(tsize[:-1]):
             out.append(0 if s == 1 else idx[offset + i])
+        if positions is not None:
+            row = pos_load([0 if s == 1 else idx[nd - len(psize) - 1 + i] for i, s in enumerate(psize)])
+            return [ops.indirect_indexing(row, rows, check=False), lane]
         out.append(lane)
         return out
 
@@ -75,12 +82,16 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams):
     return ir.Pointwise.create(device=x.get_device(), dtype=out_dtype, inner_fn=inner_fn, ranges=size)
 
 
-def _lower(*args, **kw):
-    *xs, cos, sin = args
-    p = RotaryParams(**kw)
-    outs = [_rotary_pointwise(x, cos, sin, p) for x in xs]
-    return outs[0] if len(outs) == 1 else tuple(outs)
+def _lowering(arity: int):
+    def lower(*args, **kw):
+        kw = dict(kw)
+        xs, (cos, sin) = args[:arity], args[arity:arity + 2]
+        positions = args[arity + 2] if len(args) > arity + 2 else kw.pop("positions", None)
+        p = RotaryParams(**kw)
+        outs = [_rotary_pointwise(x, cos, sin, p, positions) for x in xs]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+    return lower
 
 
-register_lowering(ROTARY, type_promotion_kind=None)(_lower)
-register_lowering(ROTARY_QK, type_promotion_kind=None)(_lower)
+register_lowering(ROTARY, type_promotion_kind=None)(_lowering(1))
+register_lowering(ROTARY_QK, type_promotion_kind=None)(_lowering(2))

@@ -32,9 +32,13 @@ def rotary_reference(
     full_tables: bool,
     conjugate: bool = False,
     out_dtype: torch.dtype | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[a]=x[a]C[a]-x[b]S[a], out[b]=x[b]C[b]+x[a]S[b] per pair (a,b); S negated when conjugate."""
+    """out[a]=x[a]C[a]-x[b]S[a], out[b]=x[b]C[b]+x[a]S[b] per pair (a,b); S negated when conjugate; with
+    positions the tables are the rows cos[positions], sin[positions] of a cache."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
+    if positions is not None:
+        cos, sin = cos[positions], sin[positions]
     cd = math_dtype([x], cos, sin, out_dtype)
     r = rotary_dim
     xr = x[..., :r].to(cd)
@@ -70,12 +74,19 @@ def partner_lanes(t: torch.Tensor, rotary_dim: int, interleaved: bool) -> torch.
 
 
 def table_grads(grads, xs, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, rotary_dim: int,
-                full_tables: bool, conjugate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                full_tables: bool, conjugate: bool,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of the tables, summed over every rotated tensor and reduced to each table's shape.
 
     With pairs (a, b): out[a] = x[a]C[a] - x[b]S[a] and out[b] = x[b]C[b] + x[a]S[b] (S negated when
     conjugate), so dC[a] = g[a]x[a], dC[b] = g[b]x[b], dS[a] = -g[a]x[b], dS[b] = g[b]x[a]; a per-pair table
-    receives the sum over both lanes of its pair."""
+    receives the sum over both lanes of its pair; a gathered cache the sum over the tokens that read a row."""
+    if positions is not None:  # the gradient of the gathered rows, accumulated into the cache's rows
+        gc, gs = table_grads(grads, xs, cos[positions], sin[positions], interleaved=interleaved,
+                             rotary_dim=rotary_dim, full_tables=full_tables, conjugate=conjugate)
+        index = positions.reshape(-1)
+        return (torch.zeros_like(cos).index_add_(0, index, gc.reshape(-1, cos.shape[-1])),
+                torch.zeros_like(sin).index_add_(0, index, gs.reshape(-1, sin.shape[-1])))
     cd = torch.float64 if torch.float64 in (cos.dtype, sin.dtype) else torch.float32
     sign = -1.0 if conjugate else 1.0
     r = rotary_dim

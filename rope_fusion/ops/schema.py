@@ -55,10 +55,13 @@ class RotaryParams:
 
 def op_schema(arity: int) -> str:
     """The torch.library schema of a variant that rotates `arity` tensors, e.g.
-    `(Tensor x, Tensor cos, Tensor sin, *, bool interleaved, ...) -> Tensor`."""
+    `(Tensor x, Tensor cos, Tensor sin, Tensor? positions=None, *, bool interleaved, ...) -> Tensor`.
+
+    `positions` (optional): the tables are a cache gathered per token, `cos[positions]` (the vLLM / flash-attn
+    convention of a [max_pos, width] cache); the gathered tables broadcast against x like plain ones."""
     hints = typing.get_type_hints(RotaryParams)
     options = ", ".join(f"{_SCHEMA_TYPES[hints[f.name]]} {f.name}" for f in dataclasses.fields(RotaryParams))
-    tensors = ", ".join(f"Tensor {n}" for n in (*TENSOR_NAMES[arity], "cos", "sin"))
+    tensors = ", ".join(f"Tensor {n}" for n in (*TENSOR_NAMES[arity], "cos", "sin")) + ", Tensor? positions=None"
     out = "Tensor" if arity == 1 else "(" + ", ".join(["Tensor"] * arity) + ")"
     return f"({tensors}, *, {options}) -> {out}"
 
@@ -70,9 +73,25 @@ def math_dtype(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
     return torch.float64 if wide and out_dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams) -> None:
+def gathered_shape(table: torch.Tensor, positions: torch.Tensor | None) -> tuple:
+    """The shape of a table as the op reads it: `table[positions]` when positions are given."""
+    if positions is None:
+        return tuple(table.shape)
+    return (*positions.shape, table.shape[-1])
+
+
+def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
+               positions: torch.Tensor | None = None) -> None:
     """Raise ValueError naming the offending argument; shapes may be symbolic (fake tensors)."""
     names = TENSOR_NAMES[len(xs)]
+    if positions is not None:
+        if positions.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"positions must be int32 or int64, got {positions.dtype}")
+        if positions.device != xs[0].device:
+            raise ValueError(f"positions on {positions.device}, x on {xs[0].device}: all tensors must be on one device")
+        for arg, t in (("cos", cos), ("sin", sin)):
+            if t.dim() != 2:
+                raise ValueError(f"with positions, {arg} is a [max_positions, width] cache, got shape {tuple(t.shape)}")
     for name, x in zip(names, xs):
         if x.dim() < 1:
             raise ValueError(f"{name} must have at least one dimension (the head dim), got a 0-dim tensor")
@@ -95,12 +114,13 @@ def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
         if r > x.shape[-1]:
             raise ValueError(f"rotary_dim={r} exceeds the head dim of {name} (shape {tuple(x.shape)})")
         for arg, t in (("cos", cos), ("sin", sin)):
+            shape = gathered_shape(t, positions)
+            what = f"{arg}[positions] of shape {shape}" if positions is not None else f"{arg} of shape {shape}"
             if t.dim() < 1 or t.shape[-1] != width:
                 raise ValueError(f"{arg} must have last dim {width} (rotary_dim={r}, "
                                  f"full_tables={params.full_tables}), got shape {tuple(t.shape)}")
-            if t.dim() > x.dim():
-                raise ValueError(f"{arg} of shape {tuple(t.shape)} has more dims than {name} {tuple(x.shape)}")
-            for a, b in zip(reversed(t.shape[:-1]), reversed(x.shape[:-1])):
+            if len(shape) > x.dim():
+                raise ValueError(f"{what} has more dims than {name} {tuple(x.shape)}")
+            for a, b in zip(reversed(shape[:-1]), reversed(x.shape[:-1])):
                 if a != 1 and a != b:
-                    raise ValueError(f"{arg} of shape {tuple(t.shape)} does not broadcast against {name} of "
-                                     f"shape {tuple(x.shape)}")
+                    raise ValueError(f"{what} does not broadcast against {name} of shape {tuple(x.shape)}")

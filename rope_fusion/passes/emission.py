@@ -21,6 +21,7 @@ import torch.fx as fx
 from ..ops.backends import Backend, SiteSpec
 from ..ops.schema import RotaryParams
 from .fx_util import as_int
+from .gathers import gather_of
 from .grouping import out_dtype
 from .matcher import Match, TableRef
 
@@ -194,6 +195,29 @@ def _swap_pairs(em: Emitter, t: fx.Node, interleaved: bool, like: fx.Node) -> fx
                                        em.call(aten.slice.Tensor, (t, -1, 0, half), like=like)], -1), like=like)
 
 
+def gathered_tables(em: Emitter, nodes: dict, m: Match, like: fx.Node) -> tuple | None:
+    """(cos, sin, positions) as the op takes a gathered cache, or None: the cos and sin of `m` must be two
+    lane windows of one gather of one cache by one positions tensor."""
+    got = [gather_of(nodes[t.name], t) for t in (m.cos, m.sin)]
+    if None in got or (got[0].cache, got[0].positions) != (got[1].cache, got[1].positions):
+        return None
+    cache, pos = got[0].cache, got[0].positions
+    views = []
+    for g, t in zip(got, (m.cos, m.sin)):
+        start, step = g.start, g.step
+        end = start + step * (t.width - 1) + 1
+        views.append(em.call(aten.slice.Tensor, (cache, -1, start, end, step), like=like))
+    source = nodes[m.cos.name]  # the table view's leading dims, plus one per head block: positions' shape
+    shape = source.meta["val"].shape
+    lead = [as_int(d) for d in shape[: len(shape) - m.cos.k]] + [1] * len(m.blocks)
+    if sum(d != 1 for d in lead) == 1:  # [T] -> [T, 1]: sizes from positions, not from the table it replaces
+        lead = [-1 if d != 1 else 1 for d in lead]
+    else:
+        lead = em.size_args(source, range(len(shape) - m.cos.k), like) + [1] * len(m.blocks)
+    positions = em.call(aten.reshape.default, (pos, lead), like=like)
+    return views[0], views[1], positions
+
+
 def x_input(em: Emitter, nodes: dict, m: Match) -> fx.Node:
     """x as the op reads it: [..., head_dim], heads of a flattened [.., H*D] split out as blocks."""
     x = nodes[m.x_name]
@@ -251,8 +275,13 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
     m0 = group[0]
     with em.graph.inserting_before(anchor):
         xs = inputs = [x_input(em, nodes, m) for m in group]
-        cos = table_view(em, nodes, m0.cos, m0.blocks, m0.node, m0.interleaved)
-        sin = table_view(em, nodes, m0.sin, m0.blocks, m0.node, m0.interleaved)
+        positions = None
+        gathered = gathered_tables(em, nodes, m0, m0.node)
+        if gathered is not None:
+            cos, sin, positions = gathered
+        else:
+            cos = table_view(em, nodes, m0.cos, m0.blocks, m0.node, m0.interleaved)
+            sin = table_view(em, nodes, m0.sin, m0.blocks, m0.node, m0.interleaved)
         params = params_of(m0)
         if m0.wide and params.out_dtype in (torch.float32, torch.float64):
             dts = {x.meta["val"].dtype for x in xs} | {cos.meta["val"].dtype, sin.meta["val"].dtype}
@@ -266,7 +295,7 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
                              like=m0.node) for x in xs]
             xs = [em.call(aten.slice.Tensor, (x, -1, offset, n), like=m0.node) for x in xs]
         backend, fallback = choose(site_spec(xs, cos, params))
-        outs = backend.emit(em, xs, cos, sin, params, m0.node)
+        outs = backend.emit(em, xs, cos, sin, params, m0.node, positions)
         if heads:
             outs = [em.call(aten.cat.default, ([h, o], -1), like=m0.node) for h, o in zip(heads, outs)]
         finals = [_unflatten(em, o, m) for o, m in zip(outs, group)]

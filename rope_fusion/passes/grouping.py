@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from .fx_util import as_int, same_dim
+from .gathers import gather_of
 from .matcher import Acceptor, Match, TableRef
 
 
@@ -74,6 +75,13 @@ class _Pairing:
             return True
         if a.partner or b.partner:  # a swapped copy is no view: only the same recipe is provably the same
             return False
+        ga, gb = gather_of(nodes[a.name], a), gather_of(nodes[b.name], b)
+        if ga is not None and gb is not None:  # rows of one cache by one positions tensor, as the op reads them
+            rank_a = nodes[a.name].meta["val"].dim() - a.k + len(ablocks)  # the rank of the op's positions
+            rank_b = nodes[b.name].meta["val"].dim() - b.k + len(bblocks)
+            if (st.id(ga.cache), st.id(ga.positions), ga.start, ga.step, a.width, rank_a) == (
+                    st.id(gb.cache), st.id(gb.positions), gb.start, gb.step, b.width, rank_b):
+                return True
         va = table_view_geometry(nodes[a.name], a, ablocks)
         vb = table_view_geometry(nodes[b.name], b, bblocks)
         return va is not None and vb is not None and va[0] == vb[0] and self.fits(va[1], mb)
