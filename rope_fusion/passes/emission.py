@@ -276,7 +276,7 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
     with em.graph.inserting_before(anchor):
         xs = inputs = [x_input(em, nodes, m) for m in group]
         positions = None
-        gathered = gathered_tables(em, nodes, m0, m0.node)
+        gathered = m0.tables(em) if m0.tables is not None else gathered_tables(em, nodes, m0, m0.node)
         if gathered is not None:
             cos, sin, positions = gathered
         else:

@@ -99,8 +99,11 @@ class _Pairing:
     def can_pair(self, a: Match, b: Match) -> bool:
         if b.node is a.node or a.x_name == b.x_name or _options(a) != _options(b):
             return False
-        if not (self.same_table(a.cos, a.blocks, b.cos, b.blocks, b)
-                and self.same_table(a.sin, a.blocks, b.sin, b.blocks, b)):
+        if a.table_key is not None or b.table_key is not None:  # sites that build their own tables
+            if a.table_key != b.table_key:
+                return False
+        elif not (self.same_table(a.cos, a.blocks, b.cos, b.blocks, b)
+                  and self.same_table(a.sin, a.blocks, b.sin, b.blocks, b)):
             return False
         inputs = [self.nodes[a.x_name], self.nodes[b.x_name], self.nodes[a.cos.name], self.nodes[a.sin.name]]
         # one launch for both is possible unless an input of one needs the other's result

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -85,6 +86,12 @@ class Match:
     sin: TableRef
     wide: bool  # the replaced subgraph computed in fp64
     offset: int = 0  # lanes before the rotated part, copied unchanged
+    # Sites that are not RoPE arithmetic (a rotary kernel already in the graph) build their tables themselves:
+    # tables(emitter) -> (cos, sin, positions or None) as the op takes them, and pair only with sites of an
+    # equal table_key. `origin` names what is replaced.
+    tables: Any = None
+    table_key: Any = None
+    origin: str = "arithmetic"
 
 
 def _affine(flats: list) -> tuple | None:

@@ -26,6 +26,7 @@ from ..ops.backends import BACKEND_NAMES, SiteSpec, choose_backend
 from . import emission
 from .emission import Emitter, GraphTransaction
 from .grouping import pair_up
+from .kernel_rewrite import find_kernel_matches
 from .provenance import dtype_name, role, rotation_source, source_line
 from .report import PER_LANE, PER_PAIR, CacheReuse, GraphError, GraphRecord, Kernel, Miss, Report, Site
 from .sites import find_sites
@@ -149,7 +150,10 @@ class RopeFusionPass(_PassBase):
 
     def _fuse(self, graph: fx.Graph, index: int) -> list:
         matches, misses, acc = find_sites(graph)
-        for node, reason in misses:
+        kernel_matches, kernel_misses = find_kernel_matches(graph)
+        if kernel_matches:
+            matches = sorted(matches + kernel_matches, key=lambda m: acc.order[m.node])
+        for node, reason in misses + kernel_misses:
             self.report.misses.append(Miss(index, node.name, reason, source_line(node)))
         if not matches:
             return []
@@ -195,7 +199,8 @@ class RopeFusionPass(_PassBase):
                 conjugate=m.conjugate, x_dtype=dtype_name(x.meta["val"].dtype),
                 table_dtype=dtype_name(p.cos.meta["val"].dtype), out_dtype=dtype_name(m.node.meta["val"].dtype),
                 shape=tuple(str(s) for s in m.node.meta["val"].shape), source=rotation_source(m.node),
-                kernel=kernel, role=role(m.node), graph_kind=self.report.graph_records[index].kind))
+                kernel=kernel, role=role(m.node), graph_kind=self.report.graph_records[index].kind,
+                origin=m.origin))
         self.report.kernels.append(Kernel(index, p.op_name, p.backend, ids, p.fallback))
 
     def _cache_tables(self, graph: fx.Graph, index: int, planned: list) -> None:
