@@ -110,9 +110,9 @@ def test_fault_in_the_kth_site_leaves_exactly_that_site(monkeypatch, caplog, k):
     inductor = B.get_backend("inductor")
     calls = []
 
-    def emit(em, xs, cos, sin, params, like, positions=None):
+    def emit(em, call, like):
         calls.append(like.name)
-        outs = inductor.emit(em, xs, cos, sin, params, like, positions)  # nodes are made, then the fault
+        outs = inductor.emit(em, call, like)  # nodes are made, then the fault
         if len(calls) == k + 1:
             raise RuntimeError(f"injected: site {k}")
         return outs

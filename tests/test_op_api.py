@@ -134,3 +134,26 @@ def test_requested_backend_that_cannot_run_falls_back_with_one_log_line(caplog):
     lines = [r.getMessage() for r in caplog.records if "did not take a site" in r.getMessage()]
     assert len(lines) == 1, lines
     torch.testing.assert_close(out[0], rope(x, c, s), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm", ["rms", "rms_across_heads"])
+def test_norm_prologue_matches_the_reference_and_is_differentiable(norm):
+    torch.manual_seed(5)
+    x = torch.randn(2, 5, 3, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8 if norm == "rms" else (3, 8), dtype=torch.float64, requires_grad=True)
+    c, s = _tables((5, 1), 4)
+    out = rope_fusion.apply_rotary(x, c, s, norm=norm, norm_eps=1e-5, norm_weight=w)
+    dims = (-1,) if norm == "rms" else (-2, -1)
+    xn = x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + 1e-5) * w
+    torch.testing.assert_close(out, rotary_reference(xn, c, s, interleaved=False, rotary_dim=8, full_tables=False))
+    assert torch.autograd.gradcheck(
+        lambda x, w: rope_fusion.apply_rotary(x, c, s, norm=norm, norm_eps=1e-5, norm_weight=w), (x, w))
+
+
+def test_norm_weight_without_a_norm_is_refused():
+    x = torch.randn(2, 5, 3, 8)
+    c, s = _tables((5, 1), 4, torch.float32)
+    with pytest.raises(ValueError, match="without a norm"):
+        rope_fusion.apply_rotary(x, c, s, norm_weight=torch.ones(8))
+    with pytest.raises(ValueError, match="norm must be one of"):
+        rope_fusion.apply_rotary(x, c, s, norm="layer")

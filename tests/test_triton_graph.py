@@ -23,7 +23,7 @@ from rope_fusion.kernels.triton_graph import emit_triton  # noqa: E402
 if triton_rotary._INTERPRETED:  # test_triton_kernels.py imported the kernels for the interpreter first
     pytest.skip("the kernel module was imported under TRITON_INTERPRET=1: make_fx cannot trace it",
                 allow_module_level=True)
-from rope_fusion.ops.schema import RotaryParams  # noqa: E402
+from rope_fusion.ops.schema import RotaryCall, RotaryParams  # noqa: E402
 
 
 def _graph(fm, tensors):
@@ -52,7 +52,7 @@ def test_one_user_kernel_node_for_q_and_k(interleaved, rotary_dim, full, conj, h
     g, nodes = _graph(fm, (q, k, cos, sin))
     params = RotaryParams(interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full, conjugate=conj,
                           out_dtype=dt)
-    outs = emit_triton(g, fm, nodes[:2], nodes[2], nodes[3], params, nodes[0])
+    outs = emit_triton(g, fm, RotaryCall(nodes[:2], nodes[2], nodes[3], params), nodes[0])
     hops = [n for n in g.nodes if n.target is triton_kernel_wrapper_functional]
     assert len(hops) == 1
     kw = hops[0].kwargs["kwargs"]
@@ -80,7 +80,7 @@ def test_symbolic_sizes_are_not_inlined():
     g, nodes = _graph(fm, (q, q, c, c))
     params = RotaryParams(interleaved=False, rotary_dim=16, full_tables=False, conjugate=False,
                           out_dtype=torch.float32)
-    assert emit_triton(g, fm, nodes[:2], nodes[2], nodes[3], params, nodes[0]) is None
+    assert emit_triton(g, fm, RotaryCall(nodes[:2], nodes[2], nodes[3], params), nodes[0]) is None
 
 
 @pytest.mark.parametrize("cdtype,real", [(torch.complex64, torch.float32), (torch.complex128, torch.float64)])

@@ -54,8 +54,10 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 @contextlib.contextmanager
 def poisoned_outputs():
-    """Output buffers start as NaN, so an element the kernel fails to write shows up as NaN."""
-    real_empty = torch.empty
+    """Output buffers start as NaN, so an element the kernel fails to write shows up as NaN. Also, for the
+    interpreted kernel: Triton's own reductions (`tl.sum`, a @jit function of its standard library, imported
+    compiled with torch before this module could set TRITON_INTERPRET) run interpreted too."""
+    real_empty, real_sum = torch.empty, triton.language.sum
 
     def empty(*args, **kwargs):
         out = real_empty(*args, **kwargs)
@@ -64,10 +66,12 @@ def poisoned_outputs():
         return out
 
     torch.empty = empty
+    if not isinstance(real_sum, InterpretedFunction):
+        triton.language.sum = InterpretedFunction(real_sum.fn)
     try:
         yield
     finally:
-        torch.empty = real_empty
+        torch.empty, triton.language.sum = real_empty, real_sum
 
 
 def check(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool,
@@ -328,7 +332,7 @@ def test_host_side_runs_on_fake_tensors():
         assert ko.shape == k.shape
     assert len(launches) == 1
     grid, args, kwargs = launches[0]
-    assert grid[0] == 16 and kwargs["NSIDES"] == 2 and args[9:11] == (16, 2)  # tokens (2*8), heads
+    assert grid[0] == 16 and kwargs["NSIDES"] == 2 and args[11:13] == (16, 2)  # tokens (2*8), heads
 
 
 @pytest.mark.skipif(OP_INTERPRETED, reason="interpreted kernels cannot run on fake tensors")
@@ -454,3 +458,29 @@ def test_cache_rows_picked_by_positions(interleaved, rotary_dim):
         qo, ko = tr.launch([q, k], cos, sin, RotaryParams(**kw), pos, kernel=KERNEL)
     check(qo, q, cos[pos], sin[pos], **kw)
     check(ko, k, cos[pos], sin[pos], **kw)
+
+
+@pytest.mark.parametrize("norm,interleaved,rotary_dim,weighted", [
+    ("rms", False, 64, True), ("rms", True, 64, False), ("rms", False, 32, True),
+    ("rms_across_heads", True, 64, True), ("rms_across_heads", False, 48, False),
+])
+def test_norm_prologue(norm, interleaved, rotary_dim, weighted):
+    """The QK-norm folded into the kernel: each head (or every head of a token) RMS-normalised, times the
+    per-lane weight (per head and lane across heads), then rotated; against the reference's fp64 result."""
+    torch.manual_seed(4)
+    q = torch.randn(2, 5, 4, 64, dtype=torch.bfloat16) * 3
+    k = torch.randn(2, 5, 2, 64, dtype=torch.bfloat16) * 3
+    cos, sin = tables((5, 1), rotary_dim // 2)
+    shape = (64,) if norm == "rms" else None
+    wq = (torch.randn(shape or (4, 64)) if weighted else None)
+    wk = (torch.randn(shape or (2, 64)) if weighted else None)
+    kw = opts(interleaved, rotary_dim)
+    params = RotaryParams(**kw, norm=norm, norm_eps=1e-5)
+    with poisoned_outputs():
+        qo, ko = tr.launch([q, k], cos, sin, params, None, [wq, wk], kernel=KERNEL)
+    for out, x, w in ((qo, q, wq), (ko, k, wk)):
+        want = rotary_reference(x.double(), cos.double(), sin.double(), out_dtype=torch.float64, norm=norm,
+                                norm_eps=1e-5, norm_weight=None if w is None else w.double(),
+                                **{k_: v for k_, v in kw.items() if k_ != "out_dtype"})
+        err = (out.double() - want).abs().max().item()
+        assert err <= 4 * torch.finfo(torch.bfloat16).eps * want.abs().max().item(), err

@@ -39,8 +39,8 @@ import torch
 
 from ..ops.backends import Backend, SiteSpec, emit_op_call, register_backend
 from ..ops.library import define_rotary_ops
-from ..ops.reference import rotary_reference
-from ..ops.schema import RotaryParams
+from ..ops.reference import rms_norm, rotary_reference
+from ..ops.schema import RotaryCall
 
 OP_NAMESPACE = "npu"
 """Where `npu_rotary_mul` / `npu_apply_rotary_pos_emb` are looked up (torch.ops.<namespace>.<op>)."""
@@ -175,14 +175,17 @@ def rotary_qk_via_apply(q, k, cos, sin, *, layout, full_tables, conjugate):
 
 # -- the ops the pass emits ------------------------------------------------------------------------------
 
-def _impl(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
-          positions: torch.Tensor | None = None) -> list | None:
+def _impl(call: RotaryCall) -> list | None:
     """q and k through one npu_apply_rotary_pos_emb where allowed, else npu_rotary_mul per tensor; None (the
     reference) for a tensor whose case the documented constraints exclude. Cache rows picked by positions
-    are gathered first (the NPU ops take plain tables)."""
-    if positions is not None:
-        cos, sin = cos[positions], sin[positions]
-    kw = params.kwargs()
+    are gathered first and a norm prologue runs first (the NPU ops take plain tables and x)."""
+    xs, cos, sin, params = call.xs, call.cos, call.sin, call.params
+    if call.positions is not None:
+        cos, sin = cos[call.positions], sin[call.positions]
+    if params.norm != "none":
+        xs = [rms_norm(x.float(), params.norm, params.norm_eps, call.weight(i)).to(x.dtype)
+              for i, x in enumerate(xs)]
+    kw = {k: v for k, v in params.kwargs().items() if k not in ("norm", "norm_eps")}
     if len(xs) == 2:
         layout = apply_layout(*xs, cos, sin, **{k: v for k, v in kw.items() if k != "conjugate"})
         if layout is not None:
@@ -210,8 +213,8 @@ def supports(spec: SiteSpec) -> str | None:
     return None
 
 
-register_backend(Backend("npu", supports, lambda em, xs, cos, sin, p, like, positions=None: emit_op_call(
-    (ROTARY_NPU, ROTARY_QK_NPU), em, xs, cos, sin, p, like, positions)))
+register_backend(Backend("npu", supports, lambda em, call, like: emit_op_call((ROTARY_NPU, ROTARY_QK_NPU), em,
+                                                                               call, like)))
 if torch._C._get_privateuse1_backend_name() == "npu":  # torch_npu is loaded: serve direct calls of the op too
     from ..ops.library import register_device_kernel
 

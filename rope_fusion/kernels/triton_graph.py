@@ -20,7 +20,7 @@ from torch._higher_order_ops.triton_kernel_wrap import (
     triton_kernel_wrapper_mutation,
 )
 
-from ..ops.schema import RotaryParams
+from ..ops.schema import RotaryCall
 from .triton_rotary import launch
 
 _OUT_ARGS = ("qo_ptr", "ko_ptr")
@@ -30,21 +30,26 @@ def _concrete(t: torch.Tensor) -> bool:
     return all(isinstance(s, int) for s in (*t.shape, *t.stride()))
 
 
-def emit_triton(graph: fx.Graph, fake_mode: Any, xs: list, cos: fx.Node, sin: fx.Node, params: RotaryParams,
-                like: fx.Node, positions: fx.Node | None = None) -> list | None:
+def emit_triton(graph: fx.Graph, fake_mode: Any, call: RotaryCall, like: fx.Node) -> list | None:
     """Nodes computing the rotated xs (inserted at the graph's current insertion point), or None when the
     site has symbolic sizes (the caller then emits the op call)."""
     from torch._dispatch.python import enable_python_dispatcher
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    inputs = [*xs, cos, sin] + ([positions] if positions is not None else [])
+    xs = call.xs
+    inputs = [t for t in call.tensors() if t is not None]
+    slots = [i for i, t in enumerate(call.tensors()) if t is not None]  # where each input goes in the call
     vals = [a.meta["val"] for a in inputs]
     if not all(_concrete(v) for v in vals):
         return None
     n = len(xs)
 
     def fn(*args):
-        return tuple(launch(list(args[:n]), args[n], args[n + 1], params, args[n + 2] if len(args) > n + 2 else None))
+        full = [None] * len(call.tensors())
+        for slot, a in zip(slots, args):
+            full[slot] = a
+        c = RotaryCall.parse(full, call.params.kwargs(), n)
+        return tuple(launch(c.xs, c.cos, c.sin, c.params, c.positions, c.norm_weights))
 
     with fake_mode, enable_python_dispatcher():
         gm = make_fx(fn, tracing_mode="real")(*vals)

@@ -40,7 +40,7 @@ from torch.library import wrap_triton
 
 from ..ops.backends import Backend, SiteSpec, emit_op_call, register_backend
 from ..ops.library import define_rotary_ops, register_device_kernel
-from ..ops.schema import RotaryParams, math_dtype
+from ..ops.schema import RotaryCall, RotaryParams, math_dtype
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 1024  # beyond this one row no longer fits a program's registers comfortably
@@ -55,20 +55,22 @@ MIN_PROGRAMS = 1024  # below this many tokens, head blocks are also spread over 
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr,
-    N1, N2, HQ, HK, NSPLIT, crow, srow,
+    q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, wq_ptr, wk_ptr,
+    N1, N2, HQ, HK, NSPLIT, crow, srow, swqh, swqd, swkh, swkd, eps,
     sq0, sq1, sq2, sqh, sqo0, sqo1, sqo2, sqoh,
     sk0, sk1, sk2, skh, sko0, sko1, sko2, skoh,
     sc0, sc1, sc2, scd, ss0, ss1, ss2, ssd,
     ROT: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, NSIDES: tl.constexpr, INTERLEAVED: tl.constexpr, FULL_TABLES: tl.constexpr,
     CONJ: tl.constexpr, MATH_FP64: tl.constexpr, NEOX_ROW: tl.constexpr, HAS_POS: tl.constexpr,
+    NORM: tl.constexpr, HAS_W: tl.constexpr, HEAD_PAD: tl.constexpr,
 ):
     """Rotate the rows of one token of q (and k): grid = (tokens, NSPLIT).
 
     The head blocks of q and then of k form one list of work items; program `split` of a token takes items
     split, split + NSPLIT, ... (NSPLIT = 1: one program does all of q and k; NSPLIT = 2 with one block each:
-    q and k in separate programs of the same launch)."""
+    q and k in separate programs of the same launch). NORM 1 RMS-normalises each head row first, NORM 2 all
+    heads of the token (a first pass over the token's rows sums their squares), times the per-lane weight."""
     HALF: tl.constexpr = ROT // 2
     if MATH_FP64:
         cdt = tl.float64
@@ -123,6 +125,12 @@ def _rotary_kernel(
 
     hoffs = tl.arange(0, BLOCK_H)
     j = tl.arange(0, HALF_PAD)[None, :]
+    if INTERLEAVED:  # the lane of each pair half, for the norm weight
+        la = 2 * j
+        lb = 2 * j + 1
+    else:
+        la = j
+        lb = j + HALF
     nbq = (HQ + BLOCK_H - 1) // BLOCK_H
     for side in tl.static_range(NSIDES):
         # side 0 is q, side 1 is k: a compile-time choice, so each side's code has its own dtypes.
@@ -133,14 +141,30 @@ def _rotary_kernel(
             sxh = sqh
             soh = sqoh
             nheads = HQ
+            w_ptr = wq_ptr
+            swh = swqh
+            swd = swqd
         else:
             x_row = k_ptr + i0 * sk0 + i1 * sk1 + i2 * sk2
             o_row = ko_ptr + i0 * sko0 + i1 * sko1 + i2 * sko2
             sxh = skh
             soh = skoh
             nheads = HK
+            w_ptr = wk_ptr
+            swh = swkh
+            swd = swkd
             first = (split + NSPLIT - nbq % NSPLIT) % NSPLIT
-        for hb in range(first, (nheads + BLOCK_H - 1) // BLOCK_H, NSPLIT):
+        nblocks = (nheads + BLOCK_H - 1) // BLOCK_H
+        if NORM == 2:  # one scale for every head of the token: a first pass sums the squares of all rows
+            total = tl.full((BLOCK_H,), 0.0, cdt)
+            whole = tl.arange(0, HEAD_PAD)[None, :]
+            for hb in range(0, nblocks):
+                heads = hb * BLOCK_H + hoffs
+                xp = x_row + heads.to(tl.int64)[:, None] * sxh
+                v = tl.load(xp + whole, mask=(heads < nheads)[:, None] & (whole < HEAD_DIM), other=0.0).to(cdt)
+                total += tl.sum(v * v, axis=1)
+            token_scale = 1.0 / tl.sqrt(tl.sum(total, axis=0) / (nheads * HEAD_DIM) + eps)
+        for hb in range(first, nblocks, NSPLIT):
             heads = hb * BLOCK_H + hoffs
             hmask = (heads < nheads)[:, None]
             xp = x_row + heads.to(tl.int64)[:, None] * sxh
@@ -157,6 +181,28 @@ def _rotary_kernel(
                 m = hmask & (j < HALF)
                 a = tl.load(xp + j, mask=m, other=0.0).to(cdt)
                 b = tl.load(xp + HALF + j, mask=m, other=0.0).to(cdt)
+            if TAIL_PAD > 0:
+                tail = ROT + tl.arange(0, TAIL_PAD)[None, :]
+                t = tl.load(xp + tail, mask=hmask & (tail < HEAD_DIM), other=0.0).to(cdt)
+            else:
+                t = tl.full((BLOCK_H, 1), 0.0, cdt)
+            if NORM == 1:
+                ss = tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1) + tl.sum(t * t, axis=1)
+                scale = (1.0 / tl.sqrt(ss / HEAD_DIM + eps))[:, None]
+                a = a * scale
+                b = b * scale
+                t = t * scale
+            elif NORM == 2:
+                a = a * token_scale
+                b = b * token_scale
+                t = t * token_scale
+            if HAS_W:
+                wp = w_ptr + heads.to(tl.int64)[:, None] * swh
+                a = a * tl.load(wp + la * swd, mask=hmask & (j < HALF), other=0.0).to(cdt)
+                b = b * tl.load(wp + lb * swd, mask=hmask & (j < HALF), other=0.0).to(cdt)
+                if TAIL_PAD > 0:
+                    tl_lanes = ROT + tl.arange(0, TAIL_PAD)[None, :]
+                    t = t * tl.load(wp + tl_lanes * swd, mask=hmask & (tl_lanes < HEAD_DIM), other=0.0).to(cdt)
             oa = a * ca - b * sa
             ob = b * cb + a * sb
             if INTERLEAVED:
@@ -170,9 +216,7 @@ def _rotary_kernel(
                 tl.store(op + HALF + j, ob.to(op.dtype.element_ty), mask=m)
             if TAIL_PAD > 0:
                 tail = ROT + tl.arange(0, TAIL_PAD)[None, :]
-                mt = hmask & (tail < HEAD_DIM)
-                t = tl.load(xp + tail, mask=mt, other=0.0)
-                tl.store(op + tail, t.to(op.dtype.element_ty), mask=mt)
+                tl.store(op + tail, t.to(op.dtype.element_ty), mask=hmask & (tail < HEAD_DIM))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -200,6 +244,7 @@ class _Plan:
     heads: list  # per tensor: its head count
     c_strides: list  # 3 token strides + last-dim stride of cos
     s_strides: list  # the same for sin
+    head: int | None = None  # the dim of x looped over inside a program (None: one row per token)
 
 
 @dataclasses.dataclass
@@ -211,9 +256,10 @@ class _Tables:
     cos: torch.Tensor
     sin: torch.Tensor
     positions: Any = None
+    weights: list = dataclasses.field(default_factory=list)  # norm weights, one per x (or None)
 
     def key(self) -> tuple:
-        geo = [(tuple(t.shape), t.stride(), t.dtype) for t in (self.cos, self.sin)]
+        geo = [(tuple(t.shape), t.stride(), t.dtype) for t in (self.cos, self.sin, *self.weights) if t is not None]
         if self.positions is not None:
             geo.append((tuple(self.positions.shape), self.positions.stride()))
         return tuple(geo)
@@ -288,7 +334,7 @@ def _plan(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables: _Tab
             o_strides.append(column(2 * t + 1) + [o.stride(head)])
             heads.append(x.shape[head])
     return _Plan(tokens, x_strides, o_strides, heads, column(nstr - 2) + [tables.cos.stride(-1)],
-                 column(nstr - 1) + [tables.sin.stride(-1)])
+                 column(nstr - 1) + [tables.sin.stride(-1)], head)
 
 
 def _block_heads(heads: Sequence[Any], lanes_pad: int) -> int:
@@ -327,17 +373,25 @@ def _prepare(x: torch.Tensor) -> torch.Tensor:
 _LAUNCH_CACHE: dict = {}  # geometry key -> launches; keeps the host side of a repeated call to a few us
 
 
-def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams, positions: Any = None, *,
-           kernel: Any = None, block_h: int | None = None, num_warps: int | None = None,
-           nsplit: int | None = None, neox_row: bool | None = None) -> list:
+def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams, positions: Any = None,
+           weights: Sequence | None = None, *, kernel: Any = None, block_h: int | None = None,
+           num_warps: int | None = None, nsplit: int | None = None, neox_row: bool | None = None) -> list:
     """Rotate 1 or 2 tensors sharing tables; one launch when their geometry allows it, else one each.
-    With positions, the tables are rows of a cache read per token (`cos[positions]`). The tuning options
-    override the rules below (the benchmarks' sweeps use them)."""
+    With positions, the tables are rows of a cache read per token (`cos[positions]`); with a norm in params,
+    each x is RMS-normalised (and scaled by its weight, one per x, which may vary over heads and lanes only)
+    in the same pass. The tuning options override the rules below (the benchmarks' sweeps use them)."""
+    weights = list(weights) if weights is not None else [None] * len(xs)
+    if params.norm != "none" and any(w is not None and not _per_lane(w, x) for w, x in zip(weights, xs)):
+        # a weight that varies over tokens: normalise first (correct, not fused; the pass never emits this)
+        from ..ops.reference import rms_norm
+
+        xs = [rms_norm(x.float(), params.norm, params.norm_eps, w) for x, w in zip(xs, weights)]
+        params, weights = params.replace(norm="none"), [None] * len(xs)
     xs = [_prepare(x) for x in xs]
     outs = [torch.empty(x.shape, dtype=params.out_dtype, device=x.device) for x in xs]
     fn = wrap_triton(_rotary_kernel) if kernel is None else kernel
     opts = (params, block_h, num_warps, nsplit, neox_row)
-    tables = _Tables(cos, sin, positions)
+    tables = _Tables(cos, sin, positions, weights)
     try:
         key = (tuple((tuple(x.shape), x.stride(), x.dtype) for x in xs), tables.key(), opts)
         hash(key)
@@ -351,10 +405,12 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
                 _LAUNCH_CACHE.clear()
             _LAUNCH_CACHE[key] = launches
     if launches is not None:
-        pos = positions if positions is not None else cos  # an unused pointer without positions
+        pos = positions if positions is not None else cos  # unused pointers stand in for absent tensors
         for group, grid, scalars, meta in launches:
             q, k, qo, ko = xs[group[0]], xs[group[-1]], outs[group[0]], outs[group[-1]]
-            fn[grid](q, k, qo, ko, cos, sin, pos, *scalars, **meta)
+            wq, wk = (weights[group[0]] if weights[group[0]] is not None else cos,
+                      weights[group[-1]] if weights[group[-1]] is not None else cos)
+            fn[grid](q, k, qo, ko, cos, sin, pos, wq, wk, *scalars, **meta)
         return outs
     # More than 3 token dims that do not merge: materialize x and tables (rare, correct), one launch each.
     if positions is not None:
@@ -365,12 +421,18 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
         x = x.contiguous()
         c = cos.expand(*x.shape[:-1], cos.shape[-1]).contiguous()
         s = sin.expand(*x.shape[:-1], sin.shape[-1]).contiguous()
-        t = _Tables(c, s)
+        t = _Tables(c, s, None, [weights[i]])
         p = _plan([x], [outs[i]], t)
         assert p is not None
-        grid, scalars, meta = _launch_args(p, [x], [outs[i]], t, *opts)
-        fn[grid](x, x, outs[i], outs[i], c, s, c, *scalars, **meta)
+        grid, scalars, meta = _launch_args(p, [x], [outs[i]], t, [0], *opts)
+        w = weights[i] if weights[i] is not None else c
+        fn[grid](x, x, outs[i], outs[i], c, s, c, w, w, *scalars, **meta)
     return outs
+
+
+def _per_lane(w: torch.Tensor, x: torch.Tensor) -> bool:
+    """A norm weight the kernel takes: it varies along the head and lane dims of x only."""
+    return w.dim() <= 2
 
 
 def _make_launches(xs: list, outs: list, tables: _Tables, *opts: Any) -> list | None:
@@ -388,11 +450,19 @@ def _make_launches(xs: list, outs: list, tables: _Tables, *opts: Any) -> list | 
         p = _plan(gx, go, tables) if len(groups) > 1 else plan
         if p is None:
             return None
-        launches.append((group, *_launch_args(p, gx, go, tables, *opts)))
+        launches.append((group, *_launch_args(p, gx, go, tables, group, *opts)))
     return launches
 
 
-def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, params: RotaryParams,
+def _weight_strides(w: Any, x: torch.Tensor, head: int | None) -> tuple:
+    """(head stride, lane stride) of a norm weight as it broadcasts against x."""
+    if w is None:
+        return 0, 0
+    e = w.expand(x.shape)
+    return (e.stride(head) if head is not None else 0), e.stride(-1)
+
+
+def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, params: RotaryParams,
                  block_h: int | None, num_warps: int | None, nsplit: int | None,
                  neox_row: bool | None) -> tuple:
     interleaved, rotary_dim = params.interleaved, params.rotary_dim
@@ -416,11 +486,16 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, params: Rotary
     cos, sin = tables.cos, tables.sin
     wide = math_dtype(xs, cos, sin, params.out_dtype) == torch.float64
     rows = (cos.stride(0), sin.stride(0)) if tables.positions is not None else (0, 0)
-    scalars = (p.tokens[1], p.tokens[2], p.heads[0], hk, nsplit, *rows, *p.x_strides[0], *p.o_strides[0],
-               *sk, *sko, *p.c_strides, *p.s_strides)
+    weights = [tables.weights[i] if tables.weights else None for i in group]
+    wq = _weight_strides(weights[0], xs[0], p.head)
+    wk = _weight_strides(weights[-1], xs[-1], p.head) if len(xs) > 1 else (0, 0)
+    scalars = (p.tokens[1], p.tokens[2], p.heads[0], hk, nsplit, *rows, *wq, *wk, float(params.norm_eps),
+               *p.x_strides[0], *p.o_strides[0], *sk, *sko, *p.c_strides, *p.s_strides)
     meta = dict(ROT=rotary_dim, HEAD_DIM=head_dim, HALF_PAD=half_pad, TAIL_PAD=tail_pad, BLOCK_H=bh,
                 NSIDES=len(xs), INTERLEAVED=interleaved, FULL_TABLES=params.full_tables, CONJ=params.conjugate,
                 MATH_FP64=wide, NEOX_ROW=neox_row, HAS_POS=tables.positions is not None,
+                NORM={"none": 0, "rms": 1, "rms_across_heads": 2}[params.norm],
+                HAS_W=any(w is not None for w in weights), HEAD_PAD=triton.next_power_of_2(head_dim),
                 num_warps=num_warps or _num_warps(bh * lanes_pad, "rows" if interleaved or neox_row else "halves"))
     return (ntok, nsplit), scalars, meta
 
@@ -429,11 +504,10 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, params: Rotary
 # The op variant, the eager kernel and the backend.
 
 
-def _impl(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
-          positions: torch.Tensor | None = None) -> list | None:
-    if any(t.device.type != "cuda" for t in (*xs, cos, sin)) and not _INTERPRETED:
+def _impl(call: RotaryCall) -> list | None:
+    if any(t.device.type != "cuda" for t in (*call.xs, call.cos, call.sin)) and not _INTERPRETED:
         return None  # the reference serves other devices
-    return launch(xs, cos, sin, params, positions)
+    return launch(call.xs, call.cos, call.sin, call.params, call.positions, call.norm_weights)
 
 
 def _interpreted() -> bool:
@@ -466,16 +540,16 @@ def supports(spec: SiteSpec) -> str | None:
     return None
 
 
-def _emit(emitter: Any, xs: list, cos: Any, sin: Any, params: RotaryParams, like: Any, positions: Any = None) -> list:
+def _emit(emitter: Any, call: RotaryCall, like: Any) -> list:
     """Inductor's own user-kernel node where the sizes are concrete (launched from generated code, no op
     dispatch per call); the opaque op otherwise."""
     from .triton_graph import emit_triton
 
     if emitter.fake_mode is not None:
-        outs = emit_triton(emitter.graph, emitter.fake_mode, xs, cos, sin, params, like, positions)
+        outs = emit_triton(emitter.graph, emitter.fake_mode, call, like)
         if outs is not None:
             return outs
-    return emit_op_call((ROTARY_TRITON, ROTARY_QK_TRITON), emitter, xs, cos, sin, params, like, positions)
+    return emit_op_call((ROTARY_TRITON, ROTARY_QK_TRITON), emitter, call, like)
 
 
 register_backend(Backend("triton", supports, _emit))

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from .cost_model import SiteCost, cheapest
 from .library import ROTARY, ROTARY_QK
-from .schema import RotaryParams
+from .schema import RotaryCall, RotaryParams
 
 # Optional backends: name -> module that registers it (imported on first use).
 OPTIONAL_BACKENDS = {"triton": "rope_fusion.kernels.triton_rotary", "npu": "rope_fusion.kernels.npu"}
@@ -41,6 +42,7 @@ class SiteSpec:
     x_dtype: torch.dtype
     table_dtype: torch.dtype  # the real dtype of the table view the op reads
     params: RotaryParams
+    cost: SiteCost | None = None  # what `auto`'s cost model needs (ops/cost_model.py)
 
     @property
     def arity(self) -> int:
@@ -65,9 +67,9 @@ class SiteSpec:
         return total
 
 
-# emit(emitter, xs, cos, sin, params, like, positions=None) -> output nodes, one per x. The emitter
-# (passes/emission.py) creates nodes with fake values: `emitter.call(target, args, kwargs, like=node)`.
-Emit = Callable[..., list]
+# emit(emitter, call, like) -> output nodes, one per x; `call` is a RotaryCall whose tensors are graph nodes.
+# The emitter (passes/emission.py) creates nodes with fake values: `emitter.call(target, args, kwargs, like=)`.
+Emit = Callable[[Any, RotaryCall, Any], list]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,15 +88,13 @@ def register_backend(backend: Backend) -> None:
     _BACKENDS[backend.name] = backend
 
 
-def emit_op_call(ops: tuple, emitter: Any, xs: list, cos: Any, sin: Any, params: RotaryParams, like: Any,
-                 positions: Any = None) -> list:
+def emit_op_call(ops: tuple, emitter: Any, call: RotaryCall, like: Any) -> list:
     """One call of an op pair (`rotary*`, `rotary_qk*`): the emission of every backend that is an op."""
-    op = ops[0] if len(xs) == 1 else ops[1]
-    tensors = (*xs, cos, sin) + ((positions,) if positions is not None else ())
-    node = emitter.call(op, tensors, params.kwargs(), like=like)
-    if len(xs) == 1:
+    n = len(call.xs)
+    node = emitter.call(ops[0] if n == 1 else ops[1], call.tensors(), call.params.kwargs(), like=like)
+    if n == 1:
         return [node]
-    return [emitter.call(operator.getitem, (node, i), like=like) for i in range(len(xs))]
+    return [emitter.call(operator.getitem, (node, i), like=like) for i in range(n)]
 
 
 _loaded = False
@@ -123,27 +123,22 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-# On the H200 (BENCHMARKS.md) the Triton kernel, emitted as Inductor's own user-kernel node, beats the
-# Inductor lowering for every spelling at every measured shape that moves tens of MB or more (1.02-1.07x the
-# copy floor, partial NeoX at D=80 1.22x, against 1.12-2.3x for the lowering); on a decode step (1 MB) launch
-# latency dominates and the lowering is faster (2.3-3.2x against 2.9-14.7x). Sizes that are not known at
-# compile time count as small (the op call cannot be inlined).
-TRITON_MIN_BYTES = 8 * 2**20
-
-
-def _large(spec: SiteSpec) -> bool:
-    moved = spec.bytes_moved()
-    return moved is not None and moved >= TRITON_MIN_BYTES
+class LeftToInductor(Exception):
+    """`auto`'s cost model estimates that the model's own code, compiled by Inductor, is faster here."""
 
 
 def choose_backend(requested: str, spec: SiteSpec) -> tuple[Backend, list[str]]:
     """The backend for one site and, when it is not the one asked for, why each better one was passed over
-    (`auto` passing over a backend for its own rule is not a fallback and gives no reasons)."""
+    (`auto` passing over a backend for its own rule is not a fallback and gives no reasons). Under `auto` on
+    a GPU the cost model decides, and may raise LeftToInductor: the site is better not fused."""
     load_backends()
     if requested == "auto":
         order = AUTO_ORDER.get(spec.device_type, ["inductor"])
-        if spec.device_type == "cuda" and not _large(spec):
-            order = ["inductor"]
+        if spec.device_type == "cuda" and spec.cost is not None:
+            best, why = cheapest(spec.cost)
+            if best == "left":
+                raise LeftToInductor(why)
+            order = [best]
     else:
         order = [requested]
     reasons = []
@@ -163,9 +158,8 @@ def _inductor_supports(spec: SiteSpec) -> str | None:
     return None
 
 
-def _inductor_emit(emitter: Any, xs: list, cos: Any, sin: Any, params: RotaryParams, like: Any,
-                   positions: Any = None) -> list:
-    return emit_op_call((ROTARY, ROTARY_QK), emitter, xs, cos, sin, params, like, positions)
+def _inductor_emit(emitter: Any, call: RotaryCall, like: Any) -> list:
+    return emit_op_call((ROTARY, ROTARY_QK), emitter, call, like)
 
 
 register_backend(Backend("inductor", _inductor_supports, _inductor_emit))

@@ -17,7 +17,7 @@ from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import ModularIndexing
 
 from .library import ROTARY, ROTARY_QK
-from .schema import RotaryParams
+from .schema import RotaryCall, RotaryParams
 
 
 def _compute_dtype(x, cos, sin, out_dtype):
@@ -82,13 +82,30 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams, positions=None):
     return ir.Pointwise.create(device=x.get_device(), dtype=out_dtype, inner_fn=inner_fn, ranges=size)
 
 
+def _rms_norm(x, p: RotaryParams, weight, cd):
+    """The norm prologue as Inductor's own lowerings (a reduction and pointwise nodes that it fuses with the
+    rotation), in the math dtype."""
+    from torch._inductor.lowering import lowerings
+
+    aten, prims = torch.ops.aten, torch.ops.prims
+    xf = lowerings[prims.convert_element_type.default](x, cd)
+    dims = [-1] if p.norm == "rms" else [-2, -1]
+    var = lowerings[aten.mean.dim](lowerings[aten.mul.Tensor](xf, xf), dims, True)
+    xn = lowerings[aten.mul.Tensor](xf, lowerings[aten.rsqrt.default](lowerings[aten.add.Tensor](var, p.norm_eps)))
+    if weight is not None:
+        xn = lowerings[aten.mul.Tensor](xn, lowerings[prims.convert_element_type.default](weight, cd))
+    return xn
+
+
 def _lowering(arity: int):
     def lower(*args, **kw):
-        kw = dict(kw)
-        xs, (cos, sin) = args[:arity], args[arity:arity + 2]
-        positions = args[arity + 2] if len(args) > arity + 2 else kw.pop("positions", None)
-        p = RotaryParams(**kw)
-        outs = [_rotary_pointwise(x, cos, sin, p, positions) for x in xs]
+        call = RotaryCall.parse(args, kw, arity)
+        p = call.params
+        outs = []
+        for i, x in enumerate(call.xs):
+            if p.norm != "none":
+                x = _rms_norm(x, p, call.weight(i), _compute_dtype(x, call.cos, call.sin, p.out_dtype))
+            outs.append(_rotary_pointwise(x, call.cos, call.sin, p, call.positions))
         return outs[0] if len(outs) == 1 else tuple(outs)
     return lower
 

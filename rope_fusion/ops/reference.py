@@ -33,13 +33,18 @@ def rotary_reference(
     conjugate: bool = False,
     out_dtype: torch.dtype | None = None,
     positions: torch.Tensor | None = None,
+    norm: str = "none",
+    norm_eps: float = 1e-6,
+    norm_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[a]=x[a]C[a]-x[b]S[a], out[b]=x[b]C[b]+x[a]S[b] per pair (a,b); S negated when conjugate; with
-    positions the tables are the rows cos[positions], sin[positions] of a cache."""
+    positions the tables are the rows cos[positions], sin[positions] of a cache; with a norm, x is first
+    normalised (RMS over each head, or over all heads of a token) and scaled by the weight."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if positions is not None:
         cos, sin = cos[positions], sin[positions]
     cd = math_dtype([x], cos, sin, out_dtype)
+    x = rms_norm(x.to(cd), norm, norm_eps, norm_weight) if norm != "none" else x
     r = rotary_dim
     xr = x[..., :r].to(cd)
     if interleaved:
@@ -60,6 +65,14 @@ def rotary_reference(
     if r < x.shape[-1]:
         rot = torch.cat((rot, x[..., r:].to(out_dtype)), dim=-1)
     return rot
+
+
+def rms_norm(x: torch.Tensor, norm: str, eps: float, weight: torch.Tensor | None) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight in x's dtype: over the head's lanes ("rms") or over every head of
+    the token ("rms_across_heads", the last two dims)."""
+    dims = (-1,) if norm == "rms" else (-2, -1)
+    x = x * torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + eps)
+    return x * weight.to(x.dtype) if weight is not None else x
 
 
 def partner_lanes(t: torch.Tensor, rotary_dim: int, interleaved: bool) -> torch.Tensor:

@@ -18,7 +18,10 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # Python annotation -> torch schema type of a keyword-only parameter.
-_SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", torch.dtype: "ScalarType"}
+_SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str", torch.dtype: "ScalarType"}
+
+# Norms the op can apply to x before rotating it (the attention's QK-norm, docs/design.md section 2).
+NORMS = ("none", "rms", "rms_across_heads")
 
 # Names of the rotated tensors of each arity (one tensor, or a query and a key that share tables).
 TENSOR_NAMES = {1: ("x",), 2: ("q", "k")}
@@ -33,6 +36,9 @@ class RotaryParams:
     full_tables: tables hold one entry per lane (width rotary_dim) instead of one per pair (rotary_dim/2).
     conjugate: rotate by minus the angle (sin negated).
     out_dtype: the dtype of the result (the math is fp32, fp64 when an input is fp64 and the output holds it).
+    norm: an RMSNorm applied to x first, in fp32: "rms" over each head's D lanes, "rms_across_heads" over all
+        heads of a token (x's last two dims), times the per-tensor `*_norm_weight` when given; "none" by default.
+    norm_eps: the norm's epsilon.
     """
 
     interleaved: bool
@@ -40,6 +46,8 @@ class RotaryParams:
     full_tables: bool
     conjugate: bool
     out_dtype: torch.dtype
+    norm: str = "none"
+    norm_eps: float = 1e-6
 
     def kwargs(self) -> dict[str, Any]:
         """The op's keyword arguments."""
@@ -60,10 +68,54 @@ def op_schema(arity: int) -> str:
     `positions` (optional): the tables are a cache gathered per token, `cos[positions]` (the vLLM / flash-attn
     convention of a [max_pos, width] cache); the gathered tables broadcast against x like plain ones."""
     hints = typing.get_type_hints(RotaryParams)
-    options = ", ".join(f"{_SCHEMA_TYPES[hints[f.name]]} {f.name}" for f in dataclasses.fields(RotaryParams))
-    tensors = ", ".join(f"Tensor {n}" for n in (*TENSOR_NAMES[arity], "cos", "sin")) + ", Tensor? positions=None"
+    options = ", ".join(f"{_SCHEMA_TYPES[hints[f.name]]} {f.name}{_default(f)}"
+                        for f in dataclasses.fields(RotaryParams))
+    tensors = ", ".join(f"Tensor {n}" for n in (*TENSOR_NAMES[arity], "cos", "sin"))
+    tensors += ", " + ", ".join(f"Tensor? {n}=None" for n in optional_tensor_names(arity))
     out = "Tensor" if arity == 1 else "(" + ", ".join(["Tensor"] * arity) + ")"
     return f"({tensors}, *, {options}) -> {out}"
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is dataclasses.MISSING:
+        return ""
+    return f'="{f.default}"' if isinstance(f.default, str) else f"={f.default!r}"
+
+
+def optional_tensor_names(arity: int) -> tuple:
+    """The optional tensor arguments after the tables: positions, then one norm weight per rotated tensor."""
+    return ("positions", *(f"{n}_norm_weight" for n in TENSOR_NAMES[arity]))
+
+
+@dataclasses.dataclass
+class RotaryCall:
+    """One call of a variant, its arguments by role: what every implementation (reference, kernels) takes."""
+
+    xs: list
+    cos: torch.Tensor
+    sin: torch.Tensor
+    params: RotaryParams
+    positions: torch.Tensor | None = None
+    norm_weights: list | None = None  # one per x (None entries: no weight)
+
+    @classmethod
+    def parse(cls, args: Sequence[Any], kw: dict, arity: int) -> RotaryCall:
+        kw = dict(kw)
+        names = optional_tensor_names(arity)
+        extra = dict(zip(names, args[arity + 2:]))
+        extra.update({n: kw.pop(n) for n in names if n in kw})
+        return cls(list(args[:arity]), args[arity], args[arity + 1], RotaryParams(**kw), extra.get("positions"),
+                   [extra.get(n) for n in names[1:]])
+
+    def tensors(self) -> tuple:
+        """The op's positional tensor arguments, trailing Nones dropped."""
+        out = [*self.xs, self.cos, self.sin, self.positions, *(self.norm_weights or [None] * len(self.xs))]
+        while out[-1] is None:
+            out.pop()
+        return tuple(out)
+
+    def weight(self, i: int) -> torch.Tensor | None:
+        return self.norm_weights[i] if self.norm_weights else None
 
 
 def math_dtype(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
@@ -80,10 +132,30 @@ def gathered_shape(table: torch.Tensor, positions: torch.Tensor | None) -> tuple
     return (*positions.shape, table.shape[-1])
 
 
+def check_call(call: RotaryCall) -> None:
+    check_args(call.xs, call.cos, call.sin, call.params, call.positions, call.norm_weights)
+
+
 def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
-               positions: torch.Tensor | None = None) -> None:
+               positions: torch.Tensor | None = None, norm_weights: Sequence | None = None) -> None:
     """Raise ValueError naming the offending argument; shapes may be symbolic (fake tensors)."""
     names = TENSOR_NAMES[len(xs)]
+    if params.norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {params.norm!r}")
+    for name, x, w in zip(names, xs, norm_weights or [None] * len(xs)):
+        if w is None:
+            continue
+        if params.norm == "none":
+            raise ValueError(f"{name}_norm_weight given without a norm")
+        if w.device != x.device:
+            raise ValueError(f"{name}_norm_weight on {w.device}, {name} on {x.device}: all tensors must be on one "
+                             "device")
+        if w.dim() > x.dim() or any(a != 1 and a != b for a, b in zip(reversed(w.shape), reversed(x.shape))) \
+                or w.shape[-1] != x.shape[-1]:
+            raise ValueError(f"{name}_norm_weight of shape {tuple(w.shape)} does not broadcast against the lanes of "
+                             f"{name} (shape {tuple(x.shape)})")
+    if params.norm == "rms_across_heads" and any(x.dim() < 2 for x in xs):
+        raise ValueError("norm='rms_across_heads' needs x with a heads dim ([..., H, D])")
     if positions is not None:
         if positions.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"positions must be int32 or int64, got {positions.dtype}")

@@ -12,6 +12,8 @@ it) and the stack trace of the node it replaces (depyf and the report show where
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -19,11 +21,13 @@ import torch
 import torch.fx as fx
 
 from ..ops.backends import Backend, SiteSpec
-from ..ops.schema import RotaryParams
+from ..ops.cost_model import SiteCost
+from ..ops.schema import RotaryCall, RotaryParams
 from .fx_util import as_int
 from .gathers import gather_of
 from .grouping import out_dtype
 from .matcher import Match, TableRef
+from .norms import NormPrologue, dies_with, norm_prologue
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -218,9 +222,10 @@ def gathered_tables(em: Emitter, nodes: dict, m: Match, like: fx.Node) -> tuple 
     return views[0], views[1], positions
 
 
-def x_input(em: Emitter, nodes: dict, m: Match) -> fx.Node:
-    """x as the op reads it: [..., head_dim], heads of a flattened [.., H*D] split out as blocks."""
-    x = nodes[m.x_name]
+def x_input(em: Emitter, nodes: dict, m: Match, source: fx.Node | None = None) -> fx.Node:
+    """x as the op reads it: [..., head_dim], heads of a flattened [.., H*D] split out as blocks (`source`:
+    a tensor of x's shape to read instead, the raw x of a folded norm)."""
+    x = nodes[m.x_name] if source is None else source
     # an exact upcast of x changes nothing: the fused op computes in fp32 (fp64 when the subgraph did)
     if (not m.x_as_real and x.target is prims.convert_element_type.default and isinstance(x.args[0], fx.Node)
             and (x.args[0].meta["val"].dtype, x.meta["val"].dtype) in _EXACT_UPCASTS):
@@ -247,12 +252,39 @@ def params_of(m: Match) -> RotaryParams:
                         conjugate=m.conjugate, out_dtype=out_dtype(m))
 
 
-def site_spec(xs: list, cos: fx.Node, params: RotaryParams) -> SiteSpec:
-    """What a backend sees of a site: the x inputs and table as the op reads them."""
+_TABLE_VIEWS = (aten.slice.Tensor, aten.unsqueeze.default, aten.reshape.default, aten.view.default,
+                aten.view_as_real.default, aten.expand.default, aten.select.int, aten.permute.default,
+                aten.squeeze.dim, aten.alias.default, operator.getitem, aten.split.Tensor, aten.unbind.int)
+
+
+def _table_base(t: fx.Node) -> fx.Node:
+    while t.target in _TABLE_VIEWS and t.args and isinstance(t.args[0], fx.Node):
+        t = t.args[0]
+    return t
+
+
+def site_spec(xs: list, cos: fx.Node, sin: fx.Node, params: RotaryParams, m: Match,
+              positions: fx.Node | None = None) -> SiteSpec:
+    """What a backend (and `auto`'s cost model) sees of a site: x and the tables as the op reads them."""
     xv = xs[0].meta["val"]
-    return SiteSpec(device_type=xv.device.type, x_shapes=tuple(tuple(as_int(d) for d in x.meta["val"].shape)
+    spec = SiteSpec(device_type=xv.device.type, x_shapes=tuple(tuple(as_int(d) for d in x.meta["val"].shape)
                                                                 for x in xs),
                     x_dtype=xv.dtype, table_dtype=cos.meta["val"].dtype, params=params)
+    table_bytes = 0
+    for t in (cos, sin):
+        val = t.meta["val"]
+        rows = tuple(positions.meta["val"].shape) if positions is not None else tuple(val.shape[:-1])
+        numel = math.prod(as_int(d) or 1 for d in (*rows, val.shape[-1]))
+        table_bytes += numel * val.element_size()
+    bases = {_table_base(t) for t in (cos, sin)}
+    computed = any(b.op not in ("placeholder", "get_attr") for b in bases) and positions is None
+    style = "interleaved" if params.interleaved else "neox"
+    if m.x_as_real:
+        style = "complex128" if xv.dtype == torch.float64 else "complex64"
+    users = max(len(b.users) for b in bases)
+    cost = SiteCost(x_bytes=spec.bytes_moved(), table_bytes=table_bytes, tables_computed=computed,
+                    table_users=users, style=style)
+    return dataclasses.replace(spec, cost=cost)
 
 
 @dataclasses.dataclass
@@ -266,15 +298,54 @@ class PlannedGroup:
     cos: fx.Node
     sin: fx.Node
     anchor: fx.Node
+    norm: str = ""  # what happened to a QK-norm before the rotation
+
+
+def fold_norms(group: tuple, nodes: dict, depends_on: Callable) -> tuple[list | None, str]:
+    """The norm prologue of every site of a group when all can fold it, else (None, why not or "")."""
+    if group[0].offset or group[0].x_as_real or group[0].tables is not None:
+        return None, ""
+    found = [norm_prologue(nodes[m.x_name], m.head_dim, m.blocks) for m in group]
+    if all(f is None for f in found):
+        return None, ""
+    reasons = [f for f in found if isinstance(f, str)]
+    if reasons:
+        return None, reasons[0]
+    if any(f is None for f in found) or len({(f.kind, f.eps) for f in found}) > 1:
+        return None, "q and k are normed differently"
+    if not all(dies_with(f, m.node, depends_on) for f, m in zip(found, group)):
+        return None, "the norm's values are used elsewhere too (kept in the graph; folding would read x twice)"
+    return found, ""
+
+
+def _raw_x(em: Emitter, norm: NormPrologue, like: fx.Node) -> fx.Node:
+    """The norm's input with the layout ops between the norm and the rotation applied to it."""
+    x = norm.raw
+    for view in norm.views:
+        x = em.call(view.target, (x, *view.args[1:]), dict(view.kwargs), like=like)
+    return x
+
+
+def _norm_weight(em: Emitter, norm: NormPrologue, m: Match) -> fx.Node | None:
+    """The weight as the op reads it: [D] for a norm per head, [H, D] for one across the heads."""
+    if norm.weight is None or norm.kind == "rms":
+        return norm.weight
+    return em.call(aten.reshape.default, (norm.weight, [*m.blocks, m.head_dim]), like=m.node)
 
 
 def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
-               choose: Callable[[SiteSpec], tuple[Backend, str]]) -> PlannedGroup:
+               choose: Callable[[SiteSpec], tuple[Backend, str]], depends_on: Callable) -> PlannedGroup:
     """New nodes for one site or q/k pair, inserted before `anchor`; no existing use changes. `choose` picks
     the backend from the site as the op reads it, and says why when it is not the one asked for."""
     m0 = group[0]
+    norms, norm_note = fold_norms(group, nodes, depends_on)
     with em.graph.inserting_before(anchor):
-        xs = inputs = [x_input(em, nodes, m) for m in group]
+        if norms is not None:
+            xs = inputs = [x_input(em, nodes, m, _raw_x(em, norm, m.node)) for m, norm in zip(group, norms)]
+            weights = [_norm_weight(em, norm, m) for m, norm in zip(group, norms)]
+        else:
+            xs = inputs = [x_input(em, nodes, m) for m in group]
+            weights = None
         positions = None
         gathered = m0.tables(em) if m0.tables is not None else gathered_tables(em, nodes, m0, m0.node)
         if gathered is not None:
@@ -283,6 +354,8 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
             cos = table_view(em, nodes, m0.cos, m0.blocks, m0.node, m0.interleaved)
             sin = table_view(em, nodes, m0.sin, m0.blocks, m0.node, m0.interleaved)
         params = params_of(m0)
+        if norms is not None:
+            params = params.replace(norm=norms[0].kind, norm_eps=norms[0].eps)
         if m0.wide and params.out_dtype in (torch.float32, torch.float64):
             dts = {x.meta["val"].dtype for x in xs} | {cos.meta["val"].dtype, sin.meta["val"].dtype}
             if torch.float64 not in dts:  # the subgraph computed in fp64: so does the op
@@ -294,13 +367,14 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
                              (em.call(aten.slice.Tensor, (x, -1, 0, offset), like=m0.node), params.out_dtype),
                              like=m0.node) for x in xs]
             xs = [em.call(aten.slice.Tensor, (x, -1, offset, n), like=m0.node) for x in xs]
-        backend, fallback = choose(site_spec(xs, cos, params))
-        outs = backend.emit(em, xs, cos, sin, params, m0.node, positions)
+        backend, fallback = choose(site_spec(xs, cos, sin, params, m0, positions))
+        outs = backend.emit(em, RotaryCall(xs, cos, sin, params, positions, weights), m0.node)
         if heads:
             outs = [em.call(aten.cat.default, ([h, o], -1), like=m0.node) for h, o in zip(heads, outs)]
         finals = [_unflatten(em, o, m) for o, m in zip(outs, group)]
     op_name = "rope_fusion.rotary_qk" if len(group) == 2 else "rope_fusion.rotary"
-    return PlannedGroup(group, inputs, finals, op_name, backend.name, fallback, cos, sin, anchor)
+    norm = f"{params.norm} folded" if norms is not None else (f"left in the graph: {norm_note}" if norm_note else "")
+    return PlannedGroup(group, inputs, finals, op_name, backend.name, fallback, cos, sin, anchor, norm)
 
 
 def anchor_of(group: tuple, nodes: dict, order: dict) -> fx.Node:

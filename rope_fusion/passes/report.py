@@ -36,6 +36,7 @@ class Site:
     role: str = "x"  # "q" or "k" when the model source names it so, else "x"
     origin: str = "arithmetic"  # what was replaced: RoPE arithmetic, or a rotary kernel already in the graph
     graph_kind: str = ""  # "inference", "forward" or "backward" (GraphRecord.kind)
+    norm: str = ""  # the QK-norm before the rotation: "rms folded", or why it stayed in the graph
 
 
 @dataclasses.dataclass
@@ -130,7 +131,7 @@ class Report:
                 f"  site {i:3d} {s.role:1s} {style:21s} R={s.rotary_dim:<4d} D={s.head_dim:<4d} "
                 f"{'[backward] ' if s.graph_kind == 'backward' else ''}"
                 f"tables {s.table_form} {s.table_dtype}, x {s.x_dtype} -> {s.out_dtype} "
-                f"{k.op if k else '?'}[{k.backend if k else '?'}] at {s.source}"
+                f"{k.op if k else '?'}[{k.backend if k else '?'}]{' norm ' + s.norm if s.norm else ''} at {s.source}"
             )
         for k in self.kernels:
             if k.fallback:

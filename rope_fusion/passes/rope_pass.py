@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from ..ops.backends import BACKEND_NAMES, SiteSpec, choose_backend
+from ..ops.backends import BACKEND_NAMES, LeftToInductor, SiteSpec, choose_backend
 from . import emission
 from .emission import Emitter, GraphTransaction
 from .grouping import pair_up
@@ -165,7 +165,12 @@ class RopeFusionPass(_PassBase):
             anchor = emission.anchor_of(group, nodes, order)
             start = anchor.prev  # a group's nodes all go between start and anchor
             try:
-                planned.append(emission.plan_group(em, group, nodes, anchor, self._choose))
+                planned.append(emission.plan_group(em, group, nodes, anchor, self._choose, acc.depends_on))
+            except LeftToInductor as e:  # the cost model: the model's own code is faster here
+                emission.erase_between(graph, start, anchor)
+                for m in group:
+                    self.report.misses.append(Miss(index, m.node.name, f"left to Inductor: {e}",
+                                                   rotation_source(m.node)))
             except Exception as e:  # this group stays as it was; the others still fuse
                 emission.erase_between(graph, start, anchor)
                 self.report.errors.append(GraphError(index, f"{group[0].node.name}: {type(e).__name__}: {e}",
@@ -200,7 +205,7 @@ class RopeFusionPass(_PassBase):
                 table_dtype=dtype_name(p.cos.meta["val"].dtype), out_dtype=dtype_name(m.node.meta["val"].dtype),
                 shape=tuple(str(s) for s in m.node.meta["val"].shape), source=rotation_source(m.node),
                 kernel=kernel, role=role(m.node), graph_kind=self.report.graph_records[index].kind,
-                origin=m.origin))
+                origin=m.origin, norm=p.norm))
         self.report.kernels.append(Kernel(index, p.op_name, p.backend, ids, p.fallback))
 
     def _cache_tables(self, graph: fx.Graph, index: int, planned: list) -> None:
