@@ -1,4 +1,4 @@
-"""`rope_fusion.passes.kernel_sites` on real post-grad graphs built on the CPU.
+"""`rope_fusion.passes.kernel_sites` (flash_attn_sites, vllm_op_sites) on real post-grad graphs built on the CPU.
 
 How the real flash-attn Triton kernel gets into a CPU post-grad graph (no GPU, CPU torch, triton installed):
 - vLLM's kernel module `vllm.vllm_flash_attn.ops.triton.rotary` comes from the installed wheel, unmodified. Its
@@ -23,7 +23,7 @@ How the real flash-attn Triton kernel gets into a CPU post-grad graph (no GPU, C
   what `triton.jit` builds under TRITON_INTERPRET=1. So the compiled function runs, on the CPU, the graph the pass
   saw, with the kernel's own code; every node's value is kept for the numerics checks.
 vLLM's `_C.rotary_embedding` (a CUDA extension) and the flashinfer op are registered as stand-ins with the same
-schemas in test namespaces; `kernel_sites.VLLM_C_NAMESPACE` / `VLLM_NAMESPACE` point the recogniser at them.
+schemas in test namespaces; `vllm_op_sites.VLLM_C_NAMESPACE` / `VLLM_NAMESPACE` point the recogniser at them.
 """
 
 from __future__ import annotations
@@ -53,7 +53,9 @@ from torch._prims_common import clone_preserve_strides  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
+from rope_fusion.passes import flash_attn_sites as fas  # noqa: E402
 from rope_fusion.passes import kernel_sites as ks  # noqa: E402
+from rope_fusion.passes import vllm_op_sites as vos  # noqa: E402
 
 FA_MODULE = "vllm.vllm_flash_attn.ops.triton.rotary"
 
@@ -157,7 +159,7 @@ def _interp(jit):
 
 
 def _launch(hop_kwargs: dict, kw: dict) -> None:
-    jit = ks._unwrap_jit(kernel_side_table.get_kernel(hop_kwargs["kernel_idx"]))
+    jit = fas.unwrap_jit(kernel_side_table.get_kernel(hop_kwargs["kernel_idx"]))
     consts = kernel_side_table.get_constant_args(hop_kwargs["constant_args_idx"])
     every = {**consts, **kw}
     (grid,) = hop_kwargs["grid"]
@@ -300,7 +302,7 @@ def _check_fa_site_numerics(cap, site, seqlen):
     x = cap.value(site.x)
     cos, sin = cap.value(site.cos), cap.value(site.sin)
     off = cap.const(site.seqlen_offset)
-    c, s = ks.flash_attn_tables(cos, sin, seqlen, off)
+    c, s = fas.flash_attn_tables(cos, sin, seqlen, off)
     ref = rotary_reference(x, c, s, interleaved=site.interleaved, rotary_dim=site.rotary_dim, full_tables=False,
                            conjugate=site.conjugate, out_dtype=site.node.meta["val"].dtype)
     _ulps_close(cap.value(site.node), ref)
@@ -724,10 +726,10 @@ def vllm_ops():
                                                                     mutates_args=["query", "key"]))
         libs[1].impl("flashinfer_rotary_embedding", _flashinfer_rotary_embedding, "CompositeExplicitAutograd")
         torch.library.register_fake(f"{V_NS}::flashinfer_rotary_embedding", lambda *a, **k: None, lib=libs[1])
-    saved = ks.VLLM_C_NAMESPACE, ks.VLLM_NAMESPACE
-    ks.VLLM_C_NAMESPACE, ks.VLLM_NAMESPACE = C_NS, V_NS
+    saved = vos.VLLM_C_NAMESPACE, vos.VLLM_NAMESPACE
+    vos.VLLM_C_NAMESPACE, vos.VLLM_NAMESPACE = C_NS, V_NS
     yield getattr(torch.ops, C_NS).rotary_embedding, getattr(torch.ops, V_NS).flashinfer_rotary_embedding
-    ks.VLLM_C_NAMESPACE, ks.VLLM_NAMESPACE = saved
+    vos.VLLM_C_NAMESPACE, vos.VLLM_NAMESPACE = saved
     for lib in libs:
         lib._destroy()
 

@@ -313,12 +313,15 @@ def test_unsqueeze(g):
 def test_unsqueeze_unsupported(g):
     x, x3 = g.input("x", 2, 4), g.input("x3", 2, 3, 4)
     between_leading = g.op(aten.unsqueeze.default, x3, 1)
-    # `cos.unsqueeze(-2)`, also negated: a new source (every lane is one source lane)
+    # `cos.unsqueeze(-2)`: a new source (every lane is one source lane as it is)
     before_plain_lanes = g.op(aten.unsqueeze.default, x, 1)
-    before_negated_lanes = g.op(aten.unsqueeze.default, g.op(aten.neg.default, x), 1)
     assert g.value(between_leading) is None
     assert g.value(before_plain_lanes) is None
-    assert g.value(before_negated_lanes) is None
+    # negated lanes (the -sin of a 2x2 rotation-matrix table) keep their sign: the unit dim joins the grid
+    before_negated_lanes = g.op(aten.unsqueeze.default, g.op(aten.neg.default, x), 1)
+    v = g.value(before_negated_lanes)
+    assert v is not None and v.k == 2 and tuple(v.grid) == (1, 4)
+    assert all(next(iter(e.values())) == -1.0 for e in v.entries)
 
 
 @covers(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)

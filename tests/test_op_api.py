@@ -157,3 +157,22 @@ def test_norm_weight_without_a_norm_is_refused():
         rope_fusion.apply_rotary(x, c, s, norm_weight=torch.ones(8))
     with pytest.raises(ValueError, match="norm must be one of"):
         rope_fusion.apply_rotary(x, c, s, norm="layer")
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_deinterleave_is_neox_on_the_deinterleaved_x(full):
+    """DeepSeek-V3's form: x's interleaved pairs rotated and written in NeoX order; full tables are indexed
+    by output lane (as the model applies cat(freqs, freqs) to the de-interleaved x)."""
+    torch.manual_seed(6)
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    c, s = _tables((5,), 16 if full else 8)
+    xd = x.unflatten(-1, (8, 2)).transpose(-1, -2).reshape(3, 5, 16)
+    want = rotary_reference(xd, c, s, interleaved=False, rotary_dim=16, full_tables=full)
+    kw = dict(interleaved=True, rotary_dim=16, full_tables=full, conjugate=False, out_dtype=torch.float64,
+              deinterleave=True)
+    torch.testing.assert_close(torch.ops.rope_fusion.rotary(x, c, s, **kw), want)
+    compiled = torch.compile(lambda x: torch.ops.rope_fusion.rotary(x, c, s, **kw))  # the lowering
+    torch.testing.assert_close(compiled(x.detach()), want.detach())
+    assert torch.autograd.gradcheck(lambda x: torch.ops.rope_fusion.rotary(x, c, s, **kw), (x,))
+    with pytest.raises(ValueError, match="interleaved=True"):
+        torch.ops.rope_fusion.rotary(x, c, s, **{**kw, "interleaved": False})

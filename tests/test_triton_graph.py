@@ -109,6 +109,7 @@ def test_complex_freqs_are_real_tables_for_the_backend_choice(cdtype, real):
     with gm.graph.inserting_before(m.node):
         x = emission.x_input(em, acc.interp.nodes, m)
         cos = emission.table_view(em, acc.interp.nodes, m.cos, m.blocks, m.node)
-    spec = emission.site_spec([x], cos, emission.params_of(m))
+        sin = emission.table_view(em, acc.interp.nodes, m.sin, m.blocks, m.node)
+    spec = emission.site_spec([x], cos, sin, emission.params_of(m), m)
     assert spec.table_dtype == real
     assert supports(dataclasses.replace(spec, device_type="cuda")) is None

@@ -484,3 +484,20 @@ def test_norm_prologue(norm, interleaved, rotary_dim, weighted):
                                 **{k_: v for k_, v in kw.items() if k_ != "out_dtype"})
         err = (out.double() - want).abs().max().item()
         assert err <= 4 * torch.finfo(torch.bfloat16).eps * want.abs().max().item(), err
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_deinterleaved_output(full):
+    """Interleaved pairs of x written in NeoX order (DeepSeek-V3): checked against the NeoX rotation of the
+    de-interleaved x."""
+    torch.manual_seed(7)
+    q = torch.randn(2, 6, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 6, 1, 64, dtype=torch.bfloat16)
+    cos, sin = tables((6, 1), 64 if full else 32)
+    params = RotaryParams(interleaved=True, rotary_dim=64, full_tables=full, conjugate=False,
+                          out_dtype=torch.bfloat16, deinterleave=True)
+    with poisoned_outputs():
+        qo, ko = tr.launch([q, k], cos, sin, params, kernel=KERNEL)
+    for out, x in ((qo, q), (ko, k)):
+        xd = x.unflatten(-1, (32, 2)).transpose(-1, -2).reshape(x.shape)
+        check(out, xd, cos, sin, **opts(False, 64, full_tables=full))

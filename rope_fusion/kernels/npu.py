@@ -180,12 +180,14 @@ def _impl(call: RotaryCall) -> list | None:
     reference) for a tensor whose case the documented constraints exclude. Cache rows picked by positions
     are gathered first and a norm prologue runs first (the NPU ops take plain tables and x)."""
     xs, cos, sin, params = call.xs, call.cos, call.sin, call.params
+    if params.deinterleave:  # the NPU ops write pairs where they read them: the reference serves this
+        return None
     if call.positions is not None:
         cos, sin = cos[call.positions], sin[call.positions]
     if params.norm != "none":
         xs = [rms_norm(x.float(), params.norm, params.norm_eps, call.weight(i)).to(x.dtype)
               for i, x in enumerate(xs)]
-    kw = {k: v for k, v in params.kwargs().items() if k not in ("norm", "norm_eps")}
+    kw = {k: v for k, v in params.kwargs().items() if k not in ("norm", "norm_eps", "deinterleave")}
     if len(xs) == 2:
         layout = apply_layout(*xs, cos, sin, **{k: v for k, v in kw.items() if k != "conjugate"})
         if layout is not None:
@@ -210,6 +212,8 @@ def supports(spec: SiteSpec) -> str | None:
         return f"dtypes {dtypes} not among {NPU_DTYPES}"
     if any(len(s) > 4 for s in spec.x_shapes):
         return "x has more than 4 dims"
+    if spec.params.deinterleave:
+        return "the NPU ops cannot write a de-interleaved (NeoX-ordered) result of interleaved pairs"
     return None
 
 

@@ -63,7 +63,7 @@ def _rotary_kernel(
     ROT: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, NSIDES: tl.constexpr, INTERLEAVED: tl.constexpr, FULL_TABLES: tl.constexpr,
     CONJ: tl.constexpr, MATH_FP64: tl.constexpr, NEOX_ROW: tl.constexpr, HAS_POS: tl.constexpr,
-    NORM: tl.constexpr, HAS_W: tl.constexpr, HEAD_PAD: tl.constexpr,
+    NORM: tl.constexpr, HAS_W: tl.constexpr, HEAD_PAD: tl.constexpr, DEINTERLEAVE: tl.constexpr,
 ):
     """Rotate the rows of one token of q (and k): grid = (tokens, NSPLIT).
 
@@ -95,7 +95,7 @@ def _rotary_kernel(
     jt = tl.arange(0, HALF_PAD)
     tmask = jt < HALF
     if FULL_TABLES:
-        if INTERLEAVED:
+        if INTERLEAVED and not DEINTERLEAVE:  # a de-interleaved result indexes full tables by output lane
             ia = 2 * jt
             ib = 2 * jt + 1
         else:
@@ -205,7 +205,11 @@ def _rotary_kernel(
                     t = t * tl.load(wp + tl_lanes * swd, mask=hmask & (tl_lanes < HEAD_DIM), other=0.0).to(cdt)
             oa = a * ca - b * sa
             ob = b * cb + a * sb
-            if INTERLEAVED:
+            if DEINTERLEAVE:  # pairs read interleaved, written as the two NeoX halves
+                mo = hmask & (j < HALF)
+                tl.store(op + j, oa.to(op.dtype.element_ty), mask=mo)
+                tl.store(op + HALF + j, ob.to(op.dtype.element_ty), mask=mo)
+            elif INTERLEAVED:
                 o = tl.reshape(tl.join(oa, ob), (BLOCK_H, 2 * HALF_PAD))
                 tl.store(op + lanes, o.to(op.dtype.element_ty), mask=m)
             elif NEOX_ROW:
@@ -496,6 +500,7 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
                 MATH_FP64=wide, NEOX_ROW=neox_row, HAS_POS=tables.positions is not None,
                 NORM={"none": 0, "rms": 1, "rms_across_heads": 2}[params.norm],
                 HAS_W=any(w is not None for w in weights), HEAD_PAD=triton.next_power_of_2(head_dim),
+                DEINTERLEAVE=params.deinterleave,
                 num_warps=num_warps or _num_warps(bh * lanes_pad, "rows" if interleaved or neox_row else "halves"))
     return (ntok, nsplit), scalars, meta
 

@@ -60,7 +60,7 @@ def _setup_context(arity: int) -> Callable[..., None]:
         ctx.arity, ctx.params = arity, call.params
         ctx.x_dtypes = [x.dtype for x in call.xs]
         ctx.tables_need_grad = call.cos.requires_grad or call.sin.requires_grad
-        ctx.normed = call.params.norm != "none"
+        ctx.normed = call.params.norm != "none" or call.params.deinterleave  # backward through the reference
         # x is needed only for the tables' gradients or a norm's; saving it otherwise costs activation memory
         keep_x = ctx.tables_need_grad or ctx.normed
         ctx.save_for_backward(*(call.tensors() if keep_x else

@@ -56,16 +56,23 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams, positions=None):
 
     def inner_fn(idx):
         *lead, d = idx
-        if interleaved:
+        if p.deinterleave:  # out lane d: pair j = d mod R/2 of x, its first (d < R/2) or second element
+            pair = ModularIndexing(d, 1, half)
+            is_second = ModularIndexing(d, half, 2)
+            lane_x = 2 * pair + is_second
+            partner = 2 * pair + 1 - is_second
+        elif interleaved:
+            lane_x = d
             partner = d + 1 - 2 * ModularIndexing(d, 1, 2)
             is_second = ModularIndexing(d, 1, 2)
             pair = ModularIndexing(d, 2, half)
         else:
+            lane_x = d
             partner = ModularIndexing(d + half, 1, r)
             is_second = ModularIndexing(d, half, 2)
             pair = ModularIndexing(d, 1, half)
         lane = ModularIndexing(d, 1, r) if full_tables else pair
-        xv = ops.to_dtype(x_load([*lead, d]), cd)
+        xv = ops.to_dtype(x_load([*lead, lane_x]), cd)
         xp = ops.to_dtype(x_load([*lead, partner]), cd)
         (cl, cs, co), (sl, ss, so) = tables
         c = ops.to_dtype(cl(table_index(cs, co, lead, lane)), cd)
@@ -76,7 +83,7 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams, positions=None):
         rot = ops.where(sign_pos, ops.add(ops.mul(xv, c), xs), ops.sub(ops.mul(xv, c), xs))
         if not V.graph.sizevars.statically_known_equals(head, r):
             in_rot = ops.lt(ops.index_expr(d, torch.int64), ops.constant(r, torch.int64))
-            rot = ops.where(in_rot, rot, xv)
+            rot = ops.where(in_rot, rot, xv if not p.deinterleave else ops.to_dtype(x_load([*lead, d]), cd))
         return ops.to_dtype(rot, out_dtype)
 
     return ir.Pointwise.create(device=x.get_device(), dtype=out_dtype, inner_fn=inner_fn, ranges=size)

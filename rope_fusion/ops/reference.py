@@ -36,6 +36,7 @@ def rotary_reference(
     norm: str = "none",
     norm_eps: float = 1e-6,
     norm_weight: torch.Tensor | None = None,
+    deinterleave: bool = False,
 ) -> torch.Tensor:
     """out[a]=x[a]C[a]-x[b]S[a], out[b]=x[b]C[b]+x[a]S[b] per pair (a,b); S negated when conjugate; with
     positions the tables are the rows cos[positions], sin[positions] of a cache; with a norm, x is first
@@ -51,13 +52,14 @@ def rotary_reference(
         a, b = xr[..., 0::2], xr[..., 1::2]
     else:
         a, b = xr[..., : r // 2], xr[..., r // 2 :]
-    ca, cb = (t.to(cd) for t in _lane_tables(cos, r, interleaved, full_tables))
-    sa, sb = (t.to(cd) for t in _lane_tables(sin, r, interleaved, full_tables))
+    table_layout = interleaved and not deinterleave  # a de-interleaved result indexes full tables by output lane
+    ca, cb = (t.to(cd) for t in _lane_tables(cos, r, table_layout, full_tables))
+    sa, sb = (t.to(cd) for t in _lane_tables(sin, r, table_layout, full_tables))
     if conjugate:
         sa, sb = -sa, -sb
     oa = a * ca - b * sa
     ob = b * cb + a * sb
-    if interleaved:
+    if interleaved and not deinterleave:
         rot = torch.stack((oa, ob), dim=-1).flatten(-2)
     else:
         rot = torch.cat((oa, ob), dim=-1)

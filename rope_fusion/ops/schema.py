@@ -39,6 +39,9 @@ class RotaryParams:
     norm: an RMSNorm applied to x first, in fp32: "rms" over each head's D lanes, "rms_across_heads" over all
         heads of a token (x's last two dims), times the per-tensor `*_norm_weight` when given; "none" by default.
     norm_eps: the norm's epsilon.
+    deinterleave: with interleaved pairs, write the result in NeoX order: out[j] and out[j + R/2] are the
+        rotated pair (2j, 2j + 1) of x (DeepSeek-V3's `view(.., D/2, 2).transpose(-1, -2)` before rotate_half);
+        full tables are then indexed by output lane.
     """
 
     interleaved: bool
@@ -48,6 +51,7 @@ class RotaryParams:
     out_dtype: torch.dtype
     norm: str = "none"
     norm_eps: float = 1e-6
+    deinterleave: bool = False
 
     def kwargs(self) -> dict[str, Any]:
         """The op's keyword arguments."""
@@ -154,6 +158,8 @@ def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                 or w.shape[-1] != x.shape[-1]:
             raise ValueError(f"{name}_norm_weight of shape {tuple(w.shape)} does not broadcast against the lanes of "
                              f"{name} (shape {tuple(x.shape)})")
+    if params.deinterleave and not params.interleaved:
+        raise ValueError("deinterleave=True rotates interleaved pairs: it needs interleaved=True")
     if params.norm == "rms_across_heads" and any(x.dim() < 2 for x in xs):
         raise ValueError("norm='rms_across_heads' needs x with a heads dim ([..., H, D])")
     if positions is not None:

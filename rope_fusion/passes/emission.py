@@ -249,7 +249,7 @@ def _unflatten(em: Emitter, out: fx.Node, m: Match) -> fx.Node:
 
 def params_of(m: Match) -> RotaryParams:
     return RotaryParams(interleaved=m.interleaved, rotary_dim=m.rotary_dim, full_tables=m.full_tables,
-                        conjugate=m.conjugate, out_dtype=out_dtype(m))
+                        conjugate=m.conjugate, out_dtype=out_dtype(m), deinterleave=m.deinterleave)
 
 
 _TABLE_VIEWS = (aten.slice.Tensor, aten.unsqueeze.default, aten.reshape.default, aten.view.default,
@@ -384,6 +384,7 @@ def anchor_of(group: tuple, nodes: dict, order: dict) -> fx.Node:
         return group[0].node
     m0 = group[0]
     inputs = [nodes[m.x_name] for m in group] + [nodes[m0.cos.name], nodes[m0.sin.name]]
+    inputs += [t for m in group for t in m.table_inputs]
     return max(inputs, key=lambda n: order[n]).next
 
 

@@ -57,7 +57,8 @@ def table_view_geometry(node: fx.Node, t: TableRef, blocks: tuple = ()):
 
 
 def _options(m: Match) -> tuple:
-    return (m.interleaved, m.rotary_dim, m.full_tables, m.conjugate, m.head_dim, m.wide, m.offset, out_dtype(m))
+    return (m.interleaved, m.deinterleave, m.rotary_dim, m.full_tables, m.conjugate, m.head_dim, m.wide, m.offset,
+            out_dtype(m))
 
 
 class _Pairing:
@@ -105,7 +106,8 @@ class _Pairing:
         elif not (self.same_table(a.cos, a.blocks, b.cos, b.blocks, b)
                   and self.same_table(a.sin, a.blocks, b.sin, b.blocks, b)):
             return False
-        inputs = [self.nodes[a.x_name], self.nodes[b.x_name], self.nodes[a.cos.name], self.nodes[a.sin.name]]
+        inputs = [self.nodes[a.x_name], self.nodes[b.x_name], self.nodes[a.cos.name], self.nodes[a.sin.name],
+                  *a.table_inputs, *b.table_inputs]
         # one launch for both is possible unless an input of one needs the other's result
         return not any(self.acc.depends_on(i, r.node) for i in inputs for r in (a, b))
 

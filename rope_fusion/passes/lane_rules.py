@@ -57,8 +57,10 @@ def _check_float(node) -> None:
 # -- elementwise ---------------------------------------------------------------------------------
 
 def _is_gather(value: LaneValue) -> bool:
-    """Every lane is one source lane: a table or a view of x, not arithmetic."""
-    return all(e is not None and len(e) == 1 and len(next(iter(e))) == 1 for e in value.entries)
+    """Every lane is one source lane as it is: a table or a view of x, not arithmetic (a lane holding -sin,
+    as a 2x2 rotation-matrix table does, is arithmetic: its sign must stay visible)."""
+    return all(e is not None and len(e) == 1 and next(iter(e.items()))[1] == 1.0 and len(next(iter(e))) == 1
+               for e in value.entries)
 
 
 def _broadcast_entries(value: LaneValue, grid: tuple) -> list:

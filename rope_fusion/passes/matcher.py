@@ -91,7 +91,9 @@ class Match:
     # equal table_key. `origin` names what is replaced.
     tables: Any = None
     table_key: Any = None
+    table_inputs: tuple = ()  # the nodes `tables` reads besides cos and sin (positions, offsets)
     origin: str = "arithmetic"
+    deinterleave: bool = False  # interleaved pairs of x written in NeoX order (DeepSeek-V3's de-interleave)
 
 
 def _affine(flats: list) -> tuple | None:
@@ -256,6 +258,49 @@ class Acceptor:
             return None
         return ca, cb
 
+    def _lanes(self, style, entries, xl, head, rot, n, nblocks, is_copy):
+        """(style, cos lanes, sin lanes, conjugate) when every rotated lane of every head block has the form
+        of `style`'s pairing and every other lane copies x, else the Rejection."""
+        cos_lanes, sin_lanes = [], []
+        conj = None
+        for b in range(nblocks):
+            base = b * n + head
+            for d in range(rot):
+                xa, xb = style.x_lane(d), style.x_partner(d)
+                sp = self._split(entries[base + d], xl.entry(base + xa), xl.entry(base + xb))
+                if sp is None:
+                    return Rejection(LANES, f"lane {d} does not combine x[{xa}] and x[{xb}] with one table "
+                                            f"entry each ({style.name} pairs)")
+                (ca, cc), (sa, sc) = sp
+                if cc <= 0:
+                    return Rejection(LANES, f"lane {d}: x[{xa}] enters with a negative factor")
+                if ca == sa:
+                    return Rejection(LANES, f"lane {d} multiplies both x lanes by the same table entry")
+                rotation_sign = -1.0 if style.first(d) else 1.0
+                this_conj = (sc > 0) != (rotation_sign > 0)
+                if conj is None:
+                    conj = this_conj
+                    first_sign = sc
+                elif conj != this_conj:
+                    if sc > 0 and first_sign > 0:  # HiDream's F[..., 0] * x0 + F[..., 1] * x1: no minus anywhere
+                        return Rejection(LANES, f"lanes {d - 1} and {d} apply a general 2x2 matrix of table "
+                                                "entries to each pair (no minus sign in the graph): a table "
+                                                "that arrives as a tensor cannot be proven to hold [[cos, -sin], "
+                                                "[sin, cos]]; only tables built from cos and sin in the graph "
+                                                "fuse")
+                    return Rejection(LANES, f"lane {d} has the sign pattern of neither a rotation nor its inverse")
+                c_entry, s_entry = (ca, cc), (sa, abs(sc))
+                if b == 0:
+                    cos_lanes.append(c_entry)
+                    sin_lanes.append(s_entry)
+                elif cos_lanes[d] != c_entry or sin_lanes[d] != s_entry:
+                    return Rejection(TABLES, "the tables differ between the heads of a flattened [.., H*D] x "
+                                             "(per-head tables on a flattened head dim are not supported)")
+            for d in [*range(-head, 0), *range(rot, n - head)]:
+                if not is_copy(base + d):
+                    return Rejection(LANES, f"lane {head + d} outside the rotated part is not a copy of x")
+        return style, cos_lanes, sin_lanes, conj
+
     @staticmethod
     def _shared_factor(e, xd, xp) -> str | None:
         """The table a lane multiplies both x lanes by (e == t*(xd +- xp)), or None."""
@@ -289,15 +334,11 @@ class Acceptor:
             return Rejection(PAIRING, f"lanes [{head}, {head + rot}) differ from x but are not an even count of "
                                       "rotated lanes: a permutation of x's lanes or another mix")
         half = rot // 2
-        # the partner of the first rotated lane decides the style
-        e0 = entries[head]
-        x0 = xl.entry(head)
-        style = None
-        for interleaved, p0 in ((False, half), (True, 1)):
-            if self._split(e0, x0, xl.entry(head + p0)) is not None:
-                style = interleaved
-                break
-        if style is None:
+        # the partner of the first rotated lane narrows the pairing; each candidate is then checked lane by lane
+        e0, x0 = entries[head], xl.entry(head)
+        styles = [s for s in _pairings(half, head == 0 and rot == n)
+                  if self._split(e0, x0, xl.entry(head + s.x_partner(0))) is not None]
+        if not styles:
             for p0 in (half, 1):
                 shared = self._shared_factor(e0, x0, xl.entry(head + p0))
                 if shared is not None:
@@ -305,44 +346,17 @@ class Acceptor:
                                             f"entry of {shared}: cos and sin are one table here")
             return Rejection(PAIRING, f"lane {head} pairs with neither lane {head}+R/2 (NeoX) nor lane {head + 1} "
                                       "(interleaved) of x")
-        interleaved = style
-
-        def partner(d):
-            return d ^ 1 if interleaved else (d + half) % rot
-
-        def first_of_pair(d):
-            return d % 2 == 0 if interleaved else d < half
-
-        cos_lanes, sin_lanes = [], []
-        conj = None
-        for b in range(nblocks):
-            base = b * n + head
-            for d in range(rot):
-                sp = self._split(entries[base + d], xl.entry(base + d), xl.entry(base + partner(d)))
-                if sp is None:
-                    return Rejection(LANES, f"lane {d} does not combine x[{d}] and x[{partner(d)}] with one table "
-                                            "entry each")
-                (ca, cc), (sa, sc) = sp
-                if cc <= 0:
-                    return Rejection(LANES, f"lane {d}: x[{d}] enters with a negative factor")
-                if ca == sa:
-                    return Rejection(LANES, f"lane {d} multiplies both x lanes by the same table entry")
-                rotation_sign = -1.0 if first_of_pair(d) else 1.0
-                this_conj = (sc > 0) != (rotation_sign > 0)
-                if conj is None:
-                    conj = this_conj
-                elif conj != this_conj:
-                    return Rejection(LANES, f"lane {d} has the sign pattern of neither a rotation nor its inverse")
-                c_entry, s_entry = (ca, cc), (sa, abs(sc))
-                if b == 0:
-                    cos_lanes.append(c_entry)
-                    sin_lanes.append(s_entry)
-                elif cos_lanes[d] != c_entry or sin_lanes[d] != s_entry:
-                    return Rejection(TABLES, "the tables differ between the heads of a flattened [.., H*D] x "
-                                             "(per-head tables on a flattened head dim are not supported)")
-            for d in [*range(-head, 0), *range(rot, n - head)]:
-                if not is_copy(base + d):
-                    return Rejection(LANES, f"lane {head + d} outside the rotated part is not a copy of x")
+        got = first = None
+        for style in styles:
+            got = self._lanes(style, entries, xl, head, rot, n, nblocks, is_copy)
+            if not isinstance(got, Rejection):
+                break
+            first = got if first is None or got.stage > first.stage else first
+        if isinstance(got, Rejection):
+            return first  # the most plausible pairing's reason: the first to fit lane 0, unless a later got further
+        style, cos_lanes, sin_lanes, conj = got
+        interleaved = style.interleaved
+        partner, first_of_pair = style.out_partner, style.first
         x_node = self.interp.nodes[xl.name]
         origins = self._x_origins(x_node, xl)
         for key in {a[:3] for a, _ in cos_lanes} | {a[:3] for a, _ in sin_lanes}:
@@ -375,7 +389,8 @@ class Acceptor:
                 return Rejection(TABLES, "x is broadcast to the output shape")
         return Match(node=node, value_k=v.k, blocks=tuple(v.grid[: v.k - m]), x_name=xl.name, x_k=xl.k,
                      x_as_real=xl.as_real, head_dim=n, rotary_dim=rot, interleaved=interleaved, full_tables=full,
-                     conjugate=bool(conj), cos=cos, sin=sin, wide=v.wide, offset=head)
+                     conjugate=bool(conj), cos=cos, sin=sin, wide=v.wide, offset=head,
+                     deinterleave=style.name == "deinterleave")
 
     def _x_origins(self, x_node: fx.Node, xl: _XLanes) -> list:
         """Where x's numbers come from: x (a source), or the sources its computed lanes read, with what they
@@ -444,6 +459,41 @@ class Acceptor:
                     else:
                         v = None
         return self._gather
+
+
+@dataclasses.dataclass(frozen=True)
+class Pairing:
+    """Which lanes of x an output lane d combines (x_lane, x_partner), whether d holds a pair's first
+    element, and which output lane holds the other element of its pair (out_partner)."""
+
+    name: str
+    half: int
+
+    @property
+    def interleaved(self) -> bool:
+        return self.name != "neox"
+
+    def x_lane(self, d: int) -> int:
+        if self.name == "deinterleave":  # out[j] and out[j + R/2] come from the pair (2j, 2j + 1) of x
+            return 2 * (d % self.half) + d // self.half
+        return d
+
+    def x_partner(self, d: int) -> int:
+        if self.name == "neox":
+            return (d + self.half) % (2 * self.half)
+        return self.x_lane(d) ^ 1
+
+    def first(self, d: int) -> bool:
+        return d % 2 == 0 if self.name == "interleaved" else d < self.half
+
+    def out_partner(self, d: int) -> int:
+        return d ^ 1 if self.name == "interleaved" else (d + self.half) % (2 * self.half)
+
+
+def _pairings(half: int, whole: bool) -> list:
+    """The pairings to try; the de-interleaved one only when every lane rotates (no pass-through lanes)."""
+    names = ["neox", "interleaved"] + (["deinterleave"] if whole else [])
+    return [Pairing(name, half) for name in names]
 
 
 def _carried_from(x: fx.Node) -> list:

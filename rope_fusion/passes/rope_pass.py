@@ -199,7 +199,8 @@ class RopeFusionPass(_PassBase):
         for m, x in zip(p.group, p.xs):
             ids.append(len(self.report.sites))
             self.report.sites.append(Site(
-                graph=index, node=m.node.name, style="interleaved" if m.interleaved else "neox",
+                graph=index, node=m.node.name,
+                style="deinterleave" if m.deinterleave else "interleaved" if m.interleaved else "neox",
                 rotary_dim=m.rotary_dim, head_dim=m.head_dim, table_form=PER_LANE if m.full_tables else PER_PAIR,
                 conjugate=m.conjugate, x_dtype=dtype_name(x.meta["val"].dtype),
                 table_dtype=dtype_name(p.cos.meta["val"].dtype), out_dtype=dtype_name(m.node.meta["val"].dtype),

@@ -15,6 +15,7 @@ from .case import (
     Expect,
     H,
     S,
+    angles,
     complex_freqs,
     full_il_tables,
     full_neox_tables,
@@ -597,6 +598,23 @@ def m6_hunyuan_ref(q, k, c, s):
                            1) for x in (q, k))
 
 
+def m6_middle_segment(q, k, cos, sin):
+    """RoPE on an image segment in the middle of a joint [text | image | text] sequence."""
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    a, b = TXT, S - TXT
+    return tuple(torch.cat([x[:, :a], flux_rope(x[:, a:b], cos, sin), x[:, b:]], dim=1) for x in (q, k))
+
+
+def m6_middle_make(dt):
+    return rnd(B, S, H, D, dtype=dt), rnd(B, S, H, D, dtype=dt), *full_il_tables(S - 2 * TXT, D)
+
+
+def m6_middle_ref(q, k, c, s):
+    a, b = TXT, S - TXT
+    return tuple(torch.cat([x[:, :a], rope(x[:, a:b], c[:, None], s[:, None], interleaved=True, full=True),
+                            x[:, b:]], 1) for x in (q, k))
+
+
 def m6_cogvideox(x, cos, sin):
     x = x.clone()
     x[:, :, TXT:] = flux_rope(x[:, :, TXT:], cos[None, None], sin[None, None])
@@ -629,6 +647,59 @@ def m7_make(dt):
 
 
 def m7_ref(q, k, c, s):
+    return tuple(rope(x, c, s, interleaved=True, full=False) for x in (q, k))
+
+
+# ---------------------------------------------------------------------------------------------- M8
+def m8_rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def m8_deepseek_v3(q, k, cos, sin):
+    """transformers DeepSeek-V3 `apply_rotary_pos_emb_interleave`: de-interleave, then rotate_half."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    b, h, s, d = q.shape
+    q = q.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+    b, h, s, d = k.shape
+    k = k.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+    return (q * cos) + (m8_rotate_half(q) * sin), (k * cos) + (m8_rotate_half(k) * sin)
+
+
+def m8_make(dt):
+    return rnd(B, H, S, D, dtype=dt), rnd(B, 1, S, D, dtype=dt), *full_neox_tables(B, S, D, dtype=dt)
+
+
+def _deinterleaved(x):
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+def m8_ref(q, k, c, s):
+    return tuple(rope(_deinterleaved(x), c[:, None], s[:, None], interleaved=False, full=True) for x in (q, k))
+
+
+# ---------------------------------------------------------------------------------------------- M9
+def _rope_matrices(ang):
+    """diffusers HiDream `rope`: [..., D/2, 2, 2] rotation matrices built from cos and sin in the graph."""
+    m = torch.stack([ang.cos(), -ang.sin(), ang.sin(), ang.cos()], dim=-1)
+    return m.view(*m.shape[:-1], 2, 2)
+
+
+def m9_hidream(xq, xk, ang):
+    freqs_cis = _rope_matrices(ang)[:, :, None]  # the table gains a heads dim
+    xq_ = up(xq).reshape(*xq.shape[:-1], -1, 1, 2)
+    xk_ = up(xk).reshape(*xk.shape[:-1], -1, 1, 2)
+    xq_out = freqs_cis[..., 0] * xq_[..., 0] + freqs_cis[..., 1] * xq_[..., 1]
+    xk_out = freqs_cis[..., 0] * xk_[..., 0] + freqs_cis[..., 1] * xk_[..., 1]
+    return xq_out.reshape(*xq.shape).type_as(xq), xk_out.reshape(*xk.shape).type_as(xk)
+
+
+def m9_make(dt):
+    return rnd(B, S, H, D, dtype=dt), rnd(B, S, H, D, dtype=dt), angles(B, S, D // 2).float()
+
+
+def m9_ref(q, k, a):
+    c, s = a.cos()[:, :, None], a.sin()[:, :, None]
     return tuple(rope(x, c, s, interleaved=True, full=False) for x in (q, k))
 
 
@@ -714,7 +785,11 @@ CASES = [
     Case("M5_conformer_sbhd", m5_conformer, m5_make, m5_ref, E(1, NX, D, "per-lane"), (fp32,)),
     Case("M6_hunyuan_seq_cat", m6_hunyuan, m6_hunyuan_make, m6_hunyuan_ref, E(2, IL, D, "per-lane"), (bf16,)),
     Case("M6_cogvideox_seq_assign", m6_cogvideox, m6_cog_make, m6_cog_ref, E(1, IL, D, "per-lane"), (fp16,)),
+    Case("M6_middle_segment", m6_middle_segment, m6_middle_make, m6_middle_ref, E(2, IL, D, "per-lane"), (bf16,)),
     Case("M7_mochi_per_head", m7_mochi, m7_make, m7_ref, E(2, IL, D, "per-pair"), (bf16,)),
+    Case("M8_deepseek_v3_deinterleave", m8_deepseek_v3, m8_make, m8_ref, E(2, "deinterleave", D, "per-lane"),
+         (bf16, fp32)),
+    Case("M9_hidream_rotation_matrices", m9_hidream, m9_make, m9_ref, E(2, IL, D, "per-pair"), (bf16, fp32)),
     Case("M12_llama4_complex64_qk", m12_llama4, m12_llama4_make, m12_llama4_ref, E(2, IL, D, "per-pair"), (bf16,)),
     Case("M12_lumina2_complex128", m12_lumina2, m12_lumina2_make, m12_lumina2_ref, E(1, IL, D, "per-pair"), (bf16,)),
     Case("M12_deepseek_view", m12_deepseek_view, m12_deepseek_make, m12_deepseek_ref, E(1, IL, D, "per-pair"),

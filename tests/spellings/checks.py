@@ -54,5 +54,8 @@ def check_graph(p, e: Expect) -> None:
     t = p.report.table()
     assert cap.products_before, f"the independent analysis found no RoPE products before the pass:\n{t}"
     assert cap.rope_ops == e.kernels, f"{cap.rope_ops} rope_fusion nodes in the graph, expected {e.kernels}:\n{t}"
+    if e.kernels == 0:  # a known gap: the RoPE is left as it was
+        assert cap.products_after, f"nothing fused, yet no RoPE products are left:\n{t}"
+        return
     assert cap.products_after == [], f"table x activation products left: {cap.products_after}\n{t}"
     assert cap.negations_after == [], f"negations of activations left: {cap.negations_after}\n{t}"

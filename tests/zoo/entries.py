@@ -180,7 +180,7 @@ add(
         first_k_dense_replace=1, n_group=1, topk_group=1, num_key_value_heads=4)), 4, 2, 2,
           "modeling_deepseek_v3.py",
           "modeling_deepseek_v3.py apply_rotary_pos_emb_interleave(q_rot, k_rot) (M8: de-interleave then NeoX), "
-          "2 layers", category="should", dtypes=("float32",)),
+          "2 layers", dtypes=("float32",)),
     Entry("clvp", _clvp, 6, 4, 2, "modeling_clvp.py",
           "modeling_clvp.py ClvpSelfAttention.forward: apply_rotary_pos_emb(query_rot, key_rot, value_rot) (M10: "
           "q, k AND v rotated by one table), 2 layers", category="should", dtypes=("float32",)),

@@ -1,0 +1,463 @@
+"""flash-attn's Triton `rotary_kernel` launches as kernel sites (kind "flash_attn.rotary_kernel").
+
+See kernel_sites.py for what a site is; this module identifies the kernel and checks each launch.
+
+Where it comes from: `flash_attn.ops.triton.rotary.apply_rotary` (upstream flash-attn; vLLM's ROCm path) and
+`vllm.vllm_flash_attn.ops.triton.rotary.apply_rotary` (vLLM's copy, reached through
+`vllm.vllm_flash_attn.layers.rotary.apply_rotary_emb`, e.g. by vLLM's `ApplyRotaryEmb` custom op
+`forward_cuda` in vllm/model_executor/layers/rotary_embedding/common.py and vllm-omni's RotaryEmbedding layers).
+Dynamo turns each launch into `triton_kernel_wrapper_mutation`, functionalization into
+`triton_kernel_wrapper_functional(kernel_idx, constant_args_idx, grid, tma_descriptor_metadata, kwargs,
+tensors_to_clone)` (torch/_higher_order_ops/triton_kernel_wrap.py); the rotated tensor is
+`operator.getitem(node, "OUT")`. Tensor (and symbolic) arguments are fx nodes in `kwargs`, the rest are in
+`kernel_side_table.get_constant_args(constant_args_idx)`.
+
+Identification, all of it required: the side-table kernel, unwrapped through `.fn` (Autotuner, Heuristics) to a
+`triton.runtime.jit.JITFunction`, whose Python function is `rotary_kernel` of module
+`flash_attn.ops.triton.rotary` or `vllm.vllm_flash_attn.ops.triton.rotary` (FLASH_ATTN_MODULES); whose
+parameter list and constexpr flags equal one of the two known signatures; whose source contains the statements
+that fix the math (rotation formulas, conjugation, the cos=1/sin=0 fill of out-of-table rows, the table
+addressing) and stores only through OUT; and whose `tl.program_id` axes are read from the source (versions with
+this one signature map grid axes differently):
+  "v1": (OUT, X, COS, SIN, CU_SEQLENS, SEQLEN_OFFSETS, seqlen, rotary_dim, seqlen_ro, 8 strides,
+         BLOCK_K, IS_SEQLEN_OFFSETS_TENSOR, IS_VARLEN, INTERLEAVED, CONJUGATE, BLOCK_M) -- vLLM 0.33's copy
+         (vllm/vllm_flash_attn/ops/triton/rotary.py, read in the installed wheel; program ids m, head, batch)
+         and flash-attn up to 2.7.x (program ids m, batch, head until April 2025, then m, head, batch);
+  "v2": (..., seqlen, nheads, seqlen_ro, 8 strides, ROTARY_DIM, IS_SEQLEN_OFFSETS_TENSOR, IS_VARLEN,
+         INTERLEAVED, CONJUGATE, BLOCK_H, BLOCK_M) -- flash-attn >= 2.8 (flash_attn/ops/triton/rotary.py of the
+         flash_attn 2.8.3.post2 sdist; program ids head-block, m, batch; launched through wrap_triton).
+
+Semantics (from the kernel source): for x = X [B, S, H, D] (strides passed explicitly), R = rotary_dim,
+rows s < seqlen of every (batch, head) program: p = s + SEQLEN_OFFSETS (int) or s + SEQLEN_OFFSETS[b] (tensor);
+cos/sin row p of the [seqlen_ro, R/2] tables, read contiguously (row stride R/2), as cos=1, sin=0 when
+p >= seqlen_ro; math in fp32 (`.to(tl.float32)`), stored to OUT's dtype; lanes >= R of OUT are not written.
+
+What is verified from the graph before a site is claimed: not varlen; X and OUT are 4-D of one shape and the
+eight stride arguments are their real strides (size-1 dims excepted); seqlen (and nheads) equal X's; the grid
+covers exactly the programs the kernel needs (axes from the source; unmasked axes equal, masked ones at least);
+BLOCK_K (v1) a power of two >= R; R even, 0 < R <= D; COS and SIN are [seqlen_ro, R/2] with row stride R/2
+and seqlen_ro equals their row count; an int offset satisfies 0 <= offset and offset + S <= seqlen_ro (so no
+row falls off the table); a tensor offset is a contiguous int32/int64 [B] tensor; dtypes fp16/bf16/fp32 (an
+fp64 input would make the fused op compute in fp64, the kernel computes in fp32); and when R < D, OUT's lanes
+>= R hold x's: OUT is X itself (inplace=True), or OUT is `slice_scatter(buf, slice(X, -1, R, >=D), -1, R, >=D)`
+(optionally through `aten.copy`), which is what the wrapper's `output[..., rotary_dim:].copy_(x[...,
+rotary_dim:])` becomes. Obligation left to the emitter: with a TENSOR offset the graph cannot show the
+offsets' values; rows p >= seqlen_ro rotate by the identity (cos=1, sin=0) -- pad the tables with such a row
+and clamp p to reproduce it (`flash_attn_tables` below does exactly that); a negative offset makes the kernel
+read before the table (undefined behaviour). Inputs of a later launch that are `getitem(earlier_launch, name)`
+with name != "OUT" (torch's all-inputs-mutated fallback when its TTIR analysis cannot run) are seen through:
+the kernel stores only through OUT, which is checked in its source. The site's output dtype is OUT's
+(`site.node.meta["val"].dtype`).
+
+Not expressible (reported): IS_VARLEN / cu_seqlens (which rows the kernel writes, and at which positions,
+depends on the values of cu_seqlens and on max_seqlen at run time); in-place `triton_kernel_wrapper_mutation`
+(no result node; custom post-grad passes see the functional form); autotuned launches (several grids);
+anything the checks above reject.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import operator
+import re
+import sys
+from typing import Any
+
+import torch
+import torch.fx
+
+from .kernel_sites import (
+    FLOATS,
+    LOOKS_ROTARY,
+    KernelMiss,
+    KernelSite,
+    contiguous_rows,
+    eq,
+    ge,
+    getitems,
+    is_call,
+    known,
+    static_bool,
+    static_int,
+    tensor_of,
+    value_of,
+)
+
+FLASH_ATTN_MODULES = ("flash_attn.ops.triton.rotary", "vllm.vllm_flash_attn.ops.triton.rotary")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# flash-attn rotary_kernel: identification
+
+_STRIDES = ("stride_out_batch", "stride_out_seqlen", "stride_out_nheads", "stride_out_headdim",
+            "stride_x_batch", "stride_x_seqlen", "stride_x_nheads", "stride_x_headdim")
+
+
+@dataclasses.dataclass(frozen=True)
+class _FaVariant:
+    name: str
+    arg_names: tuple
+    constexprs: frozenset
+    markers: tuple  # whitespace-free source fragments that must all appear
+
+
+_FA_VARIANTS = (
+    _FaVariant(
+        "v1",
+        ("OUT", "X", "COS", "SIN", "CU_SEQLENS", "SEQLEN_OFFSETS", "seqlen", "rotary_dim", "seqlen_ro", *_STRIDES,
+         "BLOCK_K", "IS_SEQLEN_OFFSETS_TENSOR", "IS_VARLEN", "INTERLEAVED", "CONJUGATE", "BLOCK_M"),
+        frozenset({"BLOCK_K", "IS_SEQLEN_OFFSETS_TENSOR", "IS_VARLEN", "INTERLEAVED", "CONJUGATE", "BLOCK_M"}),
+        ("rotary_dim_half=rotary_dim//2",
+         "rm_cs=rm+SEQLEN_OFFSETS", "rm_cs=rm+tl.load(SEQLEN_OFFSETS+pid_batch)",
+         "COS=COS+(rm_cs[:,None]*rotary_dim_half+rk_half[None,:])",
+         "cos=tl.load(COS,mask=(rm_cs[:,None]<seqlen_ro)&(rk_half[None,:]<rotary_dim_half),other=1.0)",
+         "sin=tl.load(SIN,mask=(rm_cs[:,None]<seqlen_ro)&(rk_half[None,:]<rotary_dim_half),other=0.0)",
+         "ifCONJUGATE:sin=-sin",
+         "o0=x0*cos-x1*sin", "o1=x0*sin+x1*cos",
+         "rk_swap=rk+((rk+1)%2)*2-1", "rk_repeat=tl.arange(0,BLOCK_K)//2",
+         "COS=COS+(rm_cs[:,None]*rotary_dim_half+rk_repeat[None,:])",
+         "out=tl.where(rk[None,:]%2==0,x0_cos-x1_sin,x0_cos+x1_sin)"),
+    ),
+    _FaVariant(
+        "v2",
+        ("OUT", "X", "COS", "SIN", "CU_SEQLENS", "SEQLEN_OFFSETS", "seqlen", "nheads", "seqlen_ro", *_STRIDES,
+         "ROTARY_DIM", "IS_SEQLEN_OFFSETS_TENSOR", "IS_VARLEN", "INTERLEAVED", "CONJUGATE", "BLOCK_H", "BLOCK_M"),
+        frozenset({"ROTARY_DIM", "IS_SEQLEN_OFFSETS_TENSOR", "IS_VARLEN", "INTERLEAVED", "CONJUGATE", "BLOCK_H",
+                   "BLOCK_M"}),
+        ("BLOCK_K:tl.constexpr=triton.next_power_of_2(ROTARY_DIM)", "ROTARY_DIM_HALF=ROTARY_DIM//2",
+         "rm_cs=rm+SEQLEN_OFFSETS", "rm_cs=rm+tl.load(SEQLEN_OFFSETS+pid_batch)",
+         "COS=COS+(rm_cs[:,None]*ROTARY_DIM_HALF+rk_half[None,:])",
+         "mask_cs=(rm_cs[:,None]<seqlen_ro)&(rk_half[None,:]<ROTARY_DIM_HALF)",
+         "cos=tl.load(COS,mask=mask_cs,other=1.0)", "sin=tl.load(SIN,mask=mask_cs,other=0.0)",
+         "ifCONJUGATE:sin=-sin",
+         "o0=x0*cos-x1*sin", "o1=x0*sin+x1*cos",
+         "x0,x1=tl.split(tl.reshape(x,[BLOCK_H,BLOCK_M,BLOCK_K//2,2]))",
+         "o=tl.reshape(tl.join(o0,o1),[BLOCK_H,BLOCK_M,BLOCK_K])",
+         "mask=(rh[:,None,None]<nheads)&(rm[None,:,None]<seqlen)"),
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashAttnKernel:
+    variant: _FaVariant
+    axes: dict  # "m" | "head" | "batch" -> grid axis
+
+
+def unwrap_jit(kernel: Any):
+    """The triton JITFunction under Autotuner/Heuristics wrappers (`.fn`), or None. Triton is not imported here:
+    a kernel in the side table means triton.runtime.jit is loaded already."""
+    jit_mod = sys.modules.get("triton.runtime.jit")
+    jit_cls = getattr(jit_mod, "JITFunction", None)
+    if jit_cls is None:
+        return None
+    k, seen = kernel, 0
+    while not isinstance(k, jit_cls) and hasattr(k, "fn") and seen < 8:
+        k, seen = k.fn, seen + 1
+    return k if isinstance(k, jit_cls) else None
+
+
+def _kernel_of(node: torch.fx.Node):
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    try:
+        return kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+    except Exception:
+        return None
+
+
+def _jit_label(jit: Any) -> str:
+    fn = getattr(jit, "fn", None)
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', '?')}"
+
+
+def _program_id_axes(src: str) -> dict:
+    """{"m"/"head"/"batch": axis} from assignments `pid_X = tl.program_id(axis=N)` in the kernel source."""
+    names = {"pid_m": "m", "pid_head": "head", "pid_batch": "batch"}
+    axes: dict = {}
+    for stmt in ast.walk(ast.parse(src)):
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+            continue
+        name = stmt.targets[0].id
+        call = stmt.value
+        if name not in names or not isinstance(call, ast.Call):
+            continue
+        f = call.func
+        if not (isinstance(f, ast.Attribute) and f.attr == "program_id"):
+            continue
+        arg = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "axis"), None)
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, int):
+            axes[names[name]] = arg.value
+    return axes
+
+
+def _stores_only_out(src: str) -> bool:
+    """Every tl.store writes through a pointer expression rooted at the name OUT."""
+    def root(e):
+        while isinstance(e, ast.BinOp):
+            e = e.left
+        return e.id if isinstance(e, ast.Name) else None
+
+    stores = [c for c in ast.walk(ast.parse(src)) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+              and c.func.attr == "store"]
+    return bool(stores) and all(c.args and root(c.args[0]) == "OUT" for c in stores)
+
+
+@functools.lru_cache(maxsize=64)
+def _identify_jit(jit: Any) -> FlashAttnKernel | str | None:
+    """FlashAttnKernel when `jit` is a verified flash-attn rotary_kernel; a reason when it is rotary-looking but not
+    verified; None when it has nothing to do with rotary embeddings."""
+    fn = getattr(jit, "fn", None)
+    module, name = getattr(fn, "__module__", ""), getattr(fn, "__name__", "")
+    label = f"{module}.{name}"
+    looks = bool(LOOKS_ROTARY.search(name)) or module in FLASH_ATTN_MODULES
+    if not looks:
+        return None
+    if name != "rotary_kernel" or module not in FLASH_ATTN_MODULES:
+        return (f"Triton kernel {label} is not a known rotary kernel; only `rotary_kernel` of "
+                f"{' / '.join(FLASH_ATTN_MODULES)} is recognised")
+    arg_names = tuple(getattr(jit, "arg_names", ()))
+    params = getattr(jit, "params", ())
+    constexprs = frozenset(p.name for p in params if getattr(p, "is_constexpr", False))
+    variant = next((v for v in _FA_VARIANTS if v.arg_names == arg_names), None)
+    if variant is None:
+        return f"{label} has an unknown signature {arg_names}; known: " + "; ".join(
+            f"{v.name} {v.arg_names}" for v in _FA_VARIANTS)
+    if constexprs != variant.constexprs:
+        return f"{label}: constexpr parameters {sorted(constexprs)} differ from {variant.name}'s"
+    src = getattr(jit, "src", None)
+    if not isinstance(src, str):
+        return f"{label}: kernel source unavailable, its semantics cannot be checked"
+    flat = re.sub(r"\s+", "", src)
+    missing = [m for m in variant.markers if m not in flat]
+    if missing:
+        return f"{label} ({variant.name} signature): source differs from the verified kernel, e.g. lacks {missing[0]!r}"
+    try:
+        axes = _program_id_axes(src)
+        stores_ok = _stores_only_out(src)
+    except SyntaxError:
+        return f"{label}: kernel source does not parse"
+    if set(axes) != {"m", "head", "batch"} or sorted(axes.values()) != [0, 1, 2]:
+        return f"{label}: cannot read the program_id axes from its source ({axes})"
+    if not stores_ok:
+        return f"{label}: stores through something other than OUT"
+    return FlashAttnKernel(variant, axes)
+
+
+def identify_launch(node: torch.fx.Node) -> FlashAttnKernel | str | None:
+    kernel = _kernel_of(node)
+    if kernel is None:
+        return None
+    jit = unwrap_jit(kernel)
+    if jit is None:
+        return None
+    try:
+        return _identify_jit(jit)
+    except TypeError:  # unhashable kernel object
+        return _identify_jit.__wrapped__(jit)
+
+
+def triton_wrappers():
+    from torch._higher_order_ops.triton_kernel_wrap import (
+        triton_kernel_wrapper_functional,
+        triton_kernel_wrapper_mutation,
+    )
+    return triton_kernel_wrapper_functional, triton_kernel_wrapper_mutation
+
+
+def see_through(a: Any) -> Any:
+    """getitem(launch of a verified rotary_kernel, name != "OUT") is that launch's input `name` (the kernel stores
+    only through OUT); applied repeatedly."""
+    functional, _ = triton_wrappers()
+    for _ in range(64):
+        if not (is_call(a, operator.getitem) and is_call(a.args[0], functional) and isinstance(a.args[1], str)
+                and a.args[1] != "OUT"):
+            return a
+        launch = a.args[0]
+        if not isinstance(identify_launch(launch), FlashAttnKernel):
+            return a
+        inner = launch.kwargs["kwargs"].get(a.args[1])
+        if not isinstance(inner, torch.fx.Node):
+            return a
+        a = inner
+    return a
+
+
+# ------------------------------------------------------------------------------------------------------------
+# flash-attn rotary_kernel: arguments -> KernelSite
+
+def _last_dim(d: Any, ndim: int) -> bool:
+    return isinstance(d, int) and d in (ndim - 1, -1)
+
+
+def _tail_slice_of(src: Any, x: torch.fx.Node, r: int, d: int, ndim: int) -> bool:
+    """src is x[..., r:] (aten.slice on the last dim, start r, end >= d, step 1)."""
+    if not is_call(src, torch.ops.aten.slice.Tensor):
+        return False
+    a = list(src.args) + [None] * (5 - len(src.args))
+    base, dim, start, end, step = a[:5]
+    dim = 0 if dim is None else dim
+    step = 1 if step is None else step
+    return (see_through(base) is x and _last_dim(dim, ndim) and start == r and step == 1
+            and (end is None or (isinstance(end, int) and end >= d)))
+
+
+def _tail_is_x(out: torch.fx.Node, x: torch.fx.Node, r: int, d: int, ndim: int) -> bool:
+    """OUT's lanes >= r hold x's: OUT = slice_scatter(buf, x[..., r:], -1, r, >=d) (maybe via aten.copy)."""
+    if not is_call(out, torch.ops.aten.slice_scatter.default):
+        return False
+    a = list(out.args) + [None] * (6 - len(out.args))
+    _buf, src, dim, start, end, step = a[:6]
+    dim = 0 if dim is None else dim
+    step = 1 if step is None else step
+    if not (_last_dim(dim, ndim) and start == r and step == 1 and (end is None or (isinstance(end, int) and end >= d))):
+        return False
+    if is_call(src, torch.ops.aten.copy.default):
+        dst_v, src_v = value_of(src.args[0]), value_of(src.args[1])
+        if not (isinstance(dst_v, torch.Tensor) and isinstance(src_v, torch.Tensor)
+                and tuple(dst_v.shape) == tuple(src_v.shape)):
+            return False
+        src = src.args[1]
+    return _tail_slice_of(src, x, r, d, ndim)
+
+
+def _check_strides(args: dict, prefix: str, t: torch.Tensor, what: str) -> None:
+    for i, dim in enumerate(("batch", "seqlen", "nheads", "headdim")):
+        if known(t.shape[i] == 1):
+            continue
+        if not eq(args[f"stride_{prefix}_{dim}"], t.stride(i)):
+            raise KernelMiss(f"stride_{prefix}_{dim}={value_of(args[f'stride_{prefix}_{dim}'])} is not {what}'s real "
+                             f"stride {t.stride(i)} (shape {tuple(t.shape)}, strides {tuple(t.stride())})")
+
+
+def _cdiv(a: Any, b: int) -> Any:
+    return (a + b - 1) // b
+
+
+def flash_attn_site(node: torch.fx.Node, fk: FlashAttnKernel, group: int) -> KernelSite | None:
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    v = fk.variant
+    consts = kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"])
+    tensor_args = node.kwargs["kwargs"]
+    args = {**consts, **tensor_args}
+    missing = [n for n in v.arg_names if n not in args]
+    if missing:
+        raise KernelMiss(f"arguments {missing} missing from the launch (autotuned configs are not supported)")
+
+    if args["CU_SEQLENS"] is not None or static_bool(args["IS_VARLEN"], "IS_VARLEN"):
+        raise KernelMiss("flash-attn rotary_kernel with IS_VARLEN: cu_seqlens and max_seqlen are not supported "
+                         "(which rows are rotated, and at which positions, depends on their run-time values)")
+    outs = getitems(node, "OUT")
+    if not outs:
+        return None  # result unused: nothing to replace
+    if len(outs) > 1:
+        raise KernelMiss("several getitem(..., 'OUT') nodes for one launch")
+
+    x_node, out_node = see_through(args["X"]), see_through(args["OUT"])
+    cos_node, sin_node = see_through(args["COS"]), see_through(args["SIN"])
+    for nm, nd in (("X", x_node), ("OUT", out_node), ("COS", cos_node), ("SIN", sin_node)):
+        if not isinstance(nd, torch.fx.Node):
+            raise KernelMiss(f"{nm} is not a tensor node ({nd!r})")
+    x, out = tensor_of(x_node, "X"), tensor_of(out_node, "OUT")
+    cos, sin = tensor_of(cos_node, "COS"), tensor_of(sin_node, "SIN")
+    if x.dim() != 4 or tuple(out.shape) != tuple(x.shape):
+        raise KernelMiss(f"X {tuple(x.shape)} / OUT {tuple(out.shape)}: expected both [B, S, H, D] of one shape")
+    for nm, t in (("X", x), ("OUT", out), ("COS", cos), ("SIN", sin)):
+        if t.dtype not in FLOATS:
+            raise KernelMiss(f"{nm} has dtype {t.dtype}; the kernel computes in fp32 and the fused op is exact only "
+                             f"for fp16/bf16/fp32 inputs")
+    b, s, h, d = x.shape
+    head_dim = static_int(d, "X's head dim")
+
+    # rotary dim and block sizes
+    if v.name == "v1":
+        r = static_int(args["rotary_dim"], "rotary_dim")
+        block_k = static_int(args["BLOCK_K"], "BLOCK_K")
+        if block_k < r or block_k & (block_k - 1):
+            raise KernelMiss(f"BLOCK_K={block_k} does not cover rotary_dim={r} (a power of two >= rotary_dim is "
+                             f"needed)")
+    else:
+        r = static_int(args["ROTARY_DIM"], "ROTARY_DIM")
+        if not eq(args["nheads"], h):
+            raise KernelMiss(f"nheads={value_of(args['nheads'])} is not X's head count {h}")
+    if r <= 0 or r % 2 or r > head_dim:
+        raise KernelMiss(f"rotary_dim={r} must be even and in (0, head_dim={head_dim}]")
+    if not eq(args["seqlen"], s):
+        raise KernelMiss(f"seqlen={value_of(args['seqlen'])} is not X's sequence length {s}")
+    _check_strides(args, "x", x, "X")
+    _check_strides(args, "out", out, "OUT")
+
+    # tables: [seqlen_ro, R/2], read with row stride R/2
+    for nm, t in (("COS", cos), ("SIN", sin)):
+        if t.dim() != 2 or not eq(t.shape[1] * 2, r) or not contiguous_rows(t):
+            raise KernelMiss(f"{nm} shape {tuple(t.shape)} strides {tuple(t.stride())}: the kernel reads a contiguous "
+                             f"[seqlen_ro, rotary_dim/2={r // 2}] table")
+        if not eq(args["seqlen_ro"], t.shape[0]):
+            raise KernelMiss(f"seqlen_ro={value_of(args['seqlen_ro'])} is not {nm}'s row count {t.shape[0]}")
+
+    # grid: every program the kernel needs, and no unmasked extra program
+    grid = node.kwargs["grid"]
+    if not isinstance(grid, (list, tuple)) or len(grid) != 1 or len(grid[0]) != 3:
+        raise KernelMiss(f"grid {grid!r}: expected one 3-D grid (autotuned launches are not supported)")
+    g = grid[0]
+    block_m = static_int(args["BLOCK_M"], "BLOCK_M")
+    ok_m = ge(g[fk.axes["m"]], _cdiv(value_of(args["seqlen"]), block_m))
+    ok_b = eq(g[fk.axes["batch"]], b)
+    if v.name == "v1":
+        ok_h = eq(g[fk.axes["head"]], h)
+    else:
+        ok_h = ge(g[fk.axes["head"]], _cdiv(h, static_int(args["BLOCK_H"], "BLOCK_H")))
+    if not (ok_m and ok_b and ok_h):
+        raise KernelMiss(f"grid {tuple(value_of(e) for e in g)} does not match the launch (axes {fk.axes}, "
+                         f"X {tuple(x.shape)}, BLOCK_M={block_m})")
+
+    # positions into the tables
+    if static_bool(args["IS_SEQLEN_OFFSETS_TENSOR"], "IS_SEQLEN_OFFSETS_TENSOR"):
+        off_node = see_through(args["SEQLEN_OFFSETS"])
+        off = tensor_of(off_node, "SEQLEN_OFFSETS")
+        if off.dtype not in (torch.int32, torch.int64) or off.dim() != 1 or not eq(off.shape[0], b):
+            raise KernelMiss(f"SEQLEN_OFFSETS {off.dtype} {tuple(off.shape)}: expected an int32/int64 [B={b}] tensor")
+        if not (known(off.shape[0] == 1) or known(off.stride(0) == 1)):
+            raise KernelMiss("SEQLEN_OFFSETS is not contiguous")
+        seqlen_offset: int | torch.fx.Node = off_node
+    else:
+        raw = args["SEQLEN_OFFSETS"]
+        if isinstance(value_of(raw), torch.Tensor):
+            raise KernelMiss("SEQLEN_OFFSETS is a tensor but IS_SEQLEN_OFFSETS_TENSOR is False")
+        off_i = static_int(raw, "int SEQLEN_OFFSETS")
+        if off_i < 0 or not known(off_i + s <= cos.shape[0]):
+            raise KernelMiss(f"int SEQLEN_OFFSETS={off_i} with seqlen {s} reaches past seqlen_ro={cos.shape[0]} rows "
+                             f"(the kernel would use cos=1, sin=0 there) or is negative")
+        seqlen_offset = off_i
+
+    # lanes >= R of the result
+    if r < head_dim and out_node is not x_node and not _tail_is_x(out_node, x_node, r, head_dim, 4):
+        raise KernelMiss(f"the output buffer's lanes >= rotary_dim={r} are not x's (expected inplace=True or the "
+                         f"wrapper's output[..., rotary_dim:].copy_(x[..., rotary_dim:]))")
+
+    return KernelSite(
+        kind="flash_attn.rotary_kernel", node=outs[0], x=x_node, layout="bshd", head_dim=head_dim, rotary_dim=r,
+        interleaved=static_bool(args["INTERLEAVED"], "INTERLEAVED"),
+        conjugate=static_bool(args["CONJUGATE"], "CONJUGATE"),
+        cos=cos_node, sin=sin_node, seqlen_offset=seqlen_offset, cu_seqlens=None, max_seqlen=None,
+        cos_sin_cache=None, positions=None, group=group, tail_from_x=True)
+
+
+def flash_attn_tables(cos: torch.Tensor, sin: torch.Tensor, seqlen: int, seqlen_offset: int | torch.Tensor):
+    """The cos/sin rows a flash-attn rotary_kernel launch reads, shaped to broadcast against x [B, S, H, D]:
+    ([B or 1, S, 1, R/2], same) with row p = s + offset (per batch for a tensor offset), and cos=1, sin=0 where
+    p >= seqlen_ro (the kernel's masked load). Plain torch; usable eagerly or in a graph."""
+    n = cos.shape[0]
+    s = torch.arange(seqlen, device=cos.device)
+    if isinstance(seqlen_offset, torch.Tensor):
+        p = seqlen_offset.to(torch.long)[:, None] + s[None, :]
+    else:
+        p = (s + int(seqlen_offset))[None, :]
+    inside = p < n
+    pc = torch.where(inside, p, torch.zeros_like(p))
+    c = torch.where(inside[..., None], cos[pc], torch.ones((), dtype=cos.dtype, device=cos.device))
+    sn = torch.where(inside[..., None], sin[pc], torch.zeros((), dtype=sin.dtype, device=sin.device))
+    return c[:, :, None, :], sn[:, :, None, :]
