@@ -1,19 +1,41 @@
-"""Kernel-level benchmark: every RoPE spelling, q and k, against the copy floor.
+"""Kernel-level benchmark: RoPE sites, q and k, against the copy floor (a clone of q and k: the same bytes read
+and written once), measured side by side in one run.
 
-One run times, per shape and spelling: eager, plain torch.compile (twice, for the run-to-run spread),
-torch.compile + RopeFusionPass(backend="triton"), + RopeFusionPass(backend="inductor"), the Triton op called
-directly with the arguments the pass would emit, Liger (NeoX only, if installed) and the copy floor (a clone
-of q and k: the same bytes read and written). It prints ms and multiples of the floor, the max error of each
-variant against eager, the kernel launches of the decode shape, and which backend is faster per spelling
-(the data behind the `auto` rule), and writes everything as JSON to --out.
+Row groups (`--groups`, default all; they run in the order norm, flux, vllm, backward, spellings):
+- `spellings`: every catalogue spelling (benchmarks/spellings.py) at four shapes: eager, plain torch.compile
+  (twice, for the run-to-run spread), torch.compile + RopeFusionPass(backend="auto" | "triton" | "inductor"),
+  the Triton op called directly with the arguments the pass would emit, Liger (NeoX only, if installed);
+  kernel launches of the decode shape; which fused backend is faster per spelling (the data behind `auto`).
+- `norm`: a per-head RMSNorm (diffusers and transformers spellings, fp32 math) before Flux's interleaved
+  `apply_rotary_emb` or HF rotate_half, D 80 and 128, and Wan's RMSNorm across all heads before its RoPE;
+  plain compile against the pass, and whether the pass folded the norm into the op (`report.sites[i].norm`).
+- `flux`: the Flux site [B,H,S,D] = [1,24,4608,128], interleaved, fp32 full-width tables, `.float()` math.
+- `vllm`: vLLM's `RotaryEmbedding.forward_native` (cos_sin_cache gathered by positions, flat [T, H*D] q/k):
+  Llama-3-8B (32/8 heads x 128, NeoX) at T = 1, 8, 64, 256, 8192, GPT-J-style partial (64 of 128,
+  interleaved) and Qwen3 (per-head RMSNorm first) at T = 8192; static compiles, `-dyn` compiles whose
+  token count is dynamic as vLLM compiles (`mark_dynamic` on the token dim, static otherwise), and `-dynall`
+  ones (`torch.compile(dynamic=True)`: every size symbolic, head counts and widths too); each dynamic
+  variant compiled once per form and reused for every T; kernel launches per call.
+- `backward`: a training step's RoPE in isolation (q, k require grad): forward and forward+backward, plain
+  against the pass, and from the profiler the backward's rotary kernel (named *rotary*) against the floor.
 
-    python -m benchmarks.kernels --out $OUT/kernels.json      # H200 shapes (GPU)
-    python -m benchmarks.kernels --quick                      # tiny shapes on the CPU (smoke test)
+Rows of the norm, flux, vllm and backward groups are timed with triton's do_bench (L2 flushed between
+calls) and, but for `backward`, in CUDA-graph replay (do_bench_cudagraph: no host overhead, as vLLM replays
+decode). The pass's report of each variant is kept (sites, backends, norms folded, misses such as "left to
+Inductor").
+A row or variant that fails is reported with its error and the run goes on; the JSON is rewritten after every
+row, so a time limit still leaves the rows done so far.
+
+    python -m benchmarks.kernels --out $OUT/kernels.json                    # every group (GPU)
+    python -m benchmarks.kernels --groups norm,vllm --rows llama            # a subset
+    python -m benchmarks.kernels --quick                                    # tiny shapes on the CPU (smoke test)
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import json
 import os
 import statistics
@@ -23,10 +45,14 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# As a script, benchmarks/ would come first on sys.path and its profile.py shadow the standard library's.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
+from benchmarks import spellings as sp  # noqa: E402
 from benchmarks.spellings import SPELLINGS, Spelling, fused_call  # noqa: E402
 
 # name: (B, S, q heads, k heads, D)
@@ -42,25 +68,40 @@ QUICK_SHAPES = {
     "gqa2x16x4/2x64": (2, 16, 4, 2, 64),
 }
 DECODE = ("decode64x32x128", "decode4x4x64")
-VARIANTS = ("eager", "compile", "compile#2", "pass-triton", "pass-inductor", "triton-op", "liger", "floor")
+VARIANTS = ("eager", "compile", "compile#2", "pass-auto", "pass-triton", "pass-inductor", "triton-op", "liger",
+            "floor")
+GROUPS = ("norm", "flux", "vllm", "backward", "spellings")  # the order they run in
 
 # ---------------------------------------------------------------------------------------------------------
-# measurement helpers (models.py uses them too)
+# measurement helpers (models.py and profile.py use them too)
 
 
-def bench_ms(fn: Callable[[], Any], device: str) -> float:
+def bench_ms(fn: Callable[[], Any], device: str, grad_to_none: list | None = None) -> float:
     """Median milliseconds per call: triton's do_bench on a GPU (L2 flushed between calls), wall clock else."""
     if device == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none,
+                                             return_mode="median"))
     fn()
     times = []
     for _ in range(5):
+        if grad_to_none:
+            for t in grad_to_none:
+                t.grad = None
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def graph_ms(fn: Callable[[], Any], device: str) -> float | None:
+    """Median milliseconds per call replayed in a CUDA graph (triton's do_bench_cudagraph); None off the GPU."""
+    if device != "cuda":
+        return None
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"))
 
 
 def count_launches(fn: Callable[[], Any], device: str) -> int | None:
@@ -78,16 +119,45 @@ def count_launches(fn: Callable[[], Any], device: str) -> int | None:
     return sum(1 for e in kinds if "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
 
 
+def kernel_times(call: Callable[[], Any], calls: int = 5, device: str = "cuda") -> dict[str, tuple[float, float]]:
+    """{kernel name: (launches per call, us per call)} over `calls` profiled calls: GPU kernels on a GPU, the
+    profiler's CPU ops (self time) elsewhere (the CPU smoke test of the same code)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = device == "cuda"
+    call()
+    if gpu:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            call()
+        if gpu:
+            torch.cuda.synchronize()
+    acc: dict = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if gpu and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        a = acc[e.name]
+        a[0] += 1
+        if gpu:
+            a[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        else:
+            a[1] += e.self_cpu_time_total
+    return {k: (v[0] / calls, v[1] / calls) for k, v in acc.items()}
+
+
 def max_err(got: Any, want: Any) -> float:
     """Largest absolute difference over matching tensors of two (nested) outputs."""
     if isinstance(got, torch.Tensor):
-        return float((got.double() - want.double()).abs().max()) if got.numel() else 0.0
+        return float((got.detach().double() - want.detach().double()).abs().max()) if got.numel() else 0.0
     if hasattr(got, "to_tuple"):
         got, want = got.to_tuple(), want.to_tuple()
     if isinstance(got, (tuple, list)):
         return max((max_err(g, w) for g, w in zip(got, want) if g is not None), default=0.0)
     if hasattr(got, "sample"):
         return max_err(got.sample, want.sample)
+    if hasattr(got, "last_hidden_state"):
+        return max_err(got.last_hidden_state, want.last_hidden_state)
     return float("nan")
 
 
@@ -99,6 +169,7 @@ def print_table(title: str, rows: list[list[Any]], header: list[str]) -> None:
         print("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))))
         if i == 0:
             print("  ".join("-" * w for w in widths))
+    sys.stdout.flush()
 
 
 def _fmt(c: Any) -> str:
@@ -110,38 +181,123 @@ def _fmt(c: Any) -> str:
 
 
 def write_json(path: str | None, data: dict, quiet: bool = False) -> None:
+    """Write atomically (a time limit mid-write leaves the previous version, never half a file)."""
     if not path:
         return
-    import os
-
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
         json.dump(data, f, indent=1, default=str)
+    os.replace(tmp, path)
     if not quiet:
         print(f"\nwrote {path}")
 
 
 def environment() -> dict:
     info = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
+    for mod in ("triton", "diffusers", "transformers"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:  # missing, or broken by a version mismatch
+            info[mod] = None
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
 
 
-def compiled(fn: Callable, backend: str | None) -> tuple[Callable, Any]:
-    """torch.compile(fn), static shapes, with the fusion pass for `backend` (None: plain compile)."""
+def raise_recompile_limits(n: int = 64) -> None:
+    """Every variant compiles the same code object; its cache must hold them all (else Dynamo runs eager)."""
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), n))
+
+
+def warm_up(device: str) -> float:
+    """Start what the first compile of a process would otherwise pay for (Inductor's compile workers, Triton,
+    the CUDA context), so that first-call seconds are compile time. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    try:
+        from torch._inductor.async_compile import AsyncCompile
+
+        AsyncCompile.warm_pool()
+        if hasattr(AsyncCompile, "wait_pool_ready"):
+            AsyncCompile.wait_pool_ready(timeout=120)
+    except Exception as e:  # no pool (one compile thread) or another torch: compile in process
+        print(f"  compile workers not warmed: {type(e).__name__}: {e}", flush=True)
+    try:
+        fn = torch.compile(lambda x: (x * 2).sin() + 1, dynamic=False)
+        fn(torch.randn(1024, device=device))
+    except Exception as e:
+        print(f"  warm-up compile failed: {type(e).__name__}: {e}", flush=True)
+    return time.perf_counter() - t0
+
+
+def no_graph_caches() -> None:
+    """FX graph and AOTAutograd caches off: variants compile the same graph with the same pass options (a
+    static and a dynamic compile at one size, say), and a hit would skip the pass and leave its report empty."""
+    torch._inductor.config.fx_graph_cache = False
+    try:
+        torch._functorch.config.enable_autograd_cache = False
+    except AttributeError:
+        pass
+
+
+def pass_summary(p: Any) -> dict:
+    """What the pass did, in plain data: sites, kernels and their backends, norms folded, misses (those left to
+    Inductor by the cost model counted apart), host tables, errors."""
+    r = p.report
+    norms = collections.Counter(s.norm for s in r.sites if s.norm)
+    misses = [m.reason for m in r.misses]
+    out = {"sites": len(r.sites), "kernels": len(r.kernels),
+           "backends": dict(collections.Counter(f"{k.op.split('.')[-1]}[{k.backend}]" for k in r.kernels)),
+           "norms_folded": sum(n for k, n in norms.items() if k.endswith("folded")),
+           "norms": dict(norms), "misses": len(misses),
+           "left_to_inductor": sum("left to inductor" in m.lower() for m in misses),
+           "miss_reasons": sorted({m[:200] for m in misses}), "host_tables": len(r.host_tables),
+           "errors": [f"{e.outcome}: {e.error}"[:300] for e in r.errors],
+           "fallbacks": sorted({k.fallback[:200] for k in r.kernels if k.fallback}),
+           "graphs": len(r.graph_records) or r.graphs,
+           "backward_sites": sum(s.graph_kind == "backward" for s in r.sites)}
+    c = r.cached
+    if c.graphs:
+        out["cached"] = {"graphs": c.graphs, "sites": c.sites, "kernels": c.kernels}
+    return out
+
+
+def short_summary(s: dict | None) -> str:
+    """One cell: sites/kernels, backends, norms folded, left to Inductor."""
+    if not s:
+        return "-"
+    text = f"{s['sites']}s/{s['kernels']}k"
+    if s["backends"]:
+        text += " " + ",".join(f"{k}x{n}" for k, n in s["backends"].items())
+    if s["graphs"] > 1:
+        text += f" in {s['graphs']} graphs"
+    if s["norms_folded"]:
+        text += f" norm-folded x{s['norms_folded']}"
+    if s["left_to_inductor"]:
+        text += f" left-to-inductor x{s['left_to_inductor']}"
+    elif s["misses"]:
+        text += f" misses x{s['misses']}"
+    if s["errors"]:
+        text += f" ERRORS x{len(s['errors'])}"
+    if s.get("cached"):
+        text += f" (FX graph cache: {s['cached']['sites']}s/{s['cached']['kernels']}k not seen)"
+    return text
+
+
+def compiled(fn: Callable, backend: str | None, dynamic: bool | None = False) -> tuple[Callable, Any]:
+    """torch.compile(fn) (static shapes by default), with the fusion pass for `backend` (None: plain)."""
     if backend is None:
-        return torch.compile(fn, dynamic=False), None
+        return torch.compile(fn, dynamic=dynamic), None
     import rope_fusion
 
     p = rope_fusion.RopeFusionPass(backend=backend)
-    return torch.compile(fn, dynamic=False, options={"post_grad_custom_post_pass": p}), p
+    return torch.compile(fn, dynamic=dynamic, options={"post_grad_custom_post_pass": p}), p
+
+
+# ---------------------------------------------------------------------------------------------------------
+# group "spellings": the catalogue spellings at the table's shapes
 
 
 def _liger(spelling: Spelling) -> Callable | None:
@@ -164,10 +320,10 @@ def _variant_fn(variant: str, spelling: Spelling, device: str) -> tuple[Callable
         return spelling.apply, None
     if variant in ("compile", "compile#2"):
         return compiled(spelling.apply, None)
-    if variant == "pass-triton":
-        return compiled(spelling.apply, "triton") if device == "cuda" else (None, None)
-    if variant == "pass-inductor":
-        return compiled(spelling.apply, "inductor")
+    if variant.startswith("pass-") and variant[5:] in ("auto", "triton", "inductor"):
+        if variant == "pass-triton" and device != "cuda":
+            return None, None
+        return compiled(spelling.apply, variant[5:])
     if variant == "triton-op":
         if device != "cuda":
             return None, None
@@ -190,8 +346,9 @@ def run_case(shape_name: str, shape: tuple, spelling: Spelling, device: str, var
     k = torch.randn(B, S, HK, D, device=device, dtype=dtype)
     tables = spelling.make_tables(B, S, D, torch.device(device))
     want = spelling.apply(q, k, *tables)
-    rec: dict = {"shape": shape_name, "dims": shape, "spelling": spelling.code, "name": spelling.name,
-                 "ms": {}, "err": {}, "fused_kernels": {}, "launches": {}, "errors": {}}
+    rec: dict = {"group": "spellings", "shape": shape_name, "dims": shape, "spelling": spelling.code,
+                 "name": spelling.name, "ms": {}, "err": {}, "fused_kernels": {}, "pass": {}, "launches": {},
+                 "errors": {}}
     fns: dict = {}
     for v in variants:
         if v == "compile#2":  # the same compiled function timed again: run-to-run spread
@@ -211,6 +368,7 @@ def run_case(shape_name: str, shape: tuple, spelling: Spelling, device: str, var
             rec["ms"][v] = bench_ms(call, device)
             if p is not None:
                 rec["fused_kernels"][v] = len(p.report.kernels)
+                rec["pass"][v] = pass_summary(p)
             if v != "eager" and v != "floor":
                 rec.setdefault("first_call_s", {})[v] = round(first, 2)
             if shape_name in DECODE:
@@ -237,6 +395,391 @@ def auto_rule(records: list[dict]) -> dict:
             continue
         rule.setdefault(r["spelling"], {})[r["shape"]] = "triton" if t <= i else "inductor"
     return rule
+
+
+def run_spellings(args: argparse.Namespace, device: str, result: dict, t_start: float) -> None:
+    shapes = QUICK_SHAPES if device == "cpu" else SHAPES
+    if args.shapes:
+        shapes = {n: s for n, s in shapes.items() if n in args.shapes}
+    spellings = [SPELLINGS[c] for c in (args.spellings or SPELLINGS)]
+    variants = [v for v in VARIANTS if v in args.variants]
+    records = result["records"]
+    mine = []
+    for sname, shape in shapes.items():
+        for spl in spellings:
+            try:
+                r = run_case(sname, shape, spl, device, variants, torch.bfloat16)
+            except Exception as e:  # inputs that do not fit, say: the row is reported, the run goes on
+                traceback.print_exc(limit=3)
+                r = {"group": "spellings", "shape": sname, "spelling": spl.code, "name": spl.name, "ms": {},
+                     "x_floor": {}, "err": {}, "pass": {}, "launches": {}, "fused_kernels": {},
+                     "compile_spread": None, "errors": {"row": f"{type(e).__name__}: {e}"}}
+            records.append(r)
+            mine.append(r)
+            write_json(args.out, result, quiet=True)  # partial results survive a time limit
+            print(f"[{time.perf_counter() - t_start:6.1f}s] {sname} {spl.code}: " + ", ".join(
+                f"{v} {r['x_floor'].get(v) or 0:.2f}x" for v in r["ms"]), flush=True)
+    if not mine:
+        return
+    cols = [v for v in variants if any(v in r["ms"] for r in mine)]
+    header = ["shape", "spelling"] + cols
+    print_table("spellings: ms per call (median), q and k, bf16", [[r["shape"], f"{r['spelling']} {r['name']}"]
+                + [r["ms"].get(v) for v in cols] for r in mine], header)
+    print_table("spellings: x copy floor (do_bench)", [[r["shape"], r["spelling"]]
+                                                       + [r["x_floor"].get(v) for v in cols] for r in mine], header)
+    print_table("spellings: max abs error against eager", [[r["shape"], r["spelling"]]
+                + [r["err"].get(v) for v in cols] for r in mine], header)
+    pcols = [v for v in cols if v.startswith("pass-")]
+    print_table("spellings: what the pass did (sites/kernels, op[backend], misses)", [[r["shape"], r["spelling"]]
+                + [short_summary(r["pass"].get(v)) for v in pcols] for r in mine], ["shape", "spelling"] + pcols)
+    dec = [r for r in mine if any(n is not None for n in r["launches"].values())]
+    if dec:
+        print_table("spellings: kernel launches per call, decode shape", [[r["shape"], r["spelling"]]
+                    + [r["launches"].get(v) for v in cols] for r in dec], header)
+    spreads = [r["compile_spread"] for r in mine if r["compile_spread"] is not None]
+    if spreads:
+        print(f"\nplain torch.compile timed twice: run-to-run spread median {statistics.median(spreads):.1%}, "
+              f"max {max(spreads):.1%}")
+    rule = auto_rule(mine)
+    print("\nfaster fused backend per spelling and shape (auto rule data):")
+    for code, per in rule.items():
+        print(f"  {code}: {per}")
+    result["auto_rule"] = rule
+
+
+# ---------------------------------------------------------------------------------------------------------
+# groups "norm", "flux", "vllm", "backward": one function per row, compiled once per variant
+
+# variant: (RopeFusionPass backend, None for plain compile; dynamic sizes: "" none, "mark" the token dim marked
+# dynamic (vLLM), "all" torch.compile(dynamic=True))
+ROW_VARIANTS = {"compile": (None, ""), "pass": ("auto", ""), "pass-triton": ("triton", ""),
+                "pass-inductor": ("inductor", ""), "compile-dyn": (None, "mark"), "pass-dyn": ("auto", "mark"),
+                "compile-dynall": (None, "all"), "pass-dynall": ("auto", "all")}
+FORCED = ("compile", "pass", "pass-triton", "pass-inductor")
+
+
+@dataclasses.dataclass
+class Row:
+    group: str
+    name: str
+    shape: str
+    fn: Callable
+    make: Callable[[str], tuple]  # device -> the arguments of fn
+    floor: Callable[[tuple], tuple]  # the arguments -> the tensors whose clone is the copy floor
+    variants: tuple
+    form: str = ""  # rows of one form share their -dyn compiles (one compiled function for every T)
+    dyn: tuple = ()  # arguments whose dim 0 is the token count (marked dynamic for -dyn variants)
+    norm: bool = False  # the pass should fold a QK-norm into the op
+    launches: bool = False  # count kernel launches per call
+    backward: bool = False  # time forward + backward; the first two arguments require grad
+
+
+def _randn(*shape: int, device: str, scale: float = 1.0, grad: bool = False) -> torch.Tensor:
+    t = torch.randn(*shape, device=device, dtype=torch.bfloat16) * scale
+    return t.requires_grad_() if grad else t
+
+
+def _weight(n: int, device: str) -> torch.Tensor:
+    return 1 + 0.1 * _randn(n, device=device)
+
+
+def _qk_args(a: tuple) -> tuple:
+    return a[:2]
+
+
+def norm_rows(quick: bool) -> list[Row]:
+    """(a) per-head RMSNorm + RoPE ([B,S,H,D]) at D 80 and 128, and Wan's RMSNorm across heads ([B,S,H*D])."""
+    per_head = {"1x64x4x80": (1, 64, 4, 80), "1x48x2x128": (1, 48, 2, 128)} if quick else \
+        {"1x16384x16x80": (1, 16384, 16, 80), "1x32760x12x128": (1, 32760, 12, 128)}
+    across = {"1x48x4x32": (1, 48, 4, 32)} if quick else \
+        {"1x32760x12x128": (1, 32760, 12, 128), "1x32760x40x128": (1, 32760, 40, 128)}
+    rows = []
+    for label, (B, S, H, D) in per_head.items():
+        def make_il(device, B=B, S=S, H=H, D=D):
+            return (_randn(B, S, H, D, device=device), _randn(B, S, H, D, device=device), _weight(D, device),
+                    _weight(D, device), *sp.flux_tables(S, D, device))
+
+        def make_neox(device, B=B, S=S, H=H, D=D):
+            return (_randn(B, S, H, D, device=device), _randn(B, S, H, D, device=device), _weight(D, device),
+                    _weight(D, device), *SPELLINGS["N1"].make_tables(B, S, D, torch.device(device)))
+
+        rows.append(Row("norm", "rms+flux-il", label, sp.rms_flux_rotary, make_il, _qk_args, FORCED, norm=True))
+        rows.append(Row("norm", "rms+hf-neox", label, sp.rms_hf_neox, make_neox, _qk_args, FORCED, norm=True))
+    for label, (B, S, H, D) in across.items():
+        def make_wan(device, B=B, S=S, H=H, D=D):
+            return (_randn(B, S, H * D, device=device), _randn(B, S, H * D, device=device), _weight(H * D, device),
+                    _weight(H * D, device), *SPELLINGS["I1"].make_tables(B, S, D, torch.device(device)))
+
+        rows.append(Row("norm", "wan-rms-heads+I1", label, sp.wan_rms_across_heads, make_wan, _qk_args, FORCED,
+                        norm=True))
+    return rows
+
+
+def flux_rows(quick: bool) -> list[Row]:
+    """(b) the Flux site: [B,H,S,D], interleaved, fp32 full-width tables, `.float()` math."""
+    B, H, S, D = (1, 2, 64, 32) if quick else (1, 24, 4608, 128)
+
+    def make(device):
+        return (_randn(B, H, S, D, device=device), _randn(B, H, S, D, device=device), *sp.flux_tables(S, D, device))
+
+    return [Row("flux", "flux-il fp32 [B,H,S,D]", f"{B}x{H}x{S}x{D}", sp.flux_site_bhsd, make, _qk_args, FORCED)]
+
+
+# form: (head size, rotary dim, NeoX, q heads, k heads, max positions, base, QK-norm first), its token counts
+VLLM_FORMS = {
+    "llama3-8b": ((128, 128, True, 32, 8, 8192, 500000.0, False), (1, 8, 64, 256, 8192)),
+    "gptj-partial": ((128, 64, False, 32, 32, 8192, 10000.0, False), (8192,)),
+    "qwen3-8b+norm": ((128, 128, True, 32, 8, 40960, 1000000.0, True), (8192,)),
+}
+QUICK_VLLM_FORMS = {
+    "llama3-8b": ((32, 32, True, 4, 2, 256, 500000.0, False), (1, 8, 64)),
+    "gptj-partial": ((32, 16, False, 4, 4, 256, 10000.0, False), (64,)),
+    "qwen3-8b+norm": ((32, 32, True, 4, 2, 256, 1000000.0, True), (64,)),
+}
+VLLM_VARIANTS = ("compile", "pass", "pass-triton", "compile-dyn", "pass-dyn")
+DYNALL = ("compile-dynall", "pass-dynall")  # for the Llama form only: the pass fuses nothing there (CPU, torch 2.13)
+
+
+def vllm_rows(quick: bool) -> list[Row]:
+    """(c) vLLM's RotaryEmbedding.forward_native, the cos|sin cache gathered by positions, flat q and k."""
+    rows = []
+    for form, (dims, tokens) in (QUICK_VLLM_FORMS if quick else VLLM_FORMS).items():
+        head, rot, neox, hq, hk, max_pos, base, norm = dims
+        fn = sp.vllm_qwen3_rope(head) if norm else sp.vllm_rope(head, rot, neox)  # one object for every T
+        for T in tokens:
+            def make(device, T=T, head=head, rot=rot, hq=hq, hk=hk, max_pos=max_pos, base=base, norm=norm):
+                # decode batches read scattered rows, a prefill reads consecutive ones
+                pos = (torch.randint(0, max_pos, (T,), device=device) if T <= 256
+                       else torch.arange(T, device=device) % max_pos)
+                q, k = _randn(T, hq * head, device=device), _randn(T, hk * head, device=device)
+                cache = sp.vllm_cos_sin_cache(max_pos, rot, base, device)
+                return (pos, q, k, _weight(head, device), _weight(head, device), cache) if norm else (pos, q, k, cache)
+
+            variants = VLLM_VARIANTS + (DYNALL if form.startswith("llama") else ())
+            rows.append(Row("vllm", form, f"T={T} {hq}/{hk}x{head} R={rot}", fn, make, lambda a: a[1:3],
+                            variants, form=form, dyn=(0, 1, 2), norm=norm, launches=True))
+    return rows
+
+
+def backward_rows(quick: bool) -> list[Row]:
+    """(d) a training step's RoPE alone: NeoX (HF rotate_half) and interleaved (Flux), q and k require grad."""
+    B, S, H, D = (1, 64, 2, 32) if quick else (1, 32760, 12, 128)
+    label = f"{B}x{S}x{H}x{D}"
+
+    def make_neox(device):
+        return (_randn(B, S, H, D, device=device, grad=True), _randn(B, S, H, D, device=device, grad=True),
+                *SPELLINGS["N1"].make_tables(B, S, D, torch.device(device)))
+
+    def make_il(device):
+        return (_randn(B, S, H, D, device=device, grad=True), _randn(B, S, H, D, device=device, grad=True),
+                *sp.flux_tables(S, D, device))
+
+    return [Row("backward", "N1 hf-neox", label, sp.hf_neox, make_neox, _qk_args, ("compile", "pass"), backward=True),
+            Row("backward", "flux-il [B,S,H,D]", label, sp.flux_site_bshd, make_il, _qk_args, ("compile", "pass"),
+                backward=True)]
+
+
+ROW_GROUPS = {"norm": norm_rows, "flux": flux_rows, "vllm": vllm_rows, "backward": backward_rows}
+
+
+def _time(rec: dict, v: str, call: Callable, device: str, cudagraph: bool, launches: bool) -> None:
+    rec["ms"][v] = bench_ms(call, device)
+    if cudagraph and device == "cuda":
+        try:
+            rec["graph_ms"][v] = graph_ms(call, device)
+        except Exception as e:  # a call that cannot be captured is reported
+            rec["errors"][f"{v}@graph"] = f"{type(e).__name__}: {e}"[:500]
+    if launches:
+        rec["launches"][v] = count_launches(call, device)
+
+
+def _variant(row: Row, v: str, shared: dict) -> tuple[Callable, Any]:
+    backend, dyn = ROW_VARIANTS[v]
+    if not dyn:
+        return compiled(row.fn, backend)
+    key = (row.form or row.name, v)
+    if key not in shared:  # one compiled function per form, reused for every token count
+        dyn_arg = dyn == "all"
+        if backend is None:  # Dynamo shares cache entries between equal backends: a plain static compile
+            # would run this dynamic graph (and this one a static graph) at a size both accept; an option
+            # (its value the one in force anyway) makes them unequal
+            shared[key] = torch.compile(row.fn, dynamic=dyn_arg, options={"fx_graph_cache": False}), None
+        else:  # each pass instance is its own backend
+            shared[key] = compiled(row.fn, backend, dynamic=dyn_arg)
+    return shared[key]
+
+
+def run_row(row: Row, device: str, variants: list[str], cudagraph: bool, shared: dict) -> dict:
+    rec: dict = {"group": row.group, "name": row.name, "shape": row.shape, "ms": {}, "graph_ms": {}, "err": {},
+                 "pass": {}, "launches": {}, "first_call_s": {}, "errors": {}}
+    try:
+        torch.manual_seed(0)
+        args = row.make(device)
+        if row.backward:
+            _run_backward(row, rec, args, device, variants)
+        else:
+            with torch.no_grad():
+                _run_forward(row, rec, args, device, variants, cudagraph, shared)
+    except Exception as e:  # the row is reported, the run goes on
+        rec["errors"]["row"] = f"{type(e).__name__}: {e}"[:500]
+        traceback.print_exc(limit=4)
+    for key, per in (("x_floor", "ms"), ("x_floor_graph", "graph_ms")):
+        floor = rec[per].get("floor")
+        rec[key] = {v: (ms / floor if floor else None) for v, ms in rec[per].items()}
+    if row.norm:
+        rec["norm_folded"] = {v: (s["norms_folded"] == s["sites"] > 0) for v, s in rec["pass"].items()}
+    return rec
+
+
+def _run_forward(row: Row, rec: dict, args: tuple, device: str, variants: list[str], cudagraph: bool,
+                 shared: dict) -> None:
+    want = row.fn(*args)
+    floor_ts = row.floor(args)
+    _time(rec, "floor", lambda: tuple(t.clone() for t in floor_ts), device, cudagraph, row.launches)
+    for v in variants:
+        try:
+            backend, dyn = ROW_VARIANTS[v]
+            if (backend == "triton" and device != "cuda") or (dyn and not row.dyn):
+                continue
+            fn, p = _variant(row, v, shared)
+            vargs = args
+            if dyn == "mark":  # vLLM marks the token dim dynamic (on aliases: not the static rows')
+                vargs = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+                for i in row.dyn:
+                    torch._dynamo.maybe_mark_dynamic(vargs[i], 0)
+            call = (lambda fn=fn, a=vargs: fn(*a))
+            t0 = time.perf_counter()
+            got = call()
+            rec["first_call_s"][v] = round(time.perf_counter() - t0, 2)
+            rec["err"][v] = max_err(got, want)
+            if p is not None:
+                rec["pass"][v] = pass_summary(p)
+            _time(rec, v, call, device, cudagraph, row.launches)
+        except Exception as e:  # a variant that fails is reported, never fatal
+            rec["errors"][v] = f"{type(e).__name__}: {e}"[:500]
+            traceback.print_exc(limit=4)
+
+
+def _rotary_us(times: dict) -> tuple[float, float]:
+    sel = [v for n, v in times.items() if "rotary" in n.lower()]
+    return sum(c for c, _ in sel), sum(us for _, us in sel)
+
+
+def _run_backward(row: Row, rec: dict, args: tuple, device: str, variants: list[str]) -> None:
+    """Forward and forward+backward timed; the backward's kernels are those of a step less those of a forward
+    (the profiler's GPU time per call); its rotary kernels (named *rotary*) against the copy floor's kernels."""
+    q, k, rest = args[0], args[1], args[2:]
+    out = row.fn(q, k, *rest)
+    grads = tuple(torch.randn_like(o) for o in out)
+    torch.autograd.backward(out, grads)
+    want, want_grads = tuple(o.detach() for o in out), (q.grad, k.grad)
+    floor_ts = (q.detach(), k.detach())
+    floor = (lambda: tuple(t.clone() for t in floor_ts))
+    rec["ms"]["floor"] = bench_ms(floor, device)
+    floor_us = sum(us for _, us in kernel_times(floor, device=device).values())
+    rec["floor_us"] = floor_us
+    rec["bwd"] = {}
+    for v in variants:
+        try:
+            backend, _ = ROW_VARIANTS[v]
+            if backend == "triton" and device != "cuda":
+                continue
+            fn, p = compiled(row.fn, backend)
+
+            def fwd(fn=fn):
+                return fn(q, k, *rest)
+
+            def step(fwd=fwd):
+                q.grad = k.grad = None
+                torch.autograd.backward(fwd(), grads)
+
+            t0 = time.perf_counter()
+            step()
+            rec["first_call_s"][v] = round(time.perf_counter() - t0, 2)
+            rec["err"][v] = max_err(fwd(), want)
+            rec["err"][f"{v}:grad"] = max_err((q.grad, k.grad), want_grads)
+            if p is not None:
+                rec["pass"][v] = pass_summary(p)
+            rec["ms"][f"{v}:fwd"] = bench_ms(fwd, device)
+            rec["ms"][f"{v}:fwd+bwd"] = bench_ms(step, device)
+            kf, ks = kernel_times(fwd, device=device), kernel_times(step, device=device)
+            f_us, s_us = sum(us for _, us in kf.values()), sum(us for _, us in ks.values())
+            (rf_n, rf_us), (rs_n, rs_us) = _rotary_us(kf), _rotary_us(ks)
+            bwd_names = sorted((n for n in ks if ks[n][1] - kf.get(n, (0, 0.0))[1] > 0),
+                               key=lambda n: -(ks[n][1] - kf.get(n, (0, 0.0))[1]))
+            rec["bwd"][v] = {"fwd_us": f_us, "bwd_us": s_us - f_us, "bwd_x_floor": (s_us - f_us) / floor_us
+                             if floor_us else None, "bwd_rotary_launches": rs_n - rf_n,
+                             "bwd_rotary_us": rs_us - rf_us, "fwd_rotary_us": rf_us,
+                             "bwd_rotary_x_floor": (rs_us - rf_us) / floor_us if floor_us and rs_n > rf_n else None,
+                             "bwd_kernels": [n[:80] for n in bwd_names[:4]]}
+        except Exception as e:  # a variant that fails is reported, never fatal
+            rec["errors"][v] = f"{type(e).__name__}: {e}"[:500]
+            traceback.print_exc(limit=4)
+        finally:
+            q.grad = k.grad = None
+    floor_ms = rec["ms"]["floor"]
+    rec["x_floor_step"] = {v: ms / floor_ms for v, ms in rec["ms"].items()}
+
+
+def run_group(group: str, args: argparse.Namespace, device: str, result: dict, t_start: float) -> None:
+    """One of the row groups: every row (filtered by --rows), its variants, the JSON rewritten after each."""
+    shared: dict = {}  # the -dyn compiled functions of each form
+    mine = []
+    for row in ROW_GROUPS[group](device == "cpu"):
+        label = f"{row.name} {row.shape} {row.form}"
+        if args.rows and not any(s in label for s in args.rows):
+            continue
+        variants = [v for v in (args.row_variants or row.variants) if v in ROW_VARIANTS]
+        rec = run_row(row, device, variants, not args.no_cudagraph, shared)
+        result["records"].append(rec)
+        mine.append(rec)
+        write_json(args.out, result, quiet=True)
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {group} {row.name} {row.shape}: " + ", ".join(
+            f"{v} {x:.2f}x" for v, x in rec.get("x_floor_step", rec["x_floor"]).items() if x)
+            + ("  graph: " + ", ".join(f"{v} {x:.2f}x" for v, x in rec["x_floor_graph"].items() if x)
+               if rec["x_floor_graph"] else "")
+            + (f"  ERRORS {rec['errors']}" if rec["errors"] else ""), flush=True)
+    if mine:
+        print_rows(group, mine)
+
+
+def print_rows(group: str, recs: list[dict]) -> None:
+    if group == "backward":
+        rows = []
+        for r in recs:
+            for v, b in r.get("bwd", {}).items():
+                rows.append([r["shape"], r["name"], v, r["x_floor_step"].get(f"{v}:fwd"),
+                             r["x_floor_step"].get(f"{v}:fwd+bwd"), b["bwd_us"], b["bwd_x_floor"],
+                             b["bwd_rotary_launches"], b["bwd_rotary_us"], b["bwd_rotary_x_floor"], r.get("floor_us"),
+                             r["err"].get(f"{v}:grad"), short_summary(r["pass"].get(v))])
+        print_table("backward: fwd and fwd+bwd (do_bench, x the floor of a clone of q and k); from the profiler: "
+                    "the backward's kernels, its rotary kernels, us per step and x the floor's kernels", rows,
+                    ["shape", "row", "variant", "fwd x", "fwd+bwd x", "bwd us", "bwd x", "rot launches",
+                     "bwd rot us", "bwd rot x", "floor us", "grad err", "pass"])
+        return
+    cols = [v for v in ROW_VARIANTS if any(v in r["ms"] for r in recs)]
+    header = ["shape", "row", "floor ms"] + cols
+    print_table(f"{group}: x copy floor, do_bench (L2 flushed)", [[r["shape"], r["name"], r["ms"].get("floor")]
+                + [r["x_floor"].get(v) for v in cols] for r in recs], header)
+    if any(r["graph_ms"] for r in recs):
+        print_table(f"{group}: x copy floor, CUDA-graph replay", [[r["shape"], r["name"], r["graph_ms"].get("floor")]
+                    + [r["x_floor_graph"].get(v) for v in cols] for r in recs], header)
+    if any(n is not None for r in recs for n in r["launches"].values()):
+        print_table(f"{group}: kernel launches per call", [[r["shape"], r["name"], r["launches"].get("floor")]
+                    + [r["launches"].get(v) for v in cols] for r in recs], header)
+    print_table(f"{group}: max abs error against eager", [[r["shape"], r["name"], None]
+                + [r["err"].get(v) for v in cols] for r in recs], header)
+    pcols = [v for v in cols if v.startswith("pass")]
+    print_table(f"{group}: what the pass did", [[r["shape"], r["name"]] + [short_summary(r["pass"].get(v))
+                for v in pcols] for r in recs], ["shape", "row"] + pcols)
+    for r in recs:
+        for v, s in r["pass"].items():
+            notes = s["miss_reasons"] + s["errors"] + s["fallbacks"]
+            notes += [f"norm {n}" for n in s["norms"] if not n.endswith("folded")]
+            for note in notes:
+                print(f"  {r['shape']} {r['name']} {v}: {note}")
+        for v, e in r["errors"].items():
+            print(f"  ERROR {r['shape']} {r['name']} {v}: {e[:300]}")
 
 
 # (shape, spelling, choices per option): the tile choices measured by --sweep. Besides the table's shapes, the
@@ -304,72 +847,68 @@ def sweep(device: str, cases: list = SWEEP_CASES) -> list[dict]:
     return out
 
 
+
+
+def _split(values: list[str] | None) -> list[str] | None:
+    """`a,b c` -> [a, b, c]: lists are accepted comma- or space-separated."""
+    return [x for v in values for x in v.split(",") if x] if values else values
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (smoke test)")
-    ap.add_argument("--out", help="write the results as JSON here")
-    ap.add_argument("--shapes", nargs="*", help="subset of shape names")
-    ap.add_argument("--spellings", nargs="*", help="subset of catalogue codes (I1 I2 I3 N1 N3 C2 C1)")
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), help=f"subset of {VARIANTS}")
+    ap.add_argument("--out", help="write the results as JSON here (rewritten after every row)")
+    ap.add_argument("--groups", nargs="*", default=list(GROUPS), help=f"row groups, of {GROUPS}")
+    ap.add_argument("--rows", nargs="*", help="only rows of the non-spelling groups whose name, shape or form "
+                                              "contains one of these strings")
+    ap.add_argument("--row-variants", nargs="*", help=f"variants of those rows (default per group), of "
+                                                      f"{list(ROW_VARIANTS)}")
+    ap.add_argument("--no-cudagraph", action="store_true", help="skip the CUDA-graph replay timings")
+    ap.add_argument("--shapes", nargs="*", help="spellings group: subset of shape names")
+    ap.add_argument("--spellings", nargs="*", help="spellings group: subset of catalogue codes "
+                                                   "(I1 I2 I3 N1 N3 C2 C1)")
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), help=f"spellings group: subset of {VARIANTS}")
     ap.add_argument("--sweep", action="store_true", help="also sweep Triton tile choices (GPU)")
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep (GPU)")
     ap.add_argument("--sweep-cases", nargs="*", help="subset of the sweep, as shape:spelling")
     args = ap.parse_args(argv)
+    for name in ("groups", "rows", "row_variants", "shapes", "spellings", "variants", "sweep_cases"):
+        setattr(args, name, _split(getattr(args, name)))
+    unknown = [g for g in args.groups if g not in GROUPS]
+    if unknown:
+        ap.error(f"unknown groups {unknown}, of {GROUPS}")
 
     device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
-    shapes = QUICK_SHAPES if device == "cpu" else SHAPES
-    if args.shapes:
-        shapes = {n: s for n, s in shapes.items() if n in args.shapes}
-    spellings = [SPELLINGS[c] for c in (args.spellings or SPELLINGS)]
-    variants = [v for v in VARIANTS if v in args.variants]
-    dtype = torch.bfloat16
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    raise_recompile_limits()
+    no_graph_caches()  # a cache hit skips the pass, and its report (Triton's kernel cache stays on)
     print("environment:", json.dumps(environment()), "device:", device, flush=True)
 
     t_start = time.perf_counter()
-    result: dict = {"environment": environment(), "device": device, "dtype": str(dtype), "records": []}
+    print(f"warm-up {warm_up(device):.1f} s", flush=True)
+    result: dict = {"environment": environment(), "device": device, "dtype": "torch.bfloat16",
+                    "argv": sys.argv[1:] if argv is None else argv, "records": []}
     if (args.sweep or args.sweep_only) and device == "cuda":
         cases = [c for c in SWEEP_CASES if not args.sweep_cases or f"{c[0]}:{c[1]}" in args.sweep_cases]
         result["sweep"] = sweep(device, cases)
         write_json(args.out, result)
         if args.sweep_only:
             return 0
-    records = result["records"]
-    for sname, shape in shapes.items():
-        for sp in spellings:
-            r = run_case(sname, shape, sp, device, variants, dtype)
-            records.append(r)
-            write_json(args.out, result, quiet=True)  # partial results survive a time limit
-            print(f"[{time.perf_counter() - t_start:6.1f}s] {sname} {sp.code}: " + ", ".join(
-                f"{v} {r['x_floor'].get(v) or 0:.2f}x" for v in r["ms"]), flush=True)
-
-    cols = [v for v in variants if any(v in r["ms"] for r in records)]
-    header = ["shape", "spelling"] + cols
-    print_table("ms per call (median), q and k, bf16", [[r["shape"], f"{r['spelling']} {r['name']}"]
-                + [r["ms"].get(v) for v in cols] for r in records], header)
-    print_table("x copy floor", [[r["shape"], r["spelling"]] + [r["x_floor"].get(v) for v in cols]
-                                  for r in records], header)
-    print_table("max abs error against eager", [[r["shape"], r["spelling"]] + [r["err"].get(v) for v in cols]
-                                                for r in records], header)
-    fcols = [v for v in ("pass-triton", "pass-inductor") if v in cols]
-    print_table("fused kernels emitted by the pass", [[r["shape"], r["spelling"]]
-                + [r["fused_kernels"].get(v) for v in fcols] for r in records], ["shape", "spelling"] + fcols)
-    dec = [r for r in records if any(n is not None for n in r["launches"].values())]
-    if dec:
-        print_table("kernel launches per call, decode shape", [[r["shape"], r["spelling"]]
-                    + [r["launches"].get(v) for v in cols] for r in dec], header)
-    spreads = [r["compile_spread"] for r in records if r["compile_spread"] is not None]
-    if spreads:
-        print(f"\nplain torch.compile timed twice: run-to-run spread median {statistics.median(spreads):.1%}, "
-              f"max {max(spreads):.1%}")
-    rule = auto_rule(records)
-    print("\nfaster fused backend per spelling and shape (auto rule data):")
-    for code, per in rule.items():
-        print(f"  {code}: {per}")
-    errors = {f"{r['shape']} {r['spelling']} {v}": e for r in records for v, e in r["errors"].items()}
-    for key, e in errors.items():
-        print(f"  ERROR {key}: {e[:200]}")
-    result.update(auto_rule=rule, seconds=time.perf_counter() - t_start)
+    for group in [g for g in GROUPS if g in args.groups]:
+        try:
+            if group == "spellings":
+                run_spellings(args, device, result, t_start)
+            else:
+                run_group(group, args, device, result, t_start)
+        except Exception as e:  # never fatal: the other groups still run
+            traceback.print_exc()
+            result.setdefault("group_errors", {})[group] = f"{type(e).__name__}: {e}"
+        torch._dynamo.reset()
+    errors = [(r.get("spelling") or r["name"], r["shape"], v, e) for r in result["records"]
+              for v, e in r["errors"].items()]
+    for name, shape, v, e in errors:
+        print(f"  ERROR {shape} {name} {v}: {e[:200]}")
+    result["seconds"] = time.perf_counter() - t_start
+    print(f"\nkernels: {len(result['records'])} rows, {len(errors)} errors, {result['seconds']:.0f} s", flush=True)
     write_json(args.out, result)
     return 0
 

@@ -174,3 +174,134 @@ def fused_call(spelling: Spelling, q: torch.Tensor, k: torch.Tensor, tables: tup
     cos, sin, kw = spelling.fused(*tables)
     rotary_dim = cos.shape[-1] * (1 if kw["full_tables"] else 2)
     return op(q, k, cos, sin, rotary_dim=rotary_dim, conjugate=False, out_dtype=q.dtype, **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Forms of the newer rows of benchmarks.kernels: a QK-norm before the rotation, the Flux [B,H,S,D] site,
+# vLLM's forward_native with its gathered cos|sin cache, written as the libraries write them.
+
+def diffusers_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """diffusers.models.normalization.RMSNorm: fp32 statistics, x * rsqrt in fp32, cast to the weight's dtype."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return x.to(weight.dtype) * weight
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """transformers Qwen3RMSNorm / LlamaRMSNorm, and vLLM's RMSNorm.forward_native: fp32, cast back, x weight."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * x.to(dtype)
+
+
+def flux_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> torch.Tensor:
+    """diffusers `apply_rotary_emb(x, (cos, sin), use_real=True, use_real_unbind_dim=-1, sequence_dim=...)`:
+    full-width interleaved fp32 tables [S, D], the products in fp32 (Flux, HunyuanVideo, CogVideoX)."""
+    if sequence_dim == 2:
+        cos, sin = cos[None, None, :, :], sin[None, None, :, :]
+    else:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+    return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+
+
+def flux_tables(S: int, D: int, device) -> tuple:
+    """get_1d_rotary_pos_embed(use_real=True, repeat_interleave_real=True): fp32 [S, D] cos and sin."""
+    a = _angles(S, D // 2, device).repeat_interleave(2, -1)
+    return a.cos().float(), a.sin().float()
+
+
+def flux_site_bhsd(q, k, cos, sin):
+    """The Flux attention site in [B, H, S, D] (sequence_dim=2)."""
+    return flux_rotary(q, cos, sin, 2), flux_rotary(k, cos, sin, 2)
+
+
+def flux_site_bshd(q, k, cos, sin):
+    """The same in [B, S, H, D] (diffusers >= 0.35 processors, sequence_dim=1)."""
+    return flux_rotary(q, cos, sin, 1), flux_rotary(k, cos, sin, 1)
+
+
+def rms_flux_rotary(q, k, wq, wk, cos, sin):
+    """Per-head diffusers RMSNorm of q and k ([B, S, H, D]), then Flux's interleaved apply_rotary_emb."""
+    return flux_site_bshd(diffusers_rms_norm(q, wq), diffusers_rms_norm(k, wk), cos, sin)
+
+
+def rms_hf_neox(q, k, wq, wk, cos, sin):
+    """Per-head transformers RMSNorm (Qwen3's q_norm/k_norm), then rotate_half NeoX with bf16 tables."""
+    return hf_neox(hf_rms_norm(q, wq), hf_rms_norm(k, wk), cos, sin)
+
+
+def wan_rms_across_heads(q, k, wq, wk, freqs_cos, freqs_sin):
+    """diffusers Wan: torch.nn.RMSNorm over all heads ([B, S, H*D], weight [H*D]), unflatten to heads, then
+    Wan's strided-slice RoPE (I1). The head dim comes from the tables."""
+    D = freqs_cos.shape[-1]
+    q = torch.nn.functional.rms_norm(q, (q.shape[-1],), wq, 1e-6).unflatten(2, (-1, D))
+    k = torch.nn.functional.rms_norm(k, (k.shape[-1],), wk, 1e-6).unflatten(2, (-1, D))
+    return wan(q, k, freqs_cos, freqs_sin)
+
+
+def vllm_cos_sin_cache(max_pos: int, rotary_dim: int, base: float, device, dtype=torch.bfloat16) -> torch.Tensor:
+    """vLLM RotaryEmbedding._compute_cos_sin_cache: [max_pos, rotary_dim] = cat(cos, sin), in the model dtype."""
+    inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+    freqs = torch.arange(max_pos, dtype=torch.float32, device=device)[:, None] * inv
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+def _vllm_apply(x, cos, sin, is_neox_style):
+    """vLLM ApplyRotaryEmb.forward_static (the _apply_rotary_emb_torch of older versions)."""
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    if is_neox_style:
+        x1, x2 = torch.chunk(x, 2, dim=-1)
+    else:
+        x1 = x[..., ::2]
+        x2 = x[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox_style:
+        return torch.cat((o1, o2), dim=-1)
+    return torch.stack((o1, o2), dim=-1).flatten(-2)
+
+
+def vllm_forward_native(positions, query, key, cos_sin_cache, head_size: int, rotary_dim: int,
+                        is_neox_style: bool):
+    """vLLM RotaryEmbedding.forward_native: the cache rows gathered by positions, flat [T, H*D] q and k, the
+    rotated head of each head cat with its pass-through tail."""
+    positions = positions.flatten()
+    num_tokens = positions.shape[0]
+    cos_sin = cos_sin_cache.index_select(0, positions)
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    query_shape = query.shape
+    query = query.view(num_tokens, -1, head_size)
+    query_rot = _vllm_apply(query[..., :rotary_dim], cos, sin, is_neox_style)
+    query = torch.cat((query_rot, query[..., rotary_dim:]), dim=-1).reshape(query_shape)
+    key_shape = key.shape
+    key = key.view(num_tokens, -1, head_size)
+    key_rot = _vllm_apply(key[..., :rotary_dim], cos, sin, is_neox_style)
+    key = torch.cat((key_rot, key[..., rotary_dim:]), dim=-1).reshape(key_shape)
+    return query, key
+
+
+def vllm_rope(head_size: int, rotary_dim: int, is_neox_style: bool) -> Callable:
+    """(positions, q, k, cos_sin_cache) -> (q, k): one vLLM RotaryEmbedding layer's forward_native."""
+    def forward(positions, query, key, cos_sin_cache):
+        return vllm_forward_native(positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox_style)
+
+    forward.__name__ = f"vllm_rope_{'neox' if is_neox_style else 'gptj'}_{rotary_dim}of{head_size}"
+    return forward
+
+
+def vllm_qwen3_rope(head_size: int) -> Callable:
+    """vLLM Qwen3Attention: per-head RMSNorm of the flat q and k (q_norm/k_norm on a per-head view), then the
+    rotary layer's forward_native (NeoX, full rotary)."""
+    rope = vllm_rope(head_size, head_size, True)
+
+    def forward(positions, q, k, wq, wk, cos_sin_cache):
+        q_by_head = hf_rms_norm(q.view(*q.shape[:-1], q.shape[-1] // head_size, head_size), wq)
+        k_by_head = hf_rms_norm(k.view(*k.shape[:-1], k.shape[-1] // head_size, head_size), wk)
+        return rope(positions, q_by_head.view(q.shape), k_by_head.view(k.shape), cos_sin_cache)
+
+    return forward

@@ -213,7 +213,8 @@ class Attention(torch.nn.Module):
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
         q, k, v = (p(x).view(b, s, self.heads, self.head_dim) for p in (self.to_q, self.to_k, self.to_v))
-        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        q = self.rope(q, cos, sin)
+        k = self.rope(k, cos, sin)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.to_out(o.transpose(1, 2).reshape(b, s, -1))
 

@@ -142,6 +142,8 @@ def test_flash_attn_pair_becomes_one_rotary_qk(R, case):  # noqa: F811
     plain, pargs, fused, fargs, cap = plain_and_fused(f, q, k, cos, sin, off)
     assert_one_pair(cap, FLASH_ATTN)
     assert cap.before.count(LAUNCH) == 2 and LAUNCH not in cap.graph_text
+    # the report points at the model line that called the library, not at the launch inside the kernel module
+    assert all(s.source.startswith(__file__) for s in cap.p.report.sites), cap.p.report.table()
     node = fused_call(cap)
     assert node.kwargs["interleaved"] is inter and node.kwargs["rotary_dim"] == rd and node.kwargs["conjugate"] is conj
     has_positions = len(node.args) > 4 and node.args[4] is not None

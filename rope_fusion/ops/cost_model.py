@@ -2,25 +2,46 @@
 left to Inductor moves a site's bytes fastest.
 
 Every estimate is in bytes of the copy floor (bytes read and written once), scaled by the factor the kernel
-benchmark measured for that kind of code on the H200 (BENCHMARKS.md, "Kernels" and "Cost model" sections).
-The Triton kernel reads x, the tables and writes x once at about 1.05x the floor, but it reads its tables
-from memory: a table that the graph computes (Llama's cos/sin of positions x frequencies, LTX's per-head
-tables) must first be written by another kernel, which plain compile (and the op's lowering) would have
-computed inside the rotation instead. Code left to Inductor runs at the factor its spelling measured: NeoX
-`cat` 1.12x, interleaved stack/slice 1.47x, complex products 5.2x (complex64) to 8.9x (complex128, Inductor
-falls back to eager kernels). Below `TRITON_MIN_BYTES` the launch, not the bytes, decides: the lowering.
+benchmark measured for that kind of code on the H200 (BENCHMARKS.md, "Cost model"), plus one launch's worth
+of bytes per kernel (under CUDA graphs, as vLLM runs decode, a launch costs about a microsecond; at decode
+sizes that, not the bytes, decides: the Triton kernel takes q and k in one launch, the lowering and the
+model's own code one per tensor).
+
+- The Triton kernel reads its tables from memory: a table that the graph computes (Llama's cos/sin of
+  positions x frequencies, LTX's per-head tables) must first be written by another kernel, which plain
+  compile and the op's lowering compute inside the rotation instead. An x that Inductor computes elementwise
+  (a norm the op could not fold, a cat) fuses into the model's code and the lowering, but is written and
+  read again around the Triton kernel.
+- A folded QK-norm changes every factor: Inductor fuses a per-head norm with a NeoX rotation well (1.4-1.9x)
+  and with an interleaved one badly (2.9-3.4x); the kernel's per-head norm is slow (2.4-2.9x, 4.3-5.4x at a
+  head dim that is no power of two) and its norm across heads fast (1.8x).
+- The model's own code for vLLM's gathered `forward_native` measured 1.44-2.0x (NeoX) and 2.6-2.7x (GPT-J).
+- Sizes known only at run time take the lowering only with a folded norm (1.22x against 1.73x for the model's
+  code, vLLM's Qwen3 form); without one the lowering measured slower than the model's code from 64 tokens on.
+- Training graphs (a training step's forward and backward) take the lowering or are left: the Triton kernel
+  made a Flux training step fault with an illegal memory access on the H200 (BENCHMARKS.md, Training), not
+  yet explained; inference and the kernel benchmark's backward rows run it correctly.
+- A fused choice must beat the model's own code by `MARGIN`: the estimates are not better than that, and
+  leaving a site alone is never slower than plain torch.compile.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-TRITON_MIN_BYTES = 8 * 2**20  # decode-size sites: launch latency dominates (2.3-3.2x lowering, 2.9-14.7x Triton)
+MARGIN = 0.05
+LAUNCH_BYTES = 4 * 2**20  # one launch in CUDA-graph replay, ~1 us of H200 bandwidth
 
-# Measured multiples of the copy floor (BENCHMARKS.md, H200, bf16, large shapes).
-TRITON_FACTOR = 1.05
-LOWERING_FACTOR = {"neox": 1.25, "interleaved": 1.45}
+# Measured multiples of the copy floor (benchmarks/kernels.py, H200, bf16), by the folded norm.
+TRITON_FACTOR = {"none": 1.05, "rms": 2.6, "rms_across_heads": 1.8}
+TRITON_PADDED_FACTOR = {"none": 1.3, "rms": 4.6, "rms_across_heads": 2.5}  # half or head dim not a power of 2
+LOWERING_FACTOR = {("none", "neox"): 1.25, ("none", "interleaved"): 1.45,
+                   ("rms", "neox"): 2.1, ("rms", "interleaved"): 1.9,
+                   ("rms_across_heads", "neox"): 3.2, ("rms_across_heads", "interleaved"): 3.2}
 LEFT_FACTOR = {"neox": 1.12, "interleaved": 1.47, "complex64": 5.2, "complex128": 8.9}
+LEFT_GATHERED_FACTOR = {"neox": 1.45, "interleaved": 2.6}
+LEFT_NORM_FACTOR = {("rms", "neox"): 1.4, ("rms", "interleaved"): 2.9,
+                    ("rms_across_heads", "neox"): 1.4, ("rms_across_heads", "interleaved"): 3.5}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +53,24 @@ class SiteCost:
     tables_computed: bool  # the graph computes the tables (not inputs or views of inputs)
     table_users: int  # sites that read the same computed tables (their materialisation is shared)
     style: str  # "neox", "interleaved", "complex64" or "complex128" (the spelling left to Inductor)
+    # bytes of the x's that Inductor computes elementwise right before the site (an unfolded norm, a cat):
+    # fused into the model's code or the lowering, written and read again around the Triton kernel
+    x_fused_upstream_bytes: int = 0
+    norm: str = "none"  # the QK-norm folded into the op
+    padded: bool = False  # the rotary half or the head dim is no power of two (the kernel pads its rows)
+    gathered: bool = False  # tables gathered from a cache by positions (vLLM)
+    tensors: int = 2  # x tensors of the site (q and k: 2)
+    training: bool = False  # a graph of a training step (its forward or backward)
+
+
+def _left_factor(c: SiteCost) -> float:
+    spelled = "neox" if c.style == "neox" else "interleaved"
+    if c.norm != "none":
+        return LEFT_NORM_FACTOR[c.norm, spelled] if c.style in ("neox", "interleaved") \
+            else LEFT_FACTOR[c.style] + 0.5
+    if c.gathered:
+        return LEFT_GATHERED_FACTOR[spelled]
+    return LEFT_FACTOR[c.style]
 
 
 def estimates(c: SiteCost) -> dict[str, float]:
@@ -40,20 +79,24 @@ def estimates(c: SiteCost) -> dict[str, float]:
     spelled = "neox" if c.style == "neox" else "interleaved"
     materialise = 2.0 * c.table_bytes / max(1, c.table_users) if c.tables_computed else 0.0
     table_reads = 0.0 if c.tables_computed else float(c.table_bytes)
+    triton = (TRITON_PADDED_FACTOR if c.padded else TRITON_FACTOR)[c.norm]
     return {
-        "triton": TRITON_FACTOR * (x + c.table_bytes) + materialise,
-        "inductor": LOWERING_FACTOR[spelled] * x + table_reads,
-        "left": LEFT_FACTOR[c.style] * x + table_reads,
+        "triton": triton * (x + c.table_bytes) + materialise + c.x_fused_upstream_bytes + LAUNCH_BYTES,
+        "inductor": LOWERING_FACTOR[c.norm, spelled] * x + table_reads + LAUNCH_BYTES * c.tensors,
+        "left": _left_factor(c) * x + table_reads + LAUNCH_BYTES * c.tensors,
     }
 
 
 def cheapest(c: SiteCost) -> tuple[str, str]:
     """("triton" | "inductor" | "left", why) for a CUDA site under `auto`."""
     if c.x_bytes is None:
-        return "inductor", "sizes known only at run time (the user-kernel node needs them)"
-    if c.x_bytes < TRITON_MIN_BYTES:
-        return "inductor", f"{c.x_bytes / 2**20:.1f} MiB moved: launch-bound, the lowering launches cheapest"
+        if c.norm != "none":
+            return "inductor", "sizes known only at run time, norm folded: the lowering (the kernel needs sizes)"
+        return "left", "sizes known only at run time: the lowering measured slower than the model's own code"
     est = estimates(c)
-    best = min(est, key=est.get)
+    if c.training:  # the kernel faulted in a training step on the GPU (BENCHMARKS.md): the lowering only
+        est.pop("triton")
+    fused = min((k for k in ("triton", "inductor") if k in est), key=est.get)
+    best = fused if est[fused] < (1 - MARGIN) * est["left"] else "left"
     shown = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(est.items(), key=lambda kv: kv[1]))
     return best, f"estimated MiB-equivalents: {shown}"

@@ -12,8 +12,6 @@ it) and the stack trace of the node it replaces (depyf and the report show where
 from __future__ import annotations
 
 import dataclasses
-import math
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -21,13 +19,13 @@ import torch
 import torch.fx as fx
 
 from ..ops.backends import Backend, SiteSpec
-from ..ops.cost_model import SiteCost
 from ..ops.schema import RotaryCall, RotaryParams
 from .fx_util import as_int
 from .gathers import gather_of
 from .grouping import out_dtype
 from .matcher import Match, TableRef
 from .norms import NormPrologue, dies_with, norm_prologue
+from .site_costs import site_spec
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -252,41 +250,6 @@ def params_of(m: Match) -> RotaryParams:
                         conjugate=m.conjugate, out_dtype=out_dtype(m), deinterleave=m.deinterleave)
 
 
-_TABLE_VIEWS = (aten.slice.Tensor, aten.unsqueeze.default, aten.reshape.default, aten.view.default,
-                aten.view_as_real.default, aten.expand.default, aten.select.int, aten.permute.default,
-                aten.squeeze.dim, aten.alias.default, operator.getitem, aten.split.Tensor, aten.unbind.int)
-
-
-def _table_base(t: fx.Node) -> fx.Node:
-    while t.target in _TABLE_VIEWS and t.args and isinstance(t.args[0], fx.Node):
-        t = t.args[0]
-    return t
-
-
-def site_spec(xs: list, cos: fx.Node, sin: fx.Node, params: RotaryParams, m: Match,
-              positions: fx.Node | None = None) -> SiteSpec:
-    """What a backend (and `auto`'s cost model) sees of a site: x and the tables as the op reads them."""
-    xv = xs[0].meta["val"]
-    spec = SiteSpec(device_type=xv.device.type, x_shapes=tuple(tuple(as_int(d) for d in x.meta["val"].shape)
-                                                                for x in xs),
-                    x_dtype=xv.dtype, table_dtype=cos.meta["val"].dtype, params=params)
-    table_bytes = 0
-    for t in (cos, sin):
-        val = t.meta["val"]
-        rows = tuple(positions.meta["val"].shape) if positions is not None else tuple(val.shape[:-1])
-        numel = math.prod(as_int(d) or 1 for d in (*rows, val.shape[-1]))
-        table_bytes += numel * val.element_size()
-    bases = {_table_base(t) for t in (cos, sin)}
-    computed = any(b.op not in ("placeholder", "get_attr") for b in bases) and positions is None
-    style = "interleaved" if params.interleaved else "neox"
-    if m.x_as_real:
-        style = "complex128" if xv.dtype == torch.float64 else "complex64"
-    users = max(len(b.users) for b in bases)
-    cost = SiteCost(x_bytes=spec.bytes_moved(), table_bytes=table_bytes, tables_computed=computed,
-                    table_users=users, style=style)
-    return dataclasses.replace(spec, cost=cost)
-
-
 @dataclasses.dataclass
 class PlannedGroup:
     group: tuple  # the matches, in order
@@ -303,11 +266,15 @@ class PlannedGroup:
 
 def fold_norms(group: tuple, nodes: dict, depends_on: Callable) -> tuple[list | None, str]:
     """The norm prologue of every site of a group when all can fold it, else (None, why not or "")."""
-    if group[0].offset or group[0].x_as_real or group[0].tables is not None:
+    if group[0].tables is not None or any(m.x_name not in nodes for m in group):
         return None, ""
     found = [norm_prologue(nodes[m.x_name], m.head_dim, m.blocks) for m in group]
     if all(f is None for f in found):
         return None, ""
+    if group[0].offset:
+        return None, f"the rotation starts at lane {group[0].offset}; the op normalises from lane 0 of the rotated x"
+    if group[0].x_as_real:
+        return None, "x is rotated as complex numbers; the op's norm reads real lanes"
     reasons = [f for f in found if isinstance(f, str)]
     if reasons:
         return None, reasons[0]
@@ -330,7 +297,9 @@ def _norm_weight(em: Emitter, norm: NormPrologue, m: Match) -> fx.Node | None:
     """The weight as the op reads it: [D] for a norm per head, [H, D] for one across the heads."""
     if norm.weight is None or norm.kind == "rms":
         return norm.weight
-    return em.call(aten.reshape.default, (norm.weight, [*m.blocks, m.head_dim]), like=m.node)
+    # heads split out of a flat x are `blocks`; an x already [..., H, D] has them at -2 (norms.norm_prologue)
+    heads = list(m.blocks) if m.blocks else [-1]
+    return em.call(aten.reshape.default, (norm.weight, [*heads, m.head_dim]), like=m.node)
 
 
 def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,

@@ -67,7 +67,9 @@ def _rsqrt_of(r: fx.Node, inner: set) -> tuple | None:
         return None
     inner.add(r)
     add = _strip(r.args[0], inner)
-    if not (isinstance(add, fx.Node) and add.target is aten.add.Tensor and isinstance(add.args[1], (int, float))):
+    # aten.add.Scalar is torch.nn.RMSNorm / F.rms_norm's decomposition, add.Tensor a hand-written norm's
+    if not (isinstance(add, fx.Node) and add.target in (aten.add.Tensor, aten.add.Scalar)
+            and isinstance(add.args[1], (int, float))):
         return None
     inner.add(add)
     mean = _strip(add.args[0], inner)

@@ -17,12 +17,16 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ROLES = (("q", re.compile(r"^(?:x?q|quer(?:y|ies))(?:_.*)?$|^.*_(?:q|query)$")),
           ("k", re.compile(r"^(?:x?k|keys?)(?:_.*)?$|^.*_(?:k|key)$")))
+# Frames inside rotary-kernel libraries and torch's dispatch machinery: a kernel site (flash-attn's
+# rotary_kernel, vLLM's ops) is written by the model line that calls the library, not by the launch inside it.
+_LIBRARY = re.compile(r"[/\\](?:flash_attn[/\\]ops|vllm_flash_attn|triton|torch[/\\](?:_library|_ops\.py|"
+                      r"_higher_order_ops|_dynamo))[/\\]?")
 _ARITHMETIC = (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor,
                torch.ops.aten.addcmul.default)
 
 
 def _frames(node: fx.Node) -> list[tuple[str, str]]:
-    """[(file:line, code line)] of the node's stack trace, outermost first."""
+    """[(file:line, code line)] of the node's stack trace, outermost first, library frames left out."""
     out = []
     lines = (node.meta.get("stack_trace") or "").splitlines()
     for i, line in enumerate(lines):
@@ -30,7 +34,8 @@ def _frames(node: fx.Node) -> list[tuple[str, str]]:
         if m:
             code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.search(lines[i + 1]) else ""
             out.append((f"{m.group(1)}:{m.group(2)}", code))
-    return out
+    own = [f for f in out if not _LIBRARY.search(f[0])]
+    return own or out
 
 
 def source_line(node: fx.Node) -> str:

@@ -1,0 +1,83 @@
+"""What a backend, and `auto`'s cost model (ops/cost_model.py), sees of a site before it is emitted.
+
+The model's own RoPE code, and the op's lowering, are Inductor code: whatever computes x elementwise (a
+QK-norm that could not be folded, a `cat` of text and image tokens after their norms, a cast) fuses into
+them, so x is never written. The Triton kernel is a user-kernel node that Inductor cannot fuse into, so such
+a producer writes x once more and the kernel reads it back: the site costs its x bytes again. x read from a
+matmul, an input or anything else that is in memory anyway costs nothing extra.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..ops.backends import SiteSpec
+from ..ops.cost_model import SiteCost
+from ..ops.schema import RotaryParams
+from .fx_util import as_int
+from .matcher import Match
+
+aten = torch.ops.aten
+
+_TABLE_VIEWS = (aten.slice.Tensor, aten.unsqueeze.default, aten.reshape.default, aten.view.default,
+                aten.view_as_real.default, aten.expand.default, aten.select.int, aten.permute.default,
+                aten.squeeze.dim, aten.alias.default, operator.getitem, aten.split.Tensor, aten.unbind.int)
+# Views that leave x where its producer wrote it.
+_X_VIEWS = _TABLE_VIEWS + (aten._unsafe_view.default, aten.transpose.int, aten.split_with_sizes.default,
+                           aten.as_strided.default, aten.view_as_complex.default, aten.unflatten.int)
+# Producers whose output is in memory whatever consumes it (Inductor calls a library kernel for them).
+_MATERIALISED = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                 aten.convolution.default, aten._scaled_mm.default, aten._int_mm.default)
+
+
+def _base(t: fx.Node, views: tuple) -> fx.Node:
+    while t.target in views and t.args and isinstance(t.args[0], fx.Node):
+        t = t.args[0]
+    return t
+
+
+def fused_producer(x: fx.Node) -> bool:
+    """Whether x is computed by code Inductor would fuse into an elementwise consumer (an aten/prims op
+    other than a matmul), so that reading it from an opaque kernel costs a write and a read of x."""
+    base = _base(x, _X_VIEWS)
+    if base.op != "call_function" or base.target in _MATERIALISED:
+        return False
+    target = base.target
+    return isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims")
+
+
+def site_spec(xs: list, cos: fx.Node, sin: fx.Node, params: RotaryParams, m: Match,
+              positions: fx.Node | None = None) -> SiteSpec:
+    """The site as the op reads it: x and the tables, with the cost record `auto` decides by."""
+    xv = xs[0].meta["val"]
+    spec = SiteSpec(device_type=xv.device.type, x_shapes=tuple(tuple(as_int(d) for d in x.meta["val"].shape)
+                                                                for x in xs),
+                    x_dtype=xv.dtype, table_dtype=cos.meta["val"].dtype, params=params)
+    table_bytes = 0
+    for t in (cos, sin):
+        val = t.meta["val"]
+        rows = tuple(positions.meta["val"].shape) if positions is not None else tuple(val.shape[:-1])
+        numel = math.prod(as_int(d) or 1 for d in (*rows, val.shape[-1]))
+        table_bytes += numel * val.element_size()
+    bases = {_base(t, _TABLE_VIEWS) for t in (cos, sin)}
+    computed = any(b.op not in ("placeholder", "get_attr") for b in bases) and positions is None
+    style = "interleaved" if params.interleaved else "neox"
+    if m.x_as_real:
+        style = "complex128" if xv.dtype == torch.float64 else "complex64"
+    users = max(len(b.users) for b in bases)
+    x_bytes = spec.bytes_moved()
+    upstream = None
+    if x_bytes is not None:
+        upstream = sum(dataclasses.replace(spec, x_shapes=(shape,)).bytes_moved()
+                       for x, shape in zip(xs, spec.x_shapes) if fused_producer(x))
+    half, head = params.rotary_dim // 2, as_int(xv.shape[-1])
+    padded = half & (half - 1) != 0 or (head is not None and head & (head - 1) != 0)
+    cost = SiteCost(x_bytes=x_bytes, table_bytes=table_bytes, tables_computed=computed, table_users=users,
+                    style=style, x_fused_upstream_bytes=upstream or 0, norm=params.norm, padded=padded,
+                    gathered=positions is not None, tensors=len(xs))
+    return dataclasses.replace(spec, cost=cost)
