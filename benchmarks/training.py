@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import torch  # noqa: E402
 
 from benchmarks.kernels import bench_ms, environment, write_json  # noqa: E402
+from benchmarks.models import flux  # noqa: E402  (the same Flux as the inference benchmark)
 
 REPEATS, STEPS, WARMUP, PROFILED = 3, 10, 3, 3
 QUICK_STEPS, QUICK_WARMUP, QUICK_PROFILED = 2, 1, 1
@@ -51,30 +52,6 @@ VARIANTS = ("plain", "pass")
 
 
 # ------------------------------------------------------------------------------------------------ models
-def flux(quick: bool) -> tuple[torch.nn.Module, dict]:
-    from diffusers import FluxTransformer2DModel
-
-    if quick:
-        cfg = dict(in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-                   joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 4, 8))
-        h = w = 4
-        txt = 8
-    else:  # Flux.1-dev dims; 1024 px / 8 (VAE) / 2 (packing) = 64 x 64 image tokens
-        cfg = dict(num_layers=2, num_single_layers=2, guidance_embeds=True)
-        h = w = 64
-        txt = 512
-    m = FluxTransformer2DModel(**cfg)
-    img_ids = torch.zeros(h, w, 3)
-    img_ids[..., 1] = torch.arange(h)[:, None]
-    img_ids[..., 2] = torch.arange(w)[None, :]
-    c = m.config
-    return m, dict(hidden_states=torch.randn(1, h * w, c.in_channels),
-                   encoder_hidden_states=torch.randn(1, txt, c.joint_attention_dim),
-                   pooled_projections=torch.randn(1, c.pooled_projection_dim), timestep=torch.tensor([0.5]),
-                   img_ids=img_ids.reshape(h * w, 3), txt_ids=torch.zeros(txt, 3), guidance=torch.tensor([3.5]),
-                   return_dict=False)
-
-
 def wan(quick: bool) -> tuple[torch.nn.Module, dict]:
     from diffusers import WanTransformer3DModel
 

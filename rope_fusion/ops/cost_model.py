@@ -16,8 +16,9 @@ model's own code one per tensor).
   and with an interleaved one badly (2.9-3.4x); the kernel's per-head norm is slow (2.4-2.9x, 4.3-5.4x at a
   head dim that is no power of two) and its norm across heads fast (1.8x).
 - The model's own code for vLLM's gathered `forward_native` measured 1.44-2.0x (NeoX) and 2.6-2.7x (GPT-J).
-- Sizes known only at run time take the lowering only with a folded norm (1.22x against 1.73x for the model's
-  code, vLLM's Qwen3 form); without one the lowering measured slower than the model's code from 64 tokens on.
+- Sizes known only at run time (vLLM's dynamic token count) take the lowering with a folded norm (1.22x
+  against 1.73x for the model's code, Qwen3) or interleaved pairs (GPT-J partial: 1.16x against 2.72x); a
+  plain NeoX site is left (Llama: the lowering 1.52-4.19x against 1.41-3.08x from 64 tokens on).
 - Training graphs (a training step's forward and backward) take the lowering or are left: the Triton kernel
   made a Flux training step fault with an illegal memory access on the H200 (BENCHMARKS.md, Training), not
   yet explained; inference and the kernel benchmark's backward rows run it correctly.
@@ -89,10 +90,10 @@ def estimates(c: SiteCost) -> dict[str, float]:
 
 def cheapest(c: SiteCost) -> tuple[str, str]:
     """("triton" | "inductor" | "left", why) for a CUDA site under `auto`."""
-    if c.x_bytes is None:
-        if c.norm != "none":
-            return "inductor", "sizes known only at run time, norm folded: the lowering (the kernel needs sizes)"
-        return "left", "sizes known only at run time: the lowering measured slower than the model's own code"
+    if c.x_bytes is None:  # the user-kernel node needs sizes: the lowering or nothing
+        if c.norm != "none" or c.style != "neox":
+            return "inductor", "sizes known only at run time: the lowering (measured ahead for norms, pairs)"
+        return "left", "sizes known only at run time: the lowering measured slower for NeoX halves"
     est = estimates(c)
     if c.training:  # the kernel faulted in a training step on the GPU (BENCHMARKS.md): the lowering only
         est.pop("triton")

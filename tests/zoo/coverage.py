@@ -66,7 +66,7 @@ def coverage_rows(names=None, dtypes=None, full: bool = False, progress=None) ->
                     "pass_seconds": res.pass_seconds,
                     "left": len(res.products_after), "misses": res.misses, "failure": res.failure,
                     "errors": res.errors, "note": e.compile_note or e.expect_failure,
-                    "products_after": res.products_after,
+                    "products_after": res.products_after, "norm": _norms(res.report),
                 }
                 rows.append(row)
                 if progress:
@@ -74,19 +74,34 @@ def coverage_rows(names=None, dtypes=None, full: bool = False, progress=None) ->
     return rows
 
 
+def _norms(report) -> str:
+    """The QK-norm column: how many sites took their norm into the op, or why a norm stayed."""
+    notes = [s.norm for s in (report.sites if report is not None else [])]
+    folded = sum(1 for n in notes if n.endswith("folded"))
+    kept = [n for n in notes if n.startswith("left in the graph")]
+    if folded:
+        return f"{folded} folded" + (f", {len(kept)} kept" if kept else "")
+    if kept:
+        return "kept: " + kept[0].removeprefix("left in the graph: ")[:60]
+    return "-"
+
+
 def _fmt(x: float) -> str:
     return "-" if x != x else f"{x:.1e}"
 
 
 def format_table(rows, markdown: bool = False) -> str:
-    head = ["model", "cat", "variant", "sites", "fused", "kernels (qk)", "graphs", "max err", "eager err",
-            "status"]
+    head = ["model", "cat", "variant", "sites", "fused", "kernels (qk)", "graphs", "QK-norm", "max err",
+            "eager err", "status"]
     body = []
     for r in rows:
         sites = str(r["expected"]) if r["compiled"] == r["expected"] else f"{r['expected']} ({r['compiled']} compiled)"
+        status = r["status"]
+        if status.startswith(("left alone", "partial", "not fused")) and r["misses"]:
+            status += ": " + r["misses"][0][0][:90]  # the reason, in the table itself
         body.append([r["model"], r["category"], r["variant"], sites, str(r["fused"]),
-                     f"{r['kernels']}/{r['expected_kernels']} ({r['qk']})", str(r["graphs"]), _fmt(r["err"]),
-                     _fmt(r["err_eager"]), r["status"]])
+                     f"{r['kernels']}/{r['expected_kernels']} ({r['qk']})", str(r["graphs"]), r.get("norm", "-"),
+                     _fmt(r["err"]), _fmt(r["err_eager"]), status])
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(b) + " |" for b in body]
@@ -137,10 +152,13 @@ def main(argv=None) -> int:
               "(tiny random-init config, CPU) with the pass. *sites*: RoPE sites per forward counted from "
               "the model source (in parentheses: those in the compiled graphs when Dynamo reuses one graph "
               "for several layers after a graph break); *fused*: sites in `report.sites`; *kernels (qk)*: "
-              "fused nodes / expected (of which `rotary_qk`); *graphs*: Dynamo graphs; *max err*: relative "
+              "fused nodes / expected (of which `rotary_qk`); *graphs*: Dynamo graphs; *QK-norm*: sites whose "
+              "RMSNorm before the rotation is folded into the fused op, or why a norm stayed in the graph; "
+              "*max err*: relative "
               "error of the compiled output against an fp64 evaluation of the uncompiled model; *eager err*: "
               "the uncompiled model's own error in that dtype. Variant *graph*: Inductor's front half and "
-              "post-grad passes, graph run eagerly; *inductor*: full torch.compile (C++ code generation).\n")
+              "post-grad passes, graph run eagerly; *inductor*: full torch.compile (C++ code generation). A "
+              "row that is not fused says why after its status.\n")
     print(format_table(rows, args.markdown))
     details = format_details(rows)
     if details:
