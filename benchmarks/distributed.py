@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +37,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks import timing  # noqa: E402
 from benchmarks.kernels import bench_ms, environment, write_json  # noqa: E402
 from examples.distributed_attention import Case, Sizes, build, compile_and_run, gather_output, init  # noqa: E402
 
@@ -54,33 +53,11 @@ MODES = ("tp", "ulysses")
 WARMUP, REPS, PROFILED_CALLS = 5, 20, 5
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def step_ms(call: Callable[[], Any], device: str, reps: int = REPS) -> float:
     """Median ms per step. The ranks start each step together (barrier), so that a step does not include
     waiting for the other rank; every rank makes the same number of calls (they hold collectives), which
     rules out triton's do_bench (its repetition count is chosen per rank)."""
-    for _ in range(WARMUP):
-        call()
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        dist.barrier()
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return timing.step_ms(call, device, reps, WARMUP, before=dist.barrier)
 
 
 def rotary_kernel_us(call: Callable[[], Any], device: str) -> tuple[float | None, list[str]]:
@@ -90,11 +67,11 @@ def rotary_kernel_us(call: Callable[[], Any], device: str) -> tuple[float | None
         return None, []
     from torch.profiler import ProfilerActivity, profile
 
-    _sync(device)
+    timing.sync(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(PROFILED_CALLS):
             call()
-        _sync(device)
+        timing.sync(device)
     hits = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
             and "rotary" in e.name.lower()]
     total = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in hits)

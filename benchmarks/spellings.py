@@ -250,7 +250,7 @@ def vllm_cos_sin_cache(max_pos: int, rotary_dim: int, base: float, device, dtype
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
 
 
-def _vllm_apply(x, cos, sin, is_neox_style):
+def vllm_apply_rotary(x, cos, sin, is_neox_style):
     """vLLM ApplyRotaryEmb.forward_static (the _apply_rotary_emb_torch of older versions)."""
     cos = cos.unsqueeze(-2).to(x.dtype)
     sin = sin.unsqueeze(-2).to(x.dtype)
@@ -276,11 +276,11 @@ def vllm_forward_native(positions, query, key, cos_sin_cache, head_size: int, ro
     cos, sin = cos_sin.chunk(2, dim=-1)
     query_shape = query.shape
     query = query.view(num_tokens, -1, head_size)
-    query_rot = _vllm_apply(query[..., :rotary_dim], cos, sin, is_neox_style)
+    query_rot = vllm_apply_rotary(query[..., :rotary_dim], cos, sin, is_neox_style)
     query = torch.cat((query_rot, query[..., rotary_dim:]), dim=-1).reshape(query_shape)
     key_shape = key.shape
     key = key.view(num_tokens, -1, head_size)
-    key_rot = _vllm_apply(key[..., :rotary_dim], cos, sin, is_neox_style)
+    key_rot = vllm_apply_rotary(key[..., :rotary_dim], cos, sin, is_neox_style)
     key = torch.cat((key_rot, key[..., rotary_dim:]), dim=-1).reshape(key_shape)
     return query, key
 

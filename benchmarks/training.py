@@ -45,6 +45,7 @@ import torch  # noqa: E402
 
 from benchmarks.kernels import bench_ms, environment, write_json  # noqa: E402
 from benchmarks.models import flux  # noqa: E402  (the same Flux as the inference benchmark)
+from benchmarks.timing import step_ms, sync  # noqa: E402
 
 REPEATS, STEPS, WARMUP, PROFILED = 3, 10, 3, 3
 QUICK_STEPS, QUICK_WARMUP, QUICK_PROFILED = 2, 1, 1
@@ -93,11 +94,6 @@ MODELS: dict[str, Callable[[bool], tuple[torch.nn.Module, dict]]] = {
 
 
 # ------------------------------------------------------------------------------------------------ measurement
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def _out(o: Any) -> torch.Tensor:
     if isinstance(o, torch.Tensor):
         return o
@@ -115,27 +111,6 @@ def train_step(fn: Callable, model: torch.nn.Module, inputs: dict) -> torch.Tens
     loss = forward_loss(fn, inputs)
     loss.backward()
     return loss
-
-
-def step_ms(call: Callable[[], Any], device: str, steps: int, warmup: int) -> float:
-    """Median ms of one call over `steps` calls (CUDA events on the GPU, wall clock on the CPU)."""
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(steps):
-        _sync(device)
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            call()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def _kernel_events(prof: Any, device: str) -> list:
@@ -158,15 +133,15 @@ def phase_times(fn: Callable, model: torch.nn.Module, inputs: dict, device: str,
            for ph in ("forward", "backward")}
     for _ in range(calls):
         model.zero_grad(set_to_none=True)
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         with profile(activities=acts) as pf:
             loss = forward_loss(fn, inputs)
-            _sync(device)
+            sync(device)
         t1 = time.perf_counter()
         with profile(activities=acts) as pb:
             loss.backward()
-            _sync(device)
+            sync(device)
         t2 = time.perf_counter()
         for ph, prof, wall in (("forward", pf, t1 - t0), ("backward", pb, t2 - t1)):
             a, evs = acc[ph], _kernel_events(prof, device)
@@ -265,7 +240,7 @@ def bench_model(name: str, quick: bool, device: str, dtype: torch.dtype, backend
             fn = torch.compile(m, options={"post_grad_custom_post_pass": p}) if p else torch.compile(m)
             t0 = time.perf_counter()
             train_step(fn, m, inputs)  # compiles the forward, and the backward on its first call
-            _sync(device)
+            sync(device)
             rec.setdefault("compile_s", {})[v] = round(time.perf_counter() - t0, 1)
             models[v], fns[v], passes[v] = m, fn, p
         except Exception as e:  # a failing variant is reported, never fatal

@@ -133,8 +133,9 @@ class _FakeCudaDriver:
 
 
 @contextlib.contextmanager
-def cpu_triton_tracing():
-    """Let Dynamo trace a Triton kernel launch on a machine without a GPU, as it does on one."""
+def cpu_triton_tracing(ttir: bool = True):
+    """Let Dynamo trace a Triton kernel launch on a machine without a GPU, as it does on one (`ttir=False`:
+    with no active driver, so torch's TTIR analysis of written arguments is unavailable and it falls back)."""
     import torch.utils._triton as tu
     import triton
     from torch._dynamo.variables import ctx_manager
@@ -151,10 +152,13 @@ def cpu_triton_tracing():
     tu.has_triton = lambda: True
     torch.cuda._get_device_index = device_index
     ctx_manager.CUDADeviceVariable._get_device_index_fn = staticmethod(device_index)
-    try:
-        _ = drv.active
-    except RuntimeError:  # no GPU driver
-        drv.set_active(_FakeCudaDriver())
+    if ttir:
+        try:
+            _ = drv.active
+        except RuntimeError:  # no GPU driver
+            drv.set_active(_FakeCudaDriver())
+    else:
+        drv._active = None
     try:
         yield
     finally:

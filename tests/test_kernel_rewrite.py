@@ -19,11 +19,13 @@ import torch
 pytest.importorskip("triton")
 
 from test_kernel_sites import (  # noqa: E402  (pytest puts tests/ on sys.path: it has no __init__.py)
+    C_CASES,
     FA_CASES,
     Capture,
     R,  # noqa: F401  (fixture)
     _fa_inputs,
     _ulps_close,
+    c_case_inputs,
     capture_backend,
     compile_capture,
     cpu_triton_tracing,
@@ -274,23 +276,13 @@ def test_different_tables_do_not_pair(R):  # noqa: F811
 # ---------------------------------------------------------------------------------------------------------
 # vLLM's in-place ops (stand-ins with the real schemas)
 
-C_CASES = {
-    # name: (v2, query shape, key shape or None, dtype, rotary_dim, is_neox, inverse)
-    "flat-neox-full-fp32-v1": (False, (7, 4 * 64), (7, 2 * 64), torch.float32, 64, True, False),
-    "heads-gptj-partial-inverse-bf16-v2": (True, (7, 4, 64), (7, 2, 64), torch.bfloat16, 32, False, True),
-    "flat-query-only-v2": (True, (7, 4 * 64), None, torch.float32, 48, True, False),
-}
 
 
 @pytest.mark.parametrize("case", list(C_CASES))
 def test_vllm_c_rotary_embedding(vllm_ops, case):  # noqa: F811
     c_op, _ = vllm_ops
     v2, qs, ks, dtype, rd, is_neox, inverse = C_CASES[case]
-    g = torch.Generator().manual_seed(2)
-    pos = torch.randint(0, 32, (7,), generator=g)
-    cache = torch.randn(32, rd, generator=g).to(dtype)
-    q = torch.randn(qs, generator=g).to(dtype)
-    k = torch.randn(ks, generator=g).to(dtype) if ks else None
+    pos, q, k, cache = c_case_inputs(case)
 
     def f(pos, q, k, cache):
         c_op(pos, q, k, 64, cache, is_neox, 0, inverse)

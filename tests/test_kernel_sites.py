@@ -8,8 +8,9 @@ How the real flash-attn Triton kernel gets into a CPU post-grad graph (no GPU, C
   einops (not a test dependency), so the tests call `ops.triton.rotary.apply_rotary`, which it wraps.
 - The module is imported WITHOUT TRITON_INTERPRET: under it `triton.jit` returns an InterpretedFunction, which
   Dynamo does not know as a Triton kernel (it inlines its Python and fails on `data_ptr`).
-- `cpu_triton_tracing()` patches, for the duration of a compile: `torch.utils._triton.has_triton` -> True (it is
-  False without a GPU, and Dynamo then inlines `JITFunction.run`, failing on `triton._C.libtriton.getenv_bool`);
+- `cpu_triton_tracing()` (examples/vllm_omni_block.py) patches, for the duration of a compile:
+  `torch.utils._triton.has_triton` -> True (it is False without a GPU, and Dynamo then inlines
+  `JITFunction.run`, failing on `triton._C.libtriton.getenv_bool`);
   `torch.cuda._get_device_index` and Dynamo's `CUDADeviceVariable._get_device_index_fn` map None to -1, so the
   wrapper's `with torch.cuda.device(x.device.index)` is the no-op its docs promise (a CPU torch build raises
   `TypeError: '<' not supported between NoneType and int`); and, when no Triton driver is active, a driver that
@@ -52,6 +53,7 @@ from torch._higher_order_ops.triton_kernel_wrap import (  # noqa: E402
 from torch._prims_common import clone_preserve_strides  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from examples.vllm_omni_block import cpu_triton_tracing  # noqa: E402  (one copy, in the example users run)
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
 from rope_fusion.passes import flash_attn_sites as fas  # noqa: E402
 from rope_fusion.passes import kernel_sites as ks  # noqa: E402
@@ -96,46 +98,6 @@ def _load_as(path: str, name: str):
 @pytest.fixture(scope="module")
 def R():
     return _vllm_rotary_module()
-
-
-class _FakeCudaDriver:
-    """Only what torch's TTIR analysis (generate_ttir) asks of the active driver."""
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-        return GPUTarget("cuda", 90, 32)
-
-
-@contextlib.contextmanager
-def cpu_triton_tracing(ttir: bool = True):
-    import torch.utils._triton as tu
-    from torch._dynamo.variables import ctx_manager
-
-    drv = triton.runtime.driver
-    saved = (tu.has_triton, torch.cuda._get_device_index, ctx_manager.CUDADeviceVariable._get_device_index_fn,
-             drv._active)
-    real_index = torch.cuda._get_device_index
-
-    def device_index(device, optional=False, allow_cpu=False):
-        i = real_index(device, optional=optional, allow_cpu=allow_cpu)
-        return -1 if i is None else i
-
-    tu.has_triton = lambda: True
-    torch.cuda._get_device_index = device_index
-    ctx_manager.CUDADeviceVariable._get_device_index_fn = staticmethod(device_index)
-    if ttir:
-        try:
-            _ = drv.active
-        except RuntimeError:  # no GPU driver
-            drv.set_active(_FakeCudaDriver())
-    else:
-        drv._active = None
-    try:
-        yield
-    finally:
-        tu.has_triton, torch.cuda._get_device_index = saved[0], saved[1]
-        ctx_manager.CUDADeviceVariable._get_device_index_fn = staticmethod(saved[2])
-        drv._active = saved[3]
 
 
 @contextlib.contextmanager
@@ -803,15 +765,22 @@ C_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(C_CASES))
-def test_vllm_c_rotary_embedding(vllm_ops, case):
-    c_op, _ = vllm_ops
-    v2, qs, kshape, dtype, rd, is_neox, inverse = C_CASES[case]
+def c_case_inputs(case: str) -> tuple:
+    """(positions, query, key or None, cos|sin cache) of a C_CASES case, seeded."""
+    _, qs, kshape, dtype, rd, _, _ = C_CASES[case]
     g = torch.Generator().manual_seed(2)
     pos = torch.randint(0, 32, (7,), generator=g)
     cache = torch.randn(32, rd, generator=g).to(dtype)
     q = torch.randn(qs, generator=g).to(dtype)
     k = torch.randn(kshape, generator=g).to(dtype) if kshape else None
+    return pos, q, k, cache
+
+
+@pytest.mark.parametrize("case", list(C_CASES))
+def test_vllm_c_rotary_embedding(vllm_ops, case):
+    c_op, _ = vllm_ops
+    v2, qs, kshape, dtype, rd, is_neox, inverse = C_CASES[case]
+    pos, q, k, cache = c_case_inputs(case)
 
     def f(pos, q, k, cache):
         c_op(pos, q, k, 64, cache, is_neox, 0, inverse)

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import rope_fusion
+from benchmarks.spellings import vllm_apply_rotary  # vLLM's native rotation, one copy
 from rope_fusion.integrations import vllm as integ
 from rope_fusion.ops.reference import rotary_reference
 
@@ -192,22 +193,6 @@ def test_without_vllm_the_class_is_a_custom_graph_pass():
 
 # -- the pass on vLLM's native RoPE ------------------------------------------------------------------------
 
-def _apply_rotary_emb_torch(x, cos, sin, is_neox_style):
-    """vLLM's native rotation of one [T, H, R] tensor by half-width [T, R/2] tables."""
-    cos = cos.unsqueeze(-2).to(x.dtype)
-    sin = sin.unsqueeze(-2).to(x.dtype)
-    if is_neox_style:
-        x1, x2 = torch.chunk(x, 2, dim=-1)
-    else:
-        x1 = x[..., ::2]
-        x2 = x[..., 1::2]
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
-    if is_neox_style:
-        return torch.cat((o1, o2), dim=-1)
-    return torch.stack((o1, o2), dim=-1).flatten(-2)
-
-
 class NativeRotaryEmbedding(torch.nn.Module):
     """vLLM's RotaryEmbedding.forward_native: positions index a [max_pos, R] cos|sin cache."""
 
@@ -229,14 +214,14 @@ class NativeRotaryEmbedding(torch.nn.Module):
         query = query.view(num_tokens, -1, self.head_size)
         query_rot = query[..., : self.rotary_dim]
         query_pass = query[..., self.rotary_dim:]
-        query_rot = _apply_rotary_emb_torch(query_rot, cos, sin, self.is_neox_style)
+        query_rot = vllm_apply_rotary(query_rot, cos, sin, self.is_neox_style)
         query = torch.cat((query_rot, query_pass), dim=-1).reshape(query_shape)
 
         key_shape = key.shape
         key = key.view(num_tokens, -1, self.head_size)
         key_rot = key[..., : self.rotary_dim]
         key_pass = key[..., self.rotary_dim:]
-        key_rot = _apply_rotary_emb_torch(key_rot, cos, sin, self.is_neox_style)
+        key_rot = vllm_apply_rotary(key_rot, cos, sin, self.is_neox_style)
         key = torch.cat((key_rot, key_pass), dim=-1).reshape(key_shape)
         return query, key
 

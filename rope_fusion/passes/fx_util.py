@@ -59,3 +59,13 @@ def concrete_ints(dims, specialize: bool = False) -> list[int]:
 def norm_dim(dim: int, ndim: int) -> int:
     """A dim argument as a non-negative index into `ndim` dims (`-1` is `ndim - 1`)."""
     return dim + ndim if dim < 0 else dim
+
+
+def chain_back(node: fx.Node, through) -> list:
+    """`node` and the nodes it comes from through ops in `through` that pass their first input on (views,
+    casts, copies), nearest first: the last one is where the values arise."""
+    out = [node]
+    while node.target in through and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+        out.append(node)
+    return out

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from . import lanes, poly
-from .fx_util import as_int, concrete_ints, meta, same_dim
+from .fx_util import as_int, chain_back, concrete_ints, meta, same_dim
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -498,11 +498,7 @@ def _pairings(half: int, whole: bool) -> list:
 
 def _carried_from(x: fx.Node) -> list:
     """x and the nodes it carries unchanged from (casts, views, copies), back to where its numbers arise."""
-    out = [x]
-    while x.target in _X_CARRIERS and x.args and isinstance(x.args[0], fx.Node):
-        x = x.args[0]
-        out.append(x)
-    return out
+    return chain_back(x, _X_CARRIERS)
 
 
 def _close(p: dict, q: dict) -> bool:

@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..ops.backends import SiteSpec
 from ..ops.cost_model import SiteCost
 from ..ops.schema import RotaryParams
-from .fx_util import as_int
+from .fx_util import as_int, chain_back
 from .matcher import Match
 
 aten = torch.ops.aten
@@ -36,9 +36,7 @@ _MATERIALISED = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.bad
 
 
 def _base(t: fx.Node, views: tuple) -> fx.Node:
-    while t.target in views and t.args and isinstance(t.args[0], fx.Node):
-        t = t.args[0]
-    return t
+    return chain_back(t, views)[-1]
 
 
 def fused_producer(x: fx.Node) -> bool:
