@@ -784,9 +784,12 @@ def print_rows(group: str, recs: list[dict]) -> None:
 
 # (shape, spelling, choices per option): the tile choices measured by --sweep. Besides the table's shapes, the
 # head counts of the benchmarked models: Wan 1.3B (12 heads) and Qwen-Image (24 heads, 4096 image tokens).
-SWEEP_SHAPES = {**SHAPES, "1x32760x12x128": (1, 32760, 12, 12, 128), "1x4096x24x128": (1, 4096, 24, 24, 128)}
+SWEEP_SHAPES = {**SHAPES, "1x32760x12x128": (1, 32760, 12, 12, 128), "1x4096x24x128": (1, 4096, 24, 24, 128),
+                "1x16384x16x80": (1, 16384, 16, 16, 80)}
 _TILES = {"block_h": (None, 4, 8, 16, 32), "num_warps": (None, 1, 2, 4)}
 _NEOX = {"block_h": (None, 16), "num_warps": (None, 1, 2, 4), "neox_row": (False, True)}
+_NORM_TILES = {"block_h": (None, 4, 16, 64), "num_warps": (None, 2, 4, 8)}
+_NORM_NEOX = {"block_h": (None, 16), "num_warps": (None, 2, 4, 8), "neox_row": (False, True)}
 SWEEP_CASES = [
     ("2x16384x16x80", "N1", _NEOX),
     ("2x16384x16x80", "N3", _NEOX),
@@ -799,6 +802,11 @@ SWEEP_CASES = [
     ("1x32760x12x128", "I1", _TILES),
     ("1x32760x12x128", "N1", _TILES),
     ("1x4096x24x128", "C2", _TILES),
+    # QK-norm prologues (a 4th element: the norm), at the norm rows' shapes
+    ("1x16384x16x80", "I1", _NORM_TILES, "rms"),
+    ("1x16384x16x80", "N1", _NORM_NEOX, "rms"),
+    ("1x32760x12x128", "I1", _NORM_TILES, "rms_across_heads"),
+    ("1x32760x40x128", "I1", _NORM_TILES, "rms_across_heads"),
 ]
 
 
@@ -813,7 +821,8 @@ def sweep(device: str, cases: list = SWEEP_CASES) -> list[dict]:
     from rope_fusion.ops.schema import RotaryParams
 
     out = []
-    for sname, code, choices in cases:
+    for sname, code, choices, *norm in cases:
+        norm = norm[0] if norm else "none"
         B, S, HQ, HK, D = SWEEP_SHAPES[sname]
         q = torch.randn(B, S, HQ, D, device=device, dtype=torch.bfloat16)
         k = torch.randn(B, S, HK, D, device=device, dtype=torch.bfloat16)
@@ -826,23 +835,26 @@ def sweep(device: str, cases: list = SWEEP_CASES) -> list[dict]:
         for values in itertools.product(*(choices[n] for n in names)):
             opt = dict(zip(names, values))
 
-            params = RotaryParams(rotary_dim=rd, conjugate=False, out_dtype=q.dtype, **kw)
+            params = RotaryParams(rotary_dim=rd, conjugate=False, out_dtype=q.dtype, norm=norm, **kw)
+            ws = [None, None] if norm == "none" else \
+                [_weight(D, device) if norm == "rms" else _weight(h * D, device).view(h, D) for h in (HQ, HK)]
 
-            def call(opt=opt, q=q, k=k, cos=cos, sin=sin, params=params):
-                return tr.launch([q, k], cos, sin, params, **opt)
+            def call(opt=opt, q=q, k=k, cos=cos, sin=sin, params=params, ws=ws):
+                return tr.launch([q, k], cos, sin, params, None, ws, **opt)
             try:
                 call()
                 ms = triton.testing.do_bench_cudagraph(call, rep=50)
             except Exception as e:  # a tile too large for the registers, say
                 print(f"  sweep {sname} {code} {opt}: {type(e).__name__}")
                 continue
-            res.append({"shape": sname, "spelling": code, **opt, "ms": ms, "x_floor": ms / floor})
+            res.append({"shape": sname, "spelling": code, "norm": norm, **opt, "ms": ms, "x_floor": ms / floor})
         out += res
         best = sorted(res, key=lambda o: o["x_floor"])[:4]
         form = tr.default_neox_row(kw["interleaved"], rd, D)
         default = [o for o in res if all(o.get(n) is None for n in ("block_h", "num_warps"))
                    and o.get("neox_row") in (None, form)]
-        print(f"sweep {sname} {code}: default " + ", ".join(f"{o['x_floor']:.3f}x" for o in default) + "; best "
+        print(f"sweep {sname} {code} norm={norm}: default "
+              + ", ".join(f"{o['x_floor']:.3f}x" for o in default) + "; best "
               + ", ".join(" ".join(f"{n}={o[n]}" for n in names) + f" {o['x_floor']:.3f}x" for o in best), flush=True)
     return out
 
@@ -870,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), help=f"spellings group: subset of {VARIANTS}")
     ap.add_argument("--sweep", action="store_true", help="also sweep Triton tile choices (GPU)")
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep (GPU)")
-    ap.add_argument("--sweep-cases", nargs="*", help="subset of the sweep, as shape:spelling")
+    ap.add_argument("--sweep-cases", nargs="*", help="subset of the sweep, as shape:spelling[:norm]")
     args = ap.parse_args(argv)
     for name in ("groups", "rows", "row_variants", "shapes", "spellings", "variants", "sweep_cases"):
         setattr(args, name, _split(getattr(args, name)))
@@ -888,7 +900,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"environment": environment(), "device": device, "dtype": "torch.bfloat16",
                     "argv": sys.argv[1:] if argv is None else argv, "records": []}
     if (args.sweep or args.sweep_only) and device == "cuda":
-        cases = [c for c in SWEEP_CASES if not args.sweep_cases or f"{c[0]}:{c[1]}" in args.sweep_cases]
+        cases = [c for c in SWEEP_CASES if not args.sweep_cases
+                 or f"{c[0]}:{c[1]}" in args.sweep_cases or ":".join([c[0], c[1], *c[3:]]) in args.sweep_cases]
         result["sweep"] = sweep(device, cases)
         write_json(args.out, result)
         if args.sweep_only:

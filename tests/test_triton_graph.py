@@ -113,3 +113,41 @@ def test_complex_freqs_are_real_tables_for_the_backend_choice(cdtype, real):
     spec = emission.site_spec([x], cos, sin, emission.params_of(m), m)
     assert spec.table_dtype == real
     assert supports(dataclasses.replace(spec, device_type="cuda")) is None
+
+
+def test_inductor_keeps_the_traced_strides_of_the_kernel_inputs():
+    """The launch's strides are constants of the call, so Inductor must hand the kernel inputs with exactly
+    the traced strides. Inductor requires exact strides of a user kernel's inputs only where the mutation node
+    it lowers carries `eager_input_vals` (otherwise only the stride order): after its own reinplacing and
+    decomposition passes, the mutation node must carry the traced fake values of every input."""
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_mutation
+    from torch._inductor.fx_passes.post_grad import decompose_triton_kernel_wrapper_functional
+    from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
+    from torch._inductor.fx_utils import FakeTensorUpdater
+    from torch._inductor.virtualized import V
+
+    fm = FakeTensorMode()
+    with fm:
+        qkv = torch.empty(2, 7, 3, 4, 64, dtype=torch.bfloat16)
+        q, k = qkv[:, :, 0], qkv[:, :, 1, :2]  # strided views of a fused projection, not dense tensors
+        packed = torch.empty(7, 1, 64)
+        cos, sin = packed[..., :32], packed[..., 32:]
+    g, nodes = _graph(fm, (q, k, cos, sin))
+    params = RotaryParams(interleaved=False, rotary_dim=64, full_tables=False, conjugate=False,
+                          out_dtype=torch.bfloat16)
+    outs = emit_triton(g, fm, RotaryCall(nodes[:2], nodes[2], nodes[3], params), nodes[0])
+    g.output(tuple(outs))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    with V.set_fake_mode(fm):
+        reinplace_inplaceable_ops(FakeTensorUpdater(gm), gm.graph)
+        decompose_triton_kernel_wrapper_functional(gm.graph)
+    muts = [n for n in gm.graph.nodes if n.target is triton_kernel_wrapper_mutation]
+    assert len(muts) == 1
+    kw = muts[0].kwargs["kwargs"]
+    eager = muts[0].meta["eager_input_vals"][1]["kwargs"]
+    assert set(eager) == set(kw)
+    for name in ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr"):
+        assert eager[name].stride() == kw[name].meta["val"].stride()
+    assert eager["q_ptr"].stride() == q.stride() and eager["k_ptr"].stride() == k.stride()
+    # the strides the kernel was planned for are the ones the eager values pin
+    assert (kw["sq1"], kw["sq2"], kw["sqh"]) == (q.stride(0), q.stride(1), q.stride(2))

@@ -460,28 +460,52 @@ def test_cache_rows_picked_by_positions(interleaved, rotary_dim):
     check(ko, k, cos[pos], sin[pos], **kw)
 
 
-@pytest.mark.parametrize("norm,interleaved,rotary_dim,weighted", [
-    ("rms", False, 64, True), ("rms", True, 64, False), ("rms", False, 32, True),
-    ("rms_across_heads", True, 64, True), ("rms_across_heads", False, 48, False),
+@pytest.mark.parametrize("norm,interleaved,rotary_dim,weighted,head_dim,block_h", [
+    ("rms", False, 64, True, 64, None), ("rms", True, 64, False, 64, None), ("rms", False, 32, True, 64, None),
+    ("rms", True, 80, True, 80, None), ("rms", False, 80, True, 80, None),  # padded rows (D=80)
+    ("rms_across_heads", True, 64, True, 64, None), ("rms_across_heads", False, 48, False, 64, None),
+    ("rms_across_heads", False, 64, True, 64, 1),  # heads over several blocks: the first pass sums them
+    ("rms_across_heads", True, 80, True, 80, None),
 ])
-def test_norm_prologue(norm, interleaved, rotary_dim, weighted):
+def test_norm_prologue(norm, interleaved, rotary_dim, weighted, head_dim, block_h):
     """The QK-norm folded into the kernel: each head (or every head of a token) RMS-normalised, times the
-    per-lane weight (per head and lane across heads), then rotated; against the reference's fp64 result."""
+    per-lane weight (per head and lane across heads), then rotated; against the reference's fp64 result.
+    The statistics come from the tile being rotated, or, for a norm across heads whose heads span several
+    tiles, from a first pass."""
     torch.manual_seed(4)
-    q = torch.randn(2, 5, 4, 64, dtype=torch.bfloat16) * 3
-    k = torch.randn(2, 5, 2, 64, dtype=torch.bfloat16) * 3
+    q = torch.randn(2, 5, 4, head_dim, dtype=torch.bfloat16) * 3
+    k = torch.randn(2, 5, 2, head_dim, dtype=torch.bfloat16) * 3
     cos, sin = tables((5, 1), rotary_dim // 2)
-    shape = (64,) if norm == "rms" else None
-    wq = (torch.randn(shape or (4, 64)) if weighted else None)
-    wk = (torch.randn(shape or (2, 64)) if weighted else None)
+    shape = (head_dim,) if norm == "rms" else None
+    wq = (torch.randn(shape or (4, head_dim)) if weighted else None)
+    wk = (torch.randn(shape or (2, head_dim)) if weighted else None)
     kw = opts(interleaved, rotary_dim)
     params = RotaryParams(**kw, norm=norm, norm_eps=1e-5)
     with poisoned_outputs():
-        qo, ko = tr.launch([q, k], cos, sin, params, None, [wq, wk], kernel=KERNEL)
+        qo, ko = tr.launch([q, k], cos, sin, params, None, [wq, wk], kernel=KERNEL, block_h=block_h)
     for out, x, w in ((qo, q, wq), (ko, k, wk)):
         want = rotary_reference(x.double(), cos.double(), sin.double(), out_dtype=torch.float64, norm=norm,
                                 norm_eps=1e-5, norm_weight=None if w is None else w.double(),
                                 **{k_: v for k_, v in kw.items() if k_ != "out_dtype"})
+        err = (out.double() - want).abs().max().item()
+        assert err <= 4 * torch.finfo(torch.bfloat16).eps * want.abs().max().item(), err
+
+
+def test_norm_prologue_with_deinterleaved_output():
+    """A per-head norm on interleaved input written in NeoX order: the weight acts on the input lanes."""
+    torch.manual_seed(5)
+    q = torch.randn(3, 6, 4, 64, dtype=torch.bfloat16) * 2
+    k = torch.randn(3, 6, 1, 64, dtype=torch.bfloat16) * 2
+    cos, sin = tables((6, 1), 32)
+    wq, wk = torch.randn(64), torch.randn(64)
+    params = RotaryParams(interleaved=True, rotary_dim=64, full_tables=False, conjugate=False,
+                          out_dtype=torch.bfloat16, deinterleave=True, norm="rms", norm_eps=1e-6)
+    with poisoned_outputs():
+        qo, ko = tr.launch([q, k], cos, sin, params, None, [wq, wk], kernel=KERNEL)
+    for out, x, w in ((qo, q, wq), (ko, k, wk)):
+        want = rotary_reference(x.double(), cos.double(), sin.double(), interleaved=True, rotary_dim=64,
+                                full_tables=False, conjugate=False, out_dtype=torch.float64, deinterleave=True,
+                                norm="rms", norm_eps=1e-6, norm_weight=w.double())
         err = (out.double() - want).abs().max().item()
         assert err <= 4 * torch.finfo(torch.bfloat16).eps * want.abs().max().item(), err
 

@@ -6,6 +6,11 @@ dispatcher and host planning (~0.1 ms on the H200, BENCHMARKS.md). Here the host
 with make_fx on the node's fake values, and each traced `triton_kernel_wrapper_mutation` is turned into the
 functional `triton_kernel_wrapper_functional` that Inductor's later post-grad passes expect: Inductor then
 reinplaces it into the fresh output buffers and launches the kernel from its generated code.
+
+The node records its inputs' fake values as `eager_input_vals`: the launch was planned for exactly those
+strides (they are constants of the call), and only with eager values does Inductor require exact strides
+of a user kernel's inputs; without them it keeps just their stride order, free to hand the kernel a
+re-laid-out copy (a dense copy of a strided view, say) whose strides the kernel would misread.
 """
 
 from __future__ import annotations
@@ -94,6 +99,9 @@ def emit_triton(graph: fx.Graph, fake_mode: Any, call: RotaryCall, like: fx.Node
             func = graph.call_function(triton_kernel_wrapper_functional, (), fkw)
             with fake_mode:
                 func.meta["val"] = triton_kernel_wrapper_functional(**val(fkw))
+            # The strides traced into the launch are constants of the kernel call, so Inductor must hand it
+            # tensors with exactly these strides; with no eager values it only keeps their stride order.
+            func.meta["eager_input_vals"] = ((), fx.node.map_arg(func.kwargs, lambda a: a.meta["val"]))
             _copy_meta(func, like)
             # later reads of a written buffer read the kernel's result instead
             old = {n2: name for n2, name in ((node.kwargs["kwargs"][w], w) for w in written)}

@@ -50,6 +50,7 @@ HEAD_PAD_WASTE = 1.25  # at most this many padded heads per real head across q a
 # num_warps = tile / elements per warp: whole rows (interleaved, NeoX as rows) want few warps with many
 # elements each; NeoX read as two half tiles wants four times the warps (BENCHMARKS.md, tile sweep).
 ELEMENTS_PER_WARP = {"rows": 2048, "halves": 512}
+MAX_NORM_TILE = 8192  # a norm across heads holds the whole token in one tile up to this many elements
 MIN_PROGRAMS = 1024  # below this many tokens, head blocks are also spread over the grid
 
 
@@ -64,13 +65,15 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr, NSIDES: tl.constexpr, INTERLEAVED: tl.constexpr, FULL_TABLES: tl.constexpr,
     CONJ: tl.constexpr, MATH_FP64: tl.constexpr, NEOX_ROW: tl.constexpr, HAS_POS: tl.constexpr,
     NORM: tl.constexpr, HAS_W: tl.constexpr, HEAD_PAD: tl.constexpr, DEINTERLEAVE: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,
 ):
     """Rotate the rows of one token of q (and k): grid = (tokens, NSPLIT).
 
     The head blocks of q and then of k form one list of work items; program `split` of a token takes items
     split, split + NSPLIT, ... (NSPLIT = 1: one program does all of q and k; NSPLIT = 2 with one block each:
     q and k in separate programs of the same launch). NORM 1 RMS-normalises each head row first, NORM 2 all
-    heads of the token (a first pass over the token's rows sums their squares), times the per-lane weight."""
+    heads of the token (from the tile itself when one block holds every head, ONE_BLOCK; else a first pass
+    over the token's rows sums their squares), times the per-lane weight."""
     HALF: tl.constexpr = ROT // 2
     if MATH_FP64:
         cdt = tl.float64
@@ -125,12 +128,6 @@ def _rotary_kernel(
 
     hoffs = tl.arange(0, BLOCK_H)
     j = tl.arange(0, HALF_PAD)[None, :]
-    if INTERLEAVED:  # the lane of each pair half, for the norm weight
-        la = 2 * j
-        lb = 2 * j + 1
-    else:
-        la = j
-        lb = j + HALF
     nbq = (HQ + BLOCK_H - 1) // BLOCK_H
     for side in tl.static_range(NSIDES):
         # side 0 is q, side 1 is k: a compile-time choice, so each side's code has its own dtypes.
@@ -155,7 +152,7 @@ def _rotary_kernel(
             swd = swkd
             first = (split + NSPLIT - nbq % NSPLIT) % NSPLIT
         nblocks = (nheads + BLOCK_H - 1) // BLOCK_H
-        if NORM == 2:  # one scale for every head of the token: a first pass sums the squares of all rows
+        if NORM == 2 and not ONE_BLOCK:  # one scale for every head of the token: a first pass sums the squares
             total = tl.full((BLOCK_H,), 0.0, cdt)
             whole = tl.arange(0, HEAD_PAD)[None, :]
             for hb in range(0, nblocks):
@@ -169,14 +166,17 @@ def _rotary_kernel(
             hmask = (heads < nheads)[:, None]
             xp = x_row + heads.to(tl.int64)[:, None] * sxh
             op = o_row + heads.to(tl.int64)[:, None] * soh
+            # Rows forms hold the head rows as loaded, (BLOCK_H, 2 * HALF_PAD): the norm's statistics and its
+            # weight act on that tile, and only then are the pairs split in registers (a reduction or a weight
+            # on the split halves costs layout conversions through shared memory).
             if NEOX_ROW:
                 m = hmask & row_mask
+                row = row_off
                 v = tl.load(xp + row_off, mask=m, other=0.0).to(cdt)
-                a, b = tl.split(tl.permute(tl.reshape(v, (BLOCK_H, 2, HALF_PAD)), (0, 2, 1)))
             elif INTERLEAVED:
                 m = hmask & (lanes < ROT)
+                row = lanes
                 v = tl.load(xp + lanes, mask=m, other=0.0).to(cdt)
-                a, b = tl.split(tl.reshape(v, (BLOCK_H, HALF_PAD, 2)))
             else:
                 m = hmask & (j < HALF)
                 a = tl.load(xp + j, mask=m, other=0.0).to(cdt)
@@ -186,23 +186,37 @@ def _rotary_kernel(
                 t = tl.load(xp + tail, mask=hmask & (tail < HEAD_DIM), other=0.0).to(cdt)
             else:
                 t = tl.full((BLOCK_H, 1), 0.0, cdt)
-            if NORM == 1:
-                ss = tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1) + tl.sum(t * t, axis=1)
-                scale = (1.0 / tl.sqrt(ss / HEAD_DIM + eps))[:, None]
-                a = a * scale
-                b = b * scale
+            if NORM > 0:
+                if NEOX_ROW or INTERLEAVED:
+                    ss = tl.sum(v * v, axis=1) + tl.sum(t * t, axis=1)
+                else:
+                    ss = tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1) + tl.sum(t * t, axis=1)
+                if NORM == 1:
+                    scale = (1.0 / tl.sqrt(ss / HEAD_DIM + eps))[:, None]
+                elif ONE_BLOCK:  # every head of the token is in this tile: no first pass
+                    scale = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / (nheads * HEAD_DIM) + eps)
+                else:
+                    scale = token_scale
+                if NEOX_ROW or INTERLEAVED:
+                    v = v * scale
+                else:
+                    a = a * scale
+                    b = b * scale
                 t = t * scale
-            elif NORM == 2:
-                a = a * token_scale
-                b = b * token_scale
-                t = t * token_scale
             if HAS_W:
                 wp = w_ptr + heads.to(tl.int64)[:, None] * swh
-                a = a * tl.load(wp + la * swd, mask=hmask & (j < HALF), other=0.0).to(cdt)
-                b = b * tl.load(wp + lb * swd, mask=hmask & (j < HALF), other=0.0).to(cdt)
+                if NEOX_ROW or INTERLEAVED:
+                    v = v * tl.load(wp + row * swd, mask=m, other=0.0).to(cdt)
+                else:
+                    a = a * tl.load(wp + j * swd, mask=m, other=0.0).to(cdt)
+                    b = b * tl.load(wp + (HALF + j) * swd, mask=m, other=0.0).to(cdt)
                 if TAIL_PAD > 0:
                     tl_lanes = ROT + tl.arange(0, TAIL_PAD)[None, :]
                     t = t * tl.load(wp + tl_lanes * swd, mask=hmask & (tl_lanes < HEAD_DIM), other=0.0).to(cdt)
+            if NEOX_ROW:
+                a, b = tl.split(tl.permute(tl.reshape(v, (BLOCK_H, 2, HALF_PAD)), (0, 2, 1)))
+            elif INTERLEAVED:
+                a, b = tl.split(tl.reshape(v, (BLOCK_H, HALF_PAD, 2)))
             oa = a * ca - b * sa
             ob = b * cb + a * sb
             if DEINTERLEAVE:  # pairs read interleaved, written as the two NeoX halves
@@ -477,7 +491,14 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
     if neox_row is None:
         neox_row = default_neox_row(interleaved, rotary_dim, head_dim)
     neox_row = bool(neox_row) and not interleaved
+    one_block = False
+    if params.norm == "rms_across_heads" and block_h is None:
+        # the whole token in one tile: the statistics come from the rows being rotated, no second read
+        whole = triton.next_power_of_2(max(_hint(h, 1 << 20) for h in p.heads))
+        if whole * lanes_pad <= MAX_NORM_TILE:
+            block_h, one_block = whole, True
     bh = block_h or _block_heads(p.heads, lanes_pad)
+    one_block = one_block or (params.norm == "rms_across_heads" and all(_is_true(h <= bh) for h in p.heads))
     nblocks = sum(-(-_hint(h, 1) // bh) for h in p.heads)  # work items: head blocks of q, then of k
     ntok = p.tokens[0] * p.tokens[1] * p.tokens[2]
     if nsplit is None:
@@ -500,7 +521,7 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
                 MATH_FP64=wide, NEOX_ROW=neox_row, HAS_POS=tables.positions is not None,
                 NORM={"none": 0, "rms": 1, "rms_across_heads": 2}[params.norm],
                 HAS_W=any(w is not None for w in weights), HEAD_PAD=triton.next_power_of_2(head_dim),
-                DEINTERLEAVE=params.deinterleave,
+                DEINTERLEAVE=params.deinterleave, ONE_BLOCK=one_block,
                 num_warps=num_warps or _num_warps(bh * lanes_pad, "rows" if interleaved or neox_row else "halves"))
     return (ntok, nsplit), scalars, meta
 
