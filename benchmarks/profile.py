@@ -4,13 +4,15 @@ A benchmark ratio says that a compiled model or spelling is slower or faster; th
 target it compiles plain and with RopeFusionPass, profiles a few calls, and prints the kernels sorted by GPU
 time per call (name, launches per call, microseconds per call) and the total, side by side, with the pass's
 report (sites, kernels, norms folded, misses). Targets: models of benchmarks.models (`--model all` for every
-default one) and catalogue spellings at a kernel-benchmark shape. With --code-dir it also writes Inductor's
-generated code of each variant there (what the user-kernel node, the fallbacks and the copies around the fused
-op look like). A target that fails is reported and the others still run; --out keeps the results as JSON.
+default one), catalogue spellings at a kernel-benchmark shape, and rows of the kernel benchmark (`--row`).
+With --code-dir it also writes Inductor's generated code of each variant there (what the user-kernel node,
+the fallbacks and the copies around the fused op look like). A target that fails is reported and the
+others still run; --out keeps the results as JSON.
 
     python -m benchmarks.profile --model qwen-image --code-dir $OUT/code
     python -m benchmarks.profile --model all --out $OUT/profile.json
     python -m benchmarks.profile --spelling C2 --shape gqa8192x32/8x128
+    python -m benchmarks.profile --row rms+flux-il --backend triton --code-dir $OUT/code   # a kernel row
     python -m benchmarks.profile --quick --model flux --spelling N1     # the CPU smoke test: CPU ops, tiny configs
 """
 
@@ -110,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spelling", nargs="*", default=[], help="catalogue codes of benchmarks.spellings")
     ap.add_argument("--shape", default=None, help=f"for --spelling: one of {list(SHAPES)} (default "
                                                   "1x32760x40x128; --quick: a tiny one)")
+    ap.add_argument("--row", nargs="*", default=[], help="rows of the kernel benchmark's norm, flux and vllm "
+                                                        "groups whose name, shape or form contains one of these")
     ap.add_argument("--backend", default="auto", help="RopeFusionPass backend")
     ap.add_argument("--code-dir", help="write Inductor's generated code of every variant here")
     ap.add_argument("--top", type=int, default=20, help="kernels listed per target")
@@ -153,6 +157,15 @@ def main(argv: list[str] | None = None) -> int:
             k = torch.randn(B, S, HK, D, device=device, dtype=dtype)
             return sp.apply, (q, k, *sp.make_tables(B, S, D, torch.device(device))), {}
         run(f"{code}@{shape}", make)
+    from benchmarks.kernels import ROW_GROUPS
+
+    wanted = [x for v in args.row for x in v.split(",") if x]
+    for group in ("norm", "flux", "vllm") if wanted else ():
+        for row in ROW_GROUPS[group](args.quick):
+            if any(w in f"{row.name} {row.shape} {row.form}" for w in wanted):
+                def make(row=row):
+                    return row.fn, row.make(device), {}
+                run(f"{row.name}@{row.shape}", make)
     for name in models:
         def make(name=name):
             m, inputs = build(name, args.quick, device, dtype)

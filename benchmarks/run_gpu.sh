@@ -9,6 +9,7 @@
 #   kernels[:GROUPS]   python -m benchmarks.kernels [--groups GROUPS]         -> k.json, k.log
 #   models[:LIST]      python -m benchmarks.models [--models LIST] --profile  -> m.json, m.log (m2.*, ... after)
 #   profile:LIST       python -m benchmarks.profile --model LIST              -> p.json, p.log
+#                      (profile:none: only the --row / --spelling targets given in $PROFILE_ARGS)
 #   training[:LIST]    python -m benchmarks.training [--models LIST]          -> t.json, t.log
 #   distributed        torchrun (2 GPUs) benchmarks/distributed.py           -> d.json, d.log
 #   vllm_omni          python -m benchmarks.vllm_omni --rotary-file .kernels/rotary.py (when there) -> o.json, o.log
@@ -111,8 +112,10 @@ for a in "$@"; do
                 --out "$OUT/m$suffix.json" ${arg:+--models "$arg"} ${MODELS_ARGS:-} ;;
         profile)
             # shellcheck disable=SC2086
+            models_arg=(--model "${arg:-all}")
+            [[ $arg == none ]] && models_arg=()  # only the targets of $PROFILE_ARGS (--row, --spelling)
             run "profile $arg" "${limit:-400}" "$OUT/p.log" python3 -m benchmarks.profile --out "$OUT/p.json" \
-                --model "${arg:-all}" ${PROFILE_ARGS:-} ;;
+                "${models_arg[@]}" ${PROFILE_ARGS:-} ;;
         training)
             # shellcheck disable=SC2086
             run training "${limit:-400}" "$OUT/t.log" python3 -m benchmarks.training --out "$OUT/t.json" \

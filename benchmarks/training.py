@@ -49,7 +49,7 @@ from benchmarks.timing import step_ms, sync  # noqa: E402
 
 REPEATS, STEPS, WARMUP, PROFILED = 3, 10, 3, 3
 QUICK_STEPS, QUICK_WARMUP, QUICK_PROFILED = 2, 1, 1
-VARIANTS = ("plain", "pass")
+VARIANTS = ("plain", "pass")  # the default; "pass-triton" is the pass with backend="triton"
 
 
 # ------------------------------------------------------------------------------------------------ models
@@ -218,11 +218,14 @@ def _site_rows(report: Any, kind: str) -> tuple[list, list]:
 
 
 # ------------------------------------------------------------------------------------------------ one model
-def bench_model(name: str, quick: bool, device: str, dtype: torch.dtype, backend: str) -> dict:
+def bench_model(name: str, quick: bool, device: str, dtype: torch.dtype, backend: str,
+                variants: tuple = VARIANTS) -> dict:
+    """`variants` in the order they are compiled and first run (a fault that kills the CUDA context then
+    names the variant that ran first)."""
     import rope_fusion
 
     steps, warmup, profiled = (QUICK_STEPS, QUICK_WARMUP, QUICK_PROFILED) if quick else (STEPS, WARMUP, PROFILED)
-    rec: dict = {"model": name, "ms": {}, "repeats_ms": {v: [] for v in VARIANTS}, "errors": {}}
+    rec: dict = {"model": name, "ms": {}, "repeats_ms": {v: [] for v in variants}, "errors": {}}
     try:
         torch.manual_seed(0)
         base, inputs = MODELS[name](quick)
@@ -233,10 +236,11 @@ def bench_model(name: str, quick: bool, device: str, dtype: torch.dtype, backend
         traceback.print_exc(limit=4)
         return rec
     models, fns, passes = {}, {}, {}
-    for v in VARIANTS:
+    for v in variants:
         try:
             m = copy.deepcopy(base)
-            p = rope_fusion.RopeFusionPass(backend=backend) if v == "pass" else None
+            vb = "triton" if v == "pass-triton" else backend
+            p = None if v == "plain" else rope_fusion.RopeFusionPass(backend=vb)
             fn = torch.compile(m, options={"post_grad_custom_post_pass": p}) if p else torch.compile(m)
             t0 = time.perf_counter()
             train_step(fn, m, inputs)  # compiles the forward, and the backward on its first call
@@ -252,13 +256,14 @@ def bench_model(name: str, quick: bool, device: str, dtype: torch.dtype, backend
         for v in models:
             train_step(fns[v], models[v], inputs)
         rec["grad_rel_diff"] = {f"{v} vs eager": grad_diff(models[v], eager) for v in models}
-        if len(models) == 2:
-            rec["grad_rel_diff"]["pass vs plain"] = grad_diff(models["pass"], models["plain"])
+        for v in models:
+            if v != "plain" and "plain" in models:
+                rec["grad_rel_diff"][f"{v} vs plain"] = grad_diff(models[v], models["plain"])
         del eager
     except Exception as e:
         rec["errors"]["grads"] = f"{type(e).__name__}: {e}"
     for r in range(REPEATS):
-        for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+        for v in (variants if r % 2 == 0 else variants[::-1]):
             if v in models:
                 call = lambda v=v: train_step(fns[v], models[v], inputs)
                 rec["repeats_ms"][v].append(step_ms(call, device, steps, warmup))
@@ -269,6 +274,8 @@ def bench_model(name: str, quick: bool, device: str, dtype: torch.dtype, backend
             rec.setdefault("spread", {})[v] = (max(ts) - min(ts)) / med
     if "plain" in rec["ms"] and "pass" in rec["ms"]:
         rec["ratio"] = rec["ms"]["pass"] / rec["ms"]["plain"]
+    if "plain" in rec["ms"] and "pass-triton" in rec["ms"]:
+        rec["ratio_triton"] = rec["ms"]["pass-triton"] / rec["ms"]["plain"]
     for v in models:
         rec.setdefault("phases", {})[v] = phase_times(fns[v], models[v], inputs, device, profiled)
         rec.setdefault("peak_gib", {})[v] = _peak_gib(lambda v=v: train_step(fns[v], models[v], inputs), device)
@@ -318,14 +325,15 @@ def _row(r: dict) -> str:
     cells = [r["model"], _num(ms.get("plain")), _num(ms.get("pass")), _num(r.get("ratio"), "{:.3f}"),
              f"{_num(sp.get('plain'), '{:.1%}')} / {_num(sp.get('pass'), '{:.1%}')}", sk["forward"], sk["backward"],
              tot["forward"], tot["backward"], rot["forward"], rot["backward"],
-             _num(r.get("grad_rel_diff", {}).get("pass vs plain"), "{:.2e}"), errors]
+             _num(r.get("grad_rel_diff", {}).get("pass vs plain"), "{:.2e}"), _num(r.get("ratio_triton"), "{:.3f}"),
+             errors]
     return "| " + " | ".join(cells) + " |"
 
 
 def markdown(records: list[dict]) -> str:
     header = ["model", "plain ms", "pass ms", "pass/plain", "spread plain / pass", "fwd sites/kernels",
               "bwd sites/kernels", "fwd GPU us plain / pass", "bwd GPU us plain / pass", "fwd rotary us (x floor)",
-              "bwd rotary us (x floor)", "grad diff pass vs plain", "errors"]
+              "bwd rotary us (x floor)", "grad diff pass vs plain", "pass-triton/plain", "errors"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(rows + [_row(r) for r in records])
 
@@ -338,7 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="*", default=list(MODELS), help=f"subset of {list(MODELS)}")
     ap.add_argument("--backend", default="auto", help="RopeFusionPass backend")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS),
+                    help="of plain, pass, pass-triton; compiled and first run in this order")
     args = ap.parse_args(argv)
+    args.variants = tuple(x for v in args.variants for x in v.split(",") if x)
     # the pass must see every graph (an FX graph cache hit skips it) and both variants compile alike
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
@@ -349,10 +360,11 @@ def main(argv: list[str] | None = None) -> int:
                     "repeats": REPEATS, "records": []}
     t_start = time.perf_counter()
     for name in args.models:
-        rec = bench_model(name, args.quick, args.device, dtype, args.backend)
+        rec = bench_model(name, args.quick, args.device, dtype, args.backend, args.variants)
         result["records"].append(rec)
         write_json(args.out, result, quiet=True)
         print(f"[{time.perf_counter() - t_start:6.1f}s] {name}: ms {rec['ms']} ratio {rec.get('ratio')} "
+              f"ratio_triton {rec.get('ratio_triton')} grad {rec.get('grad_rel_diff')} "
               f"fused {rec.get('report', {}).get('graphs')} errors {rec['errors']}", flush=True)
     table = markdown(result["records"])
     print(f"\ntraining step (forward + backward), {args.dtype}, {args.device}, median of {REPEATS} repeats, "

@@ -50,7 +50,6 @@ HEAD_PAD_WASTE = 1.25  # at most this many padded heads per real head across q a
 # num_warps = tile / elements per warp: whole rows (interleaved, NeoX as rows) want few warps with many
 # elements each; NeoX read as two half tiles wants four times the warps (BENCHMARKS.md, tile sweep).
 ELEMENTS_PER_WARP = {"rows": 2048, "halves": 512}
-MAX_NORM_TILE = 8192  # a norm across heads holds the whole token in one tile up to this many elements
 MIN_PROGRAMS = 1024  # below this many tokens, head blocks are also spread over the grid
 
 
@@ -371,10 +370,10 @@ def _block_heads(heads: Sequence[Any], lanes_pad: int) -> int:
     return best
 
 
-def default_neox_row(interleaved: bool, rotary_dim: int, head_dim: int) -> bool:
-    """NeoX rotating whole rows takes the one-remapped-load form; with a pass-through tail the two half loads
-    stay (tile sweep, BENCHMARKS.md)."""
-    return not interleaved and rotary_dim == head_dim
+def default_neox_row(interleaved: bool, rotary_dim: int, head_dim: int, norm: str = "none") -> bool:
+    """NeoX rotating whole rows takes the one-remapped-load form; with a pass-through tail, or a norm before
+    the rotation (1.69x against 1.40x the floor at D=80), the two half loads stay (tile sweeps, BENCHMARKS.md)."""
+    return not interleaved and rotary_dim == head_dim and norm == "none"
 
 
 def _num_warps(tile: int, form: str) -> int:
@@ -489,16 +488,12 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
     tail_pad = triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
     lanes_pad = 2 * half_pad + tail_pad  # registers per head row, the pass-through tail included
     if neox_row is None:
-        neox_row = default_neox_row(interleaved, rotary_dim, head_dim)
+        neox_row = default_neox_row(interleaved, rotary_dim, head_dim, params.norm)
     neox_row = bool(neox_row) and not interleaved
-    one_block = False
-    if params.norm == "rms_across_heads" and block_h is None:
-        # the whole token in one tile: the statistics come from the rows being rotated, no second read
-        whole = triton.next_power_of_2(max(_hint(h, 1 << 20) for h in p.heads))
-        if whole * lanes_pad <= MAX_NORM_TILE:
-            block_h, one_block = whole, True
     bh = block_h or _block_heads(p.heads, lanes_pad)
-    one_block = one_block or (params.norm == "rms_across_heads" and all(_is_true(h <= bh) for h in p.heads))
+    # a norm across heads whose heads all fit one block takes its statistics from that tile (a larger block to
+    # get there was slower in the norm sweep: 1.32x against 1.17x the floor at 12 heads x 128)
+    one_block = params.norm == "rms_across_heads" and all(_is_true(h <= bh) for h in p.heads)
     nblocks = sum(-(-_hint(h, 1) // bh) for h in p.heads)  # work items: head blocks of q, then of k
     ntok = p.tokens[0] * p.tokens[1] * p.tokens[2]
     if nsplit is None:
