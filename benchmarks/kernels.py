@@ -788,8 +788,8 @@ SWEEP_SHAPES = {**SHAPES, "1x32760x12x128": (1, 32760, 12, 12, 128), "1x4096x24x
                 "1x16384x16x80": (1, 16384, 16, 16, 80)}
 _TILES = {"block_h": (None, 4, 8, 16, 32), "num_warps": (None, 1, 2, 4)}
 _NEOX = {"block_h": (None, 16), "num_warps": (None, 1, 2, 4), "neox_row": (False, True)}
-_NORM_TILES = {"block_h": (None, 4, 16, 64), "num_warps": (None, 2, 4, 8)}
-_NORM_NEOX = {"block_h": (None, 16), "num_warps": (None, 2, 4, 8), "neox_row": (False, True)}
+_NORM_TILES = {"block_h": (None, 4, 8, 16), "num_warps": (None, 2, 4)}
+_NORM_NEOX = {"block_h": (None, 4, 16), "num_warps": (None, 4), "neox_row": (False, True)}
 SWEEP_CASES = [
     ("2x16384x16x80", "N1", _NEOX),
     ("2x16384x16x80", "N3", _NEOX),
@@ -805,6 +805,9 @@ SWEEP_CASES = [
     # QK-norm prologues (a 4th element: the norm), at the norm rows' shapes
     ("1x16384x16x80", "I1", _NORM_TILES, "rms"),
     ("1x16384x16x80", "N1", _NORM_NEOX, "rms"),
+    ("1x16384x16x80", "flux", _NORM_TILES, "rms"),
+    ("1x32760x12x128", "flux", _NORM_TILES, "rms"),
+    ("1x32760x12x128", "N1", _NORM_NEOX, "rms"),
     ("1x32760x12x128", "I1", _NORM_TILES, "rms_across_heads"),
     ("1x32760x40x128", "I1", _NORM_TILES, "rms_across_heads"),
 ]
@@ -827,8 +830,12 @@ def sweep(device: str, cases: list = SWEEP_CASES) -> list[dict]:
         q = torch.randn(B, S, HQ, D, device=device, dtype=torch.bfloat16)
         k = torch.randn(B, S, HK, D, device=device, dtype=torch.bfloat16)
         floor = triton.testing.do_bench_cudagraph(lambda q=q, k=k: (q.clone(), k.clone()), rep=50)
-        sp = SPELLINGS[code]
-        cos, sin, kw = sp.fused(*sp.make_tables(B, S, D, torch.device(device)))
+        if code == "flux":  # diffusers' full-width fp32 [S, D] tables, broadcast over heads as the pass feeds them
+            c, s_ = sp.flux_tables(S, D, device)
+            cos, sin, kw = c[None, :, None, :], s_[None, :, None, :], dict(interleaved=True, full_tables=True)
+        else:
+            spelling = SPELLINGS[code]
+            cos, sin, kw = spelling.fused(*spelling.make_tables(B, S, D, torch.device(device)))
         rd = cos.shape[-1] * (1 if kw["full_tables"] else 2)
         names = list(choices)
         res = []

@@ -348,8 +348,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS),
                     help="of plain, pass, pass-triton; compiled and first run in this order")
+    ap.add_argument("--cudnn-attention", action="store_true", help="leave cuDNN's SDPA backend enabled")
     args = ap.parse_args(argv)
     args.variants = tuple(x for v in args.variants for x in v.split(",") if x)
+    if args.device.startswith("cuda") and not args.cudnn_attention:
+        # Plain torch.compile of the Flux step fails in cuDNN's SDPA backward on the H200 with torch 2.11 /
+        # CUDA 13 ("mha_graph.execute(...).is_good()", then an illegal memory access that kills the context),
+        # with or without the pass: attention uses the flash / memory-efficient kernels instead, for every variant.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     # the pass must see every graph (an FX graph cache hit skips it) and both variants compile alike
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False

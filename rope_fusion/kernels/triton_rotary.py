@@ -46,6 +46,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 1024  # beyond this one row no longer fits a program's registers comfortably
 MAX_LOOP_HEADS = 512  # a broadcast dim longer than this is spread over the grid instead of looped over
 TILE_ELEMENTS = 2048  # target size of the register tile (heads x padded lanes) of one loop step
+NORM_TILE_ELEMENTS = 512  # the same with a per-head norm (its statistics need registers: norm sweep)
 HEAD_PAD_WASTE = 1.25  # at most this many padded heads per real head across q and k
 # num_warps = tile / elements per warp: whole rows (interleaved, NeoX as rows) want few warps with many
 # elements each; NeoX read as two half tiles wants four times the warps (BENCHMARKS.md, tile sweep).
@@ -56,15 +57,15 @@ MIN_PROGRAMS = 1024  # below this many tokens, head blocks are also spread over 
 @triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, wq_ptr, wk_ptr,
-    N1, N2, HQ, HK, NSPLIT, crow, srow, swqh, swqd, swkh, swkd, eps,
+    N1, N2, HQ, HK, NSPLIT, crow, srow, swqh, swkh, eps,
     sq0, sq1, sq2, sqh, sqo0, sqo1, sqo2, sqoh,
     sk0, sk1, sk2, skh, sko0, sko1, sko2, skoh,
-    sc0, sc1, sc2, scd, ss0, ss1, ss2, ssd,
+    sc0, sc1, sc2, ss0, ss1, ss2,
     ROT: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, NSIDES: tl.constexpr, INTERLEAVED: tl.constexpr, FULL_TABLES: tl.constexpr,
     CONJ: tl.constexpr, MATH_FP64: tl.constexpr, NEOX_ROW: tl.constexpr, HAS_POS: tl.constexpr,
     NORM: tl.constexpr, HAS_W: tl.constexpr, HEAD_PAD: tl.constexpr, DEINTERLEAVE: tl.constexpr,
-    ONE_BLOCK: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, SCD: tl.constexpr, SSD: tl.constexpr,
 ):
     """Rotate the rows of one token of q (and k): grid = (tokens, NSPLIT).
 
@@ -113,11 +114,11 @@ def _rotary_kernel(
     else:
         c_row = cos_ptr + i0 * sc0 + i1 * sc1 + i2 * sc2
         s_row = sin_ptr + i0 * ss0 + i1 * ss1 + i2 * ss2
-    ca = tl.load(c_row + ia * scd, mask=tmask, other=0.0).to(cdt)[None, :]
-    sa = tl.load(s_row + ia * ssd, mask=tmask, other=0.0).to(cdt)[None, :]
+    ca = tl.load(c_row + ia * SCD, mask=tmask, other=0.0).to(cdt)[None, :]
+    sa = tl.load(s_row + ia * SSD, mask=tmask, other=0.0).to(cdt)[None, :]
     if FULL_TABLES:
-        cb = tl.load(c_row + ib * scd, mask=tmask, other=0.0).to(cdt)[None, :]
-        sb = tl.load(s_row + ib * ssd, mask=tmask, other=0.0).to(cdt)[None, :]
+        cb = tl.load(c_row + ib * SCD, mask=tmask, other=0.0).to(cdt)[None, :]
+        sb = tl.load(s_row + ib * SSD, mask=tmask, other=0.0).to(cdt)[None, :]
     else:
         cb = ca
         sb = sa
@@ -139,7 +140,6 @@ def _rotary_kernel(
             nheads = HQ
             w_ptr = wq_ptr
             swh = swqh
-            swd = swqd
         else:
             x_row = k_ptr + i0 * sk0 + i1 * sk1 + i2 * sk2
             o_row = ko_ptr + i0 * sko0 + i1 * sko1 + i2 * sko2
@@ -148,7 +148,6 @@ def _rotary_kernel(
             nheads = HK
             w_ptr = wk_ptr
             swh = swkh
-            swd = swkd
             first = (split + NSPLIT - nbq % NSPLIT) % NSPLIT
         nblocks = (nheads + BLOCK_H - 1) // BLOCK_H
         if NORM == 2 and not ONE_BLOCK:  # one scale for every head of the token: a first pass sums the squares
@@ -205,13 +204,13 @@ def _rotary_kernel(
             if HAS_W:
                 wp = w_ptr + heads.to(tl.int64)[:, None] * swh
                 if NEOX_ROW or INTERLEAVED:
-                    v = v * tl.load(wp + row * swd, mask=m, other=0.0).to(cdt)
+                    v = v * tl.load(wp + row, mask=m, other=0.0).to(cdt)
                 else:
-                    a = a * tl.load(wp + j * swd, mask=m, other=0.0).to(cdt)
-                    b = b * tl.load(wp + (HALF + j) * swd, mask=m, other=0.0).to(cdt)
+                    a = a * tl.load(wp + j, mask=m, other=0.0).to(cdt)
+                    b = b * tl.load(wp + (HALF + j), mask=m, other=0.0).to(cdt)
                 if TAIL_PAD > 0:
                     tl_lanes = ROT + tl.arange(0, TAIL_PAD)[None, :]
-                    t = t * tl.load(wp + tl_lanes * swd, mask=hmask & (tl_lanes < HEAD_DIM), other=0.0).to(cdt)
+                    t = t * tl.load(wp + tl_lanes, mask=hmask & (tl_lanes < HEAD_DIM), other=0.0).to(cdt)
             if NEOX_ROW:
                 a, b = tl.split(tl.permute(tl.reshape(v, (BLOCK_H, 2, HALF_PAD)), (0, 2, 1)))
             elif INTERLEAVED:
@@ -354,11 +353,11 @@ def _plan(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables: _Tab
                  column(nstr - 1) + [tables.sin.stride(-1)], head)
 
 
-def _block_heads(heads: Sequence[Any], lanes_pad: int) -> int:
+def _block_heads(heads: Sequence[Any], lanes_pad: int, tile: int = TILE_ELEMENTS) -> int:
     """Heads per loop step: the largest tile up to TILE_ELEMENTS whose padding of q's and k's head counts to
     whole blocks stays within HEAD_PAD_WASTE (the rule BENCHMARKS.md's tile sweep supports)."""
     hs = [_hint(h, 16) for h in heads if _hint(h, 16) > 0]
-    cap = max(1, TILE_ELEMENTS // lanes_pad)
+    cap = max(1, tile // lanes_pad)
     top = min(cap, triton.next_power_of_2(max(hs)))
     best = 1
     bh = 1
@@ -405,6 +404,7 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
         xs = [rms_norm(x.float(), params.norm, params.norm_eps, w) for x, w in zip(xs, weights)]
         params, weights = params.replace(norm="none"), [None] * len(xs)
     xs = [_prepare(x) for x in xs]
+    weights = [w if w is None or _is_true(w.stride(-1) == 1) else w.contiguous() for w in weights]
     outs = [torch.empty(x.shape, dtype=params.out_dtype, device=x.device) for x in xs]
     fn = wrap_triton(_rotary_kernel) if kernel is None else kernel
     opts = (params, block_h, num_warps, nsplit, neox_row)
@@ -471,12 +471,11 @@ def _make_launches(xs: list, outs: list, tables: _Tables, *opts: Any) -> list | 
     return launches
 
 
-def _weight_strides(w: Any, x: torch.Tensor, head: int | None) -> tuple:
-    """(head stride, lane stride) of a norm weight as it broadcasts against x."""
-    if w is None:
-        return 0, 0
-    e = w.expand(x.shape)
-    return (e.stride(head) if head is not None else 0), e.stride(-1)
+def _weight_head_stride(w: Any, x: torch.Tensor, head: int | None) -> int:
+    """The head stride of a norm weight as it broadcasts against x (its lanes are contiguous: `launch`)."""
+    if w is None or head is None:
+        return 0
+    return w.expand(x.shape).stride(head)
 
 
 def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, params: RotaryParams,
@@ -490,7 +489,7 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
     if neox_row is None:
         neox_row = default_neox_row(interleaved, rotary_dim, head_dim, params.norm)
     neox_row = bool(neox_row) and not interleaved
-    bh = block_h or _block_heads(p.heads, lanes_pad)
+    bh = block_h or _block_heads(p.heads, lanes_pad, NORM_TILE_ELEMENTS if params.norm == "rms" else TILE_ELEMENTS)
     # a norm across heads whose heads all fit one block takes its statistics from that tile (a larger block to
     # get there was slower in the norm sweep: 1.32x against 1.17x the floor at 12 heads x 128)
     one_block = params.norm == "rms_across_heads" and all(_is_true(h <= bh) for h in p.heads)
@@ -507,16 +506,20 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
     wide = math_dtype(xs, cos, sin, params.out_dtype) == torch.float64
     rows = (cos.stride(0), sin.stride(0)) if tables.positions is not None else (0, 0)
     weights = [tables.weights[i] if tables.weights else None for i in group]
-    wq = _weight_strides(weights[0], xs[0], p.head)
-    wk = _weight_strides(weights[-1], xs[-1], p.head) if len(xs) > 1 else (0, 0)
-    scalars = (p.tokens[1], p.tokens[2], p.heads[0], hk, nsplit, *rows, *wq, *wk, float(params.norm_eps),
-               *p.x_strides[0], *p.o_strides[0], *sk, *sko, *p.c_strides, *p.s_strides)
+    wq = _weight_head_stride(weights[0], xs[0], p.head)
+    wk = _weight_head_stride(weights[-1], xs[-1], p.head) if len(xs) > 1 else 0
+    scalars = (p.tokens[1], p.tokens[2], p.heads[0], hk, nsplit, *rows, wq, wk, float(params.norm_eps),
+               *p.x_strides[0], *p.o_strides[0], *sk, *sko, *p.c_strides[:3], *p.s_strides[:3])
     meta = dict(ROT=rotary_dim, HEAD_DIM=head_dim, HALF_PAD=half_pad, TAIL_PAD=tail_pad, BLOCK_H=bh,
                 NSIDES=len(xs), INTERLEAVED=interleaved, FULL_TABLES=params.full_tables, CONJ=params.conjugate,
                 MATH_FP64=wide, NEOX_ROW=neox_row, HAS_POS=tables.positions is not None,
                 NORM={"none": 0, "rms": 1, "rms_across_heads": 2}[params.norm],
                 HAS_W=any(w is not None for w in weights), HEAD_PAD=triton.next_power_of_2(head_dim),
                 DEINTERLEAVE=params.deinterleave, ONE_BLOCK=one_block,
+                # the tables' lane strides are compile-time constants: Inductor launches the kernel with runtime
+                # scalars that Triton does not specialize, and a lane stride only known at run time turns the
+                # vector loads into gathers (the in-graph kernel ran at twice the time of a direct launch)
+                SCD=p.c_strides[3], SSD=p.s_strides[3],
                 num_warps=num_warps or _num_warps(bh * lanes_pad, "rows" if interleaved or neox_row else "halves"))
     return (ntok, nsplit), scalars, meta
 
