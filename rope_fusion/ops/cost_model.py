@@ -12,16 +12,16 @@ model's own code one per tensor).
   compile and the op's lowering compute inside the rotation instead. An x that Inductor computes elementwise
   (a norm the op could not fold, a cat) fuses into the model's code and the lowering, but is written and
   read again around the Triton kernel.
-- A folded QK-norm changes every factor: Inductor fuses a per-head norm with a NeoX rotation well (1.4-1.9x)
-  and with an interleaved one badly (2.9-3.4x); the kernel's per-head norm is slow (2.4-2.9x, 4.3-5.4x at a
-  head dim that is no power of two) and its norm across heads fast (1.8x).
+- A folded QK-norm changes every factor: Inductor fuses a per-head norm with a NeoX rotation well (1.45x at
+  D=128, 2.0x at D=80) and with an interleaved one badly (3.2-3.4x), a norm across heads worse (3.6-4.0x); the
+  kernel, as launched from Inductor's code, takes 1.6-1.75x with a per-head norm (2.2-2.3x at D=80) and
+  1.35-1.55x with a norm across heads.
 - The model's own code for vLLM's gathered `forward_native` measured 1.44-2.0x (NeoX) and 2.6-2.7x (GPT-J).
 - Sizes known only at run time (vLLM's dynamic token count) take the lowering with a folded norm (1.22x
   against 1.73x for the model's code, Qwen3) or interleaved pairs (GPT-J partial: 1.16x against 2.72x); a
   plain NeoX site is left (Llama: the lowering 1.52-4.19x against 1.41-3.08x from 64 tokens on).
-- Training graphs (a training step's forward and backward) take the lowering or are left: the Triton kernel
-  made a Flux training step fault with an illegal memory access on the H200 (BENCHMARKS.md, Training), not
-  yet explained; inference and the kernel benchmark's backward rows run it correctly.
+- Training graphs are costed like any other: a Flux training step with the kernel in its forward and backward
+  graphs ran at 0.98x plain compile's time (BENCHMARKS.md, Training).
 - A fused choice must beat the model's own code by `MARGIN`: the estimates are not better than that, and
   leaving a site alone is never slower than plain torch.compile.
 """
@@ -34,8 +34,8 @@ MARGIN = 0.05
 LAUNCH_BYTES = 4 * 2**20  # one launch in CUDA-graph replay, ~1 us of H200 bandwidth
 
 # Measured multiples of the copy floor (benchmarks/kernels.py, H200, bf16), by the folded norm.
-TRITON_FACTOR = {"none": 1.05, "rms": 2.6, "rms_across_heads": 1.8}
-TRITON_PADDED_FACTOR = {"none": 1.3, "rms": 4.6, "rms_across_heads": 2.5}  # half or head dim not a power of 2
+TRITON_FACTOR = {"none": 1.05, "rms": 1.75, "rms_across_heads": 1.55}
+TRITON_PADDED_FACTOR = {"none": 1.3, "rms": 2.3, "rms_across_heads": 2.5}  # half or head dim not a power of 2
 LOWERING_FACTOR = {("none", "neox"): 1.25, ("none", "interleaved"): 1.45,
                    ("rms", "neox"): 2.1, ("rms", "interleaved"): 1.9,
                    ("rms_across_heads", "neox"): 3.2, ("rms_across_heads", "interleaved"): 3.2}
@@ -61,7 +61,6 @@ class SiteCost:
     padded: bool = False  # the rotary half or the head dim is no power of two (the kernel pads its rows)
     gathered: bool = False  # tables gathered from a cache by positions (vLLM)
     tensors: int = 2  # x tensors of the site (q and k: 2)
-    training: bool = False  # a graph of a training step (its forward or backward)
 
 
 def _left_factor(c: SiteCost) -> float:
@@ -95,9 +94,7 @@ def cheapest(c: SiteCost) -> tuple[str, str]:
             return "inductor", "sizes known only at run time: the lowering (measured ahead for norms, pairs)"
         return "left", "sizes known only at run time: the lowering measured slower for NeoX halves"
     est = estimates(c)
-    if c.training:  # the kernel faulted in a training step on the GPU (BENCHMARKS.md): the lowering only
-        est.pop("triton")
-    fused = min((k for k in ("triton", "inductor") if k in est), key=est.get)
+    fused = min(("triton", "inductor"), key=est.get)
     best = fused if est[fused] < (1 - MARGIN) * est["left"] else "left"
     shown = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(est.items(), key=lambda kv: kv[1]))
     return best, f"estimated MiB-equivalents: {shown}"

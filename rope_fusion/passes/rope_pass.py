@@ -14,14 +14,12 @@ per instance, and a copy starts with an empty one).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import hashlib
 import logging
 import os
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from ..ops.backends import BACKEND_NAMES, LeftToInductor, SiteSpec, choose_backend
@@ -110,14 +108,12 @@ class RopeFusionPass(_PassBase):
         self.report = Report()
         self.report.cache_counter = CacheCounter(self.uuid())
         self._logged: set = set()
-        self._training = False  # the graph being fused belongs to a training step
 
     # -- CustomGraphPass -------------------------------------------------------------------------
     def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
         index = self.report.graphs
         self.report.graphs += 1
         record = GraphRecord(index, _graph_kind(graph, is_inference), "nothing to fuse")
-        self._training = record.kind == "backward" or _in_training_compile()
         self.report.graph_records.append(record)
         mark = self._mark()
         tx = GraphTransaction(graph)
@@ -189,8 +185,6 @@ class RopeFusionPass(_PassBase):
         return planned
 
     def _choose(self, spec: SiteSpec):
-        if spec.cost is not None and self._training:
-            spec = dataclasses.replace(spec, cost=dataclasses.replace(spec.cost, training=True))
         backend, reasons = choose_backend(self.backend, spec)
         fallback = "; ".join(reasons)
         if fallback:
@@ -261,15 +255,6 @@ class RopeFusionPass(_PassBase):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(backend={self.backend!r}, fuse_qk={self.fuse_qk}, "
                 f"cache_host_tables={self.cache_host_tables})")
-
-
-def _in_training_compile() -> bool:
-    """Whether AOTAutograd is compiling a training step (its forward traced tangents for a backward)."""
-    try:
-        meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
-        return bool(getattr(meta, "traced_tangents", None) or getattr(meta, "traced_tangent_metas", None))
-    except Exception:  # internal API: without it, only backward graphs are known as training
-        return False
 
 
 def _graph_kind(graph: fx.Graph, is_inference: bool | None) -> str:
