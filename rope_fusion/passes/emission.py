@@ -266,7 +266,7 @@ class PlannedGroup:
 
 def fold_norms(group: tuple, nodes: dict, depends_on: Callable) -> tuple[list | None, str]:
     """The norm prologue of every site of a group when all can fold it, else (None, why not or "")."""
-    if group[0].tables is not None or any(m.x_name not in nodes for m in group):
+    if any(m.tables is not None for m in group) or any(m.x_name not in nodes for m in group):
         return None, ""
     found = [norm_prologue(nodes[m.x_name], m.head_dim, m.blocks) for m in group]
     if all(f is None for f in found):

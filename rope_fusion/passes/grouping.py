@@ -4,7 +4,8 @@ Almost every model rotates q and k with two calls on the same tables; their head
 Two rotations pair when their options agree, their tables are provably the same numbers as the op reads
 them, and neither's inputs depend on the other's result (one launch needs all inputs first). Sequence
 parallel models (4 calls over 2 tables) and cross-attention (q and k with different tables) pair only
-where the tables agree, never by position.
+where the tables agree, never by position. A rotary kernel's site and a native one pair when the native tables
+are views that read, over either x, the very rows the kernel reads (`kernel_and_native`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,18 @@ def out_dtype(m: Match) -> torch.dtype:
     return m.node.meta["val"].dtype
 
 
+def _table_val(node: fx.Node, t: TableRef, blocks: tuple = ()) -> torch.Tensor:
+    """The fake table view the op would read (`emission.table_view` on fake tensors; call in the fake mode)."""
+    view = node.meta["val"]
+    view = torch.view_as_real(view) if t.as_real else view
+    if t.k != 1:
+        view = view.reshape(*view.shape[: view.dim() - t.k], -1)
+    view = view[..., t.start: t.start + t.step * (t.width - 1) + 1: t.step]
+    for _ in blocks:
+        view = view.unsqueeze(-2)
+    return view
+
+
 def table_view_geometry(node: fx.Node, t: TableRef, blocks: tuple = ()):
     """(identity, sizes) of the table view the op would read, from fake tensors; None if unknown. The
     identity is the storage, offset, dtype and the (size, stride) of every dim but broadcast (size-1) ones:
@@ -37,14 +50,8 @@ def table_view_geometry(node: fx.Node, t: TableRef, blocks: tuple = ()):
     try:
         from torch.multiprocessing.reductions import StorageWeakRef
 
-        val = node.meta["val"]
-        with fake_mode_of(val):
-            view = torch.view_as_real(val) if t.as_real else val
-            if t.k != 1:
-                view = view.reshape(*view.shape[: view.dim() - t.k], -1)
-            view = view[..., t.start: t.start + t.step * (t.width - 1) + 1: t.step]
-            for _ in blocks:
-                view = view.unsqueeze(-2)
+        with fake_mode_of(node.meta["val"]):
+            view = _table_val(node, t, blocks)
         sizes = tuple(as_int(d) for d in view.shape)
         strides = tuple(as_int(d) for d in view.stride())
         if None in sizes or None in strides:
@@ -53,6 +60,31 @@ def table_view_geometry(node: fx.Node, t: TableRef, blocks: tuple = ()):
         key = (StorageWeakRef(view.untyped_storage()).cdata, as_int(view.storage_offset()), view.dtype, dims)
         return key, sizes
     except Exception:  # a view fake tensors cannot build: not provably the same table
+        return None
+
+
+def _lead(m: Match) -> tuple:
+    """The dims of m's x as the op reads it that a table broadcasts over (the heads of a flat x as blocks)."""
+    val = m.node.meta["val"]
+    return tuple(val.shape[: val.dim() - m.value_k]) + tuple(m.blocks)
+
+
+def broadcast_geometry(view: torch.Tensor, lead: tuple) -> tuple | None:
+    """(storage, offset, dtype, sizes, strides) of a fake table view broadcast over x's leading dims `lead` as the
+    op broadcasts it (right-aligned), size-1 dims with stride 0: two views with one geometry read the same table
+    element at every position of x. None when a size is symbolic or the view does not broadcast."""
+    try:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        view = view.expand(*lead, view.shape[-1])
+        sizes = tuple(as_int(d) for d in view.shape)
+        strides = tuple(as_int(d) for d in view.stride())
+        if None in sizes or None in strides:
+            return None
+        strides = tuple(0 if n == 1 else st for n, st in zip(sizes, strides))
+        return (StorageWeakRef(view.untyped_storage()).cdata, as_int(view.storage_offset()), view.dtype, sizes,
+                strides)
+    except Exception:
         return None
 
 
@@ -91,16 +123,44 @@ class _Pairing:
     def fits(view_sizes: tuple, m: Match) -> bool:
         """The table as emitted for the first site (unsqueezed for its blocks) broadcasts against m's x."""
         shape = view_sizes[:-1]
-        val = m.node.meta["val"]
-        lead = tuple(val.shape[: val.dim() - m.value_k]) + tuple(m.blocks)
+        lead = _lead(m)
         if len(shape) > len(lead):
             return False
         return all(a == 1 or same_dim(a, b) for a, b in zip(reversed(shape), reversed(lead)))
 
+    def kernel_and_native(self, a: Match, b: Match) -> bool:
+        """A rotary kernel's site (its tables built by `tables`) and a native site read the same numbers: only a
+        flash-attn launch with an int offset (rows [o, o+S) of its cos/sin nodes) against native tables that are
+        views of the same storage which, broadcast over either x, address the same element at every position
+        (storage, offset, strides; the group reads either site's tables, so both broadcasts are checked). Tensor
+        offsets, vLLM's cache by positions, swapped (partner) tables, copies and symbolic sizes stay unpaired."""
+        from .kernel_rewrite import fixed_row_tables
+
+        k, n = (a, b) if a.table_key is not None else (b, a)
+        if n.cos.partner or n.sin.partner:
+            return False
+        with fake_mode_of(k.node.meta["val"]):
+            fixed = fixed_row_tables(k)
+            if fixed is None:
+                return False
+            for kv, t in zip(fixed, (n.cos, n.sin)):
+                try:
+                    nv = _table_val(self.nodes[t.name], t, n.blocks)
+                except Exception:  # a view fake tensors cannot build: not provably the same table
+                    return False
+                for lead in (_lead(k), _lead(n)):
+                    g = broadcast_geometry(kv, lead)
+                    if g is None or g != broadcast_geometry(nv, lead):
+                        return False
+        return True
+
     def can_pair(self, a: Match, b: Match) -> bool:
         if b.node is a.node or a.x_name == b.x_name or _options(a) != _options(b):
             return False
-        if a.table_key is not None or b.table_key is not None:  # sites that build their own tables
+        if (a.table_key is None) != (b.table_key is None):  # a kernel site and a native one
+            if not self.kernel_and_native(a, b):
+                return False
+        elif a.table_key is not None:  # sites that build their own tables
             if a.table_key != b.table_key:
                 return False
         elif not (self.same_table(a.cos, a.blocks, b.cos, b.blocks, b)

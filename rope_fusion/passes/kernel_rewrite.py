@@ -17,7 +17,9 @@ builder that emits the op's table arguments in the graph when the site's group i
 `table_key` says which sites read the same numbers: two flash-attn launches on the same cos and sin nodes with the
 same offset (int value or offsets node) and the same sequence length; two vLLM sites with the same cache and
 positions (the q and k of one op always do). Only sites of one key share a `rotary_qk` launch; a site whose
-positions/offsets tensor is read through `Match.table_inputs`, so a pair is placed after it too.
+positions/offsets tensor is read through `Match.table_inputs`, so a pair is placed after it too. A flash-attn site
+with an int offset also pairs with a native (aten) rotation whose tables are views reading the same rows of the same
+cos and sin (`fixed_row_tables`, compared in grouping.py): a kernel call for q and torch ops for k, one launch.
 
 What happens to the kernel: the pass replaces every use of the result node (`getitem(launch, "OUT")`,
 `getitem(auto_functionalized, i)`) and then runs dead-code elimination; neither `triton_kernel_wrapper_functional`
@@ -120,6 +122,20 @@ def _flash_attn_key(site: KernelSite) -> tuple:
     return (FLASH_ATTN, site.cos, site.sin, off_key, _size_key(site.x.meta["val"].shape[1]), 4)
 
 
+def fixed_row_tables(m: Match) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The tables a flash-attn site with an int offset o reads, as fake views of its cos and sin nodes in the op's
+    shape: `cos[o:o+S].unsqueeze(-2)` ([S, 1, R/2] against x [B, S, H, D]), what `_flash_attn_tables` emits. None
+    for other sites (tensor offsets, vLLM's cache by positions): their rows depend on run-time values. Grouping
+    compares these views with a native site's table views (storage, offset, strides) to pair the two; call it in
+    the graph's fake mode."""
+    key = m.table_key
+    if not (isinstance(key, tuple) and key and key[0] == FLASH_ATTN and key[3][0] == "int"):
+        return None
+    cos, sin, off = key[1], key[2], key[3][1]
+    seqlen = m.node.meta["val"].shape[1]
+    return cos.meta["val"][off: off + seqlen].unsqueeze(-2), sin.meta["val"][off: off + seqlen].unsqueeze(-2)
+
+
 def _cache_key(site: KernelSite) -> tuple:
     return ("vllm.cos_sin_cache", site.cos_sin_cache, site.positions, site.positions.meta["val"].dim() + 1)
 
@@ -212,4 +228,4 @@ def _same_layout(a: fx.Node, b: fx.Node) -> bool:
             and all(known(x == y) for x, y in zip((*va.shape, *va.stride()), (*vb.shape, *vb.stride()))))
 
 
-__all__ = ["find_kernel_matches", "kernel_match", "FLASH_ATTN", "FLAT_LAYOUTS"]
+__all__ = ["find_kernel_matches", "kernel_match", "fixed_row_tables", "FLASH_ATTN", "FLAT_LAYOUTS"]

@@ -144,6 +144,11 @@ class Acceptor:
         self._anc: dict = {}
         self._gather: dict | None = None
         self._by_entry0: dict | None = None
+        # Views and casts of one x carry the same lane entries, so each is a candidate whose lane check (and
+        # table check) comes out the same: computed once per distinct value (a 3072-lane Flux grid made the
+        # pass take 20 s without this).
+        self._lanes_memo: dict = {}
+        self._tables_memo: dict = {}
 
     def depends_on(self, node: fx.Node, src: fx.Node) -> bool:
         """True when `src` is an ancestor of `node` (or the node itself)."""
@@ -262,12 +267,20 @@ class Acceptor:
         """(style, cos lanes, sin lanes, conjugate) when every rotated lane of every head block has the form
         of `style`'s pairing and every other lane copies x, else the Rejection."""
         cos_lanes, sin_lanes = [], []
+        template = []  # block 0's split of each lane: the other head blocks must equal it on their own x lanes
         conj = None
         for b in range(nblocks):
             base = b * n + head
             for d in range(rot):
                 xa, xb = style.x_lane(d), style.x_partner(d)
-                sp = self._split(entries[base + d], xl.entry(base + xa), xl.entry(base + xb))
+                xd, xp = xl.entry(base + xa), xl.entry(base + xb)
+                if b > 0 and xd and xp:  # one product per term instead of a search over the lane's atoms
+                    (ca, cc), (sa, sc) = template[d]
+                    want = poly.add(poly.scale(poly.mul(poly.atom(ca), xd) or {}, cc),
+                                    poly.scale(poly.mul(poly.atom(sa), xp) or {}, sc))
+                    if want == entries[base + d] or _close(want, entries[base + d]):
+                        continue
+                sp = self._split(entries[base + d], xd, xp)
                 if sp is None:
                     return Rejection(LANES, f"lane {d} does not combine x[{xa}] and x[{xb}] with one table "
                                             f"entry each ({style.name} pairs)")
@@ -293,6 +306,7 @@ class Acceptor:
                 if b == 0:
                     cos_lanes.append(c_entry)
                     sin_lanes.append(s_entry)
+                    template.append(sp)
                 elif cos_lanes[d] != c_entry or sin_lanes[d] != s_entry:
                     return Rejection(TABLES, "the tables differ between the heads of a flattened [.., H*D] x "
                                              "(per-head tables on a flattened head dim are not supported)")
@@ -347,8 +361,12 @@ class Acceptor:
             return Rejection(PAIRING, f"lane {head} pairs with neither lane {head}+R/2 (NeoX) nor lane {head + 1} "
                                       "(interleaved) of x")
         got = first = None
+        xkey = (xl.name, xl.k, xl.as_real) if xl.entries is None else tuple(map(id, xl.entries))
         for style in styles:
-            got = self._lanes(style, entries, xl, head, rot, n, nblocks, is_copy)
+            key = (id(entries), xkey, style.name, head, rot, n, nblocks)
+            got = self._lanes_memo.get(key)
+            if got is None:
+                got = self._lanes_memo[key] = self._lanes(style, entries, xl, head, rot, n, nblocks, is_copy)
             if not isinstance(got, Rejection):
                 break
             first = got if first is None or got.stage > first.stage else first
@@ -367,7 +385,10 @@ class Acceptor:
                 if self.depends_on(tnode, o):
                     return Rejection(TABLES, f"the table {tnode.name} is computed from x ({o.name}): a rotation "
                                              "by angles taken from x itself is not a position embedding")
-        refs = self._tables(cos_lanes, sin_lanes, rot, first_of_pair, partner)
+        tkey = (tuple(cos_lanes), tuple(sin_lanes), rot, style.name)
+        refs = self._tables_memo.get(tkey)
+        if refs is None:
+            refs = self._tables_memo[tkey] = self._tables(cos_lanes, sin_lanes, rot, first_of_pair, partner)
         if isinstance(refs, str):
             return Rejection(TABLES, refs)
         cos, sin, full = refs
