@@ -311,10 +311,27 @@ def rule_reshape(interp, node):
         if None not in new_tail and math.prod(old_tail) == math.prod(new_tail):
             if math.prod(new_tail) > interp.max_lanes:
                 raise Unsupported("too many lanes")
+            if _splits_into_heads(value, new_tail):
+                raise Unsupported("a projection split into heads: each head's lanes are a new source")
             promoted = interp.promote(value, len(old) - pos)
             return LaneValue(new[:pos] + tuple(new_tail), len(new) - pos, promoted.entries, False, value.wide)
         pos -= 1
     raise Unsupported("reshape across symbolic dims")
+
+
+HEAD_SPLIT_MIN_LANES = 1024  # a plain tensor's grid at least this wide, split into heads, restarts per head
+HEAD_SPLIT_MIN_HEAD = 32  # ... when the split's last dim (the head dim) is at least this wide
+
+
+def _splits_into_heads(value: LaneValue, new_tail: list) -> bool:
+    """A plain tensor (a projection's output: every lane one source lane) whose wide grid is viewed as heads of
+    a head dim, [.., H*D] -> [.., H, D]. Its lanes are then taken afresh per head (a new source, D lanes): the
+    rotation acts within a head, and carrying all H*D lanes through every later op made the analysis of a
+    3072-lane Flux projection take most of the pass's time. Splits of computed values keep their lanes (a norm
+    across all heads before the split, as in Wan, is seen through them), and so do small or pair splits
+    (`reshape(..., -1, 2)`, NeoX's (2, D/2)), which are rotations' own spellings."""
+    return (len(new_tail) > value.k and math.prod(value.grid) >= HEAD_SPLIT_MIN_LANES
+            and new_tail[-1] >= HEAD_SPLIT_MIN_HEAD and _is_gather(value))
 
 
 @lane_rule(aten.unsqueeze.default)
