@@ -294,6 +294,22 @@ def test_reshape_merging_a_leading_dim_absorbs_it(g):
     check(g.value(node), (2, 12), 1, lanes_of("x", range(12), k=2))
 
 
+def test_projection_split_into_heads_is_a_new_source(g):
+    """[.., H*D] -> [.., H, D] of a plain projection (1024 lanes, heads of 32): the view starts afresh as a
+    source of D lanes; computed lanes, narrow grids and pair splits keep their lanes through the split."""
+    x = g.input("x", 2, 1024)
+    heads = g.op(aten.view.default, x, [2, 32, 32])
+    computed = g.op(aten.view.default, g.op(aten.mul.Tensor, x, x), [2, 32, 32])
+    pairs = g.op(aten.view.default, x, [2, 512, 2])  # the interleaved spelling's own split
+    narrow = g.op(aten.view.default, g.input("y", 2, 512), [2, 16, 32])  # below 1024 lanes
+    assert g.value(heads) is None  # the interpreter reads it as a new source when it is used
+    lanes_used = g.value(g.op(aten.neg.default, heads))
+    check(lanes_used, (2, 32, 32), 1, lanes_of(heads.name, range(32), coef=-1.0))
+    assert g.value(computed).k == 2 and len(g.value(computed).entries) == 1024
+    check(g.value(pairs), (2, 512, 2), 2, lanes_of("x", range(1024)))
+    check(g.value(narrow), (2, 16, 32), 2, lanes_of("y", range(512)))
+
+
 def test_reshape_of_leading_dims_only_is_unsupported(g):
     node = g.op(aten.view.default, g.input("x", 6, 4), [2, 3, 4])
     assert g.value(node) is None
