@@ -857,7 +857,7 @@ def sweep(device: str, cases: list = SWEEP_CASES) -> list[dict]:
             res.append({"shape": sname, "spelling": code, "norm": norm, **opt, "ms": ms, "x_floor": ms / floor})
         out += res
         best = sorted(res, key=lambda o: o["x_floor"])[:4]
-        form = tr.default_neox_row(kw["interleaved"], rd, D, norm)
+        form = tr.default_neox_row(kw["interleaved"], rd, D)
         default = [o for o in res if all(o.get(n) is None for n in ("block_h", "num_warps"))
                    and o.get("neox_row") in (None, form)]
         print(f"sweep {sname} {code} norm={norm}: default "
