@@ -12,7 +12,8 @@ Row groups (`--groups`, default all; they run in the order norm, flux, vllm, bac
 - `flux`: the Flux site [B,H,S,D] = [1,24,4608,128], interleaved, fp32 full-width tables, `.float()` math.
 - `vllm`: vLLM's `RotaryEmbedding.forward_native` (cos_sin_cache gathered by positions, flat [T, H*D] q/k):
   Llama-3-8B (32/8 heads x 128, NeoX) at T = 1, 8, 64, 256, 8192, GPT-J-style partial (64 of 128,
-  interleaved) and Qwen3 (per-head RMSNorm first) at T = 8192; static compiles, `-dyn` compiles whose
+  interleaved) and Qwen3 (per-head RMSNorm first) at T = 8192, Qwen2.5-7B (28/4 heads x 128, NeoX) at
+  T = 1, 64, 8192; static compiles, `-dyn` compiles whose
   token count is dynamic as vLLM compiles (`mark_dynamic` on the token dim, static otherwise), and `-dynall`
   ones (`torch.compile(dynamic=True)`: every size symbolic, head counts and widths too); each dynamic
   variant compiled once per form and reused for every T; kernel launches per call.
@@ -530,11 +531,13 @@ VLLM_FORMS = {
     "llama3-8b": ((128, 128, True, 32, 8, 8192, 500000.0, False), (1, 8, 64, 256, 8192)),
     "gptj-partial": ((128, 64, False, 32, 32, 8192, 10000.0, False), (8192,)),
     "qwen3-8b+norm": ((128, 128, True, 32, 8, 40960, 1000000.0, True), (8192,)),
+    "qwen2.5-7b": ((128, 128, True, 28, 4, 32768, 1000000.0, False), (1, 64, 8192)),
 }
 QUICK_VLLM_FORMS = {
     "llama3-8b": ((32, 32, True, 4, 2, 256, 500000.0, False), (1, 8, 64)),
     "gptj-partial": ((32, 16, False, 4, 4, 256, 10000.0, False), (64,)),
     "qwen3-8b+norm": ((32, 32, True, 4, 2, 256, 1000000.0, True), (64,)),
+    "qwen2.5-7b": ((32, 32, True, 7, 1, 256, 1000000.0, False), (8,)),
 }
 VLLM_VARIANTS = ("compile", "pass", "pass-triton", "compile-dyn", "pass-dyn")
 DYNALL = ("compile-dynall", "pass-dynall")  # for the Llama form only: the pass fuses nothing there (CPU, torch 2.13)
