@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks import timing  # noqa: E402
-from benchmarks.kernels import bench_ms, environment, write_json  # noqa: E402
+from benchmarks.kernels import bench_ms, environment, num, write_json  # noqa: E402
 from examples.distributed_attention import Case, Sizes, build, compile_and_run, gather_output, init  # noqa: E402
 
 SHAPES = {
@@ -134,13 +134,9 @@ def markdown(records: list[dict]) -> str:
     for r in records:
         rows.append(f"| {r['shape']} | {r['mode']} | {r['rank']} | {r['sites']}/{len(r['kernels'])} | "
                     f"{r['step_ms_plain']:.3f} | {r['step_ms_fused']:.3f} | {r['speedup']:.3f} | "
-                    f"{_num(r['rotary_us'])} | {r['floor_us']:.1f} | {_num(r['x_floor'], 2)} | "
-                    f"{_num(r.get('rel_err_vs_whole_eager'), 3, 'g')} |")
+                    f"{num(r['rotary_us'], 1)} | {r['floor_us']:.1f} | {num(r['x_floor'], 2)} | "
+                    f"{num(r.get('rel_err_vs_whole_eager'), 3, 'g')} |")
     return "\n".join(rows)
-
-
-def _num(v: float | None, digits: int = 1, kind: str = "f") -> str:
-    return "-" if v is None else f"{v:.{digits}{kind}}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

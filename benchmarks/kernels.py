@@ -162,6 +162,11 @@ def max_err(got: Any, want: Any) -> float:
     return float("nan")
 
 
+def num(v: float | None, digits: int = 2, kind: str = "f") -> str:
+    """A table cell: `v` formatted as `{:.<digits><kind>}`, "-" when it was not measured."""
+    return "-" if v is None else f"{v:.{digits}{kind}}"
+
+
 def print_table(title: str, rows: list[list[Any]], header: list[str]) -> None:
     cells = [[_fmt(c) for c in r] for r in [header] + rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]

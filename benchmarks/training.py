@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
-from benchmarks.kernels import bench_ms, environment, write_json  # noqa: E402
+from benchmarks.kernels import bench_ms, environment, num, write_json  # noqa: E402
 from benchmarks.models import flux  # noqa: E402  (the same Flux as the inference benchmark)
 from benchmarks.timing import step_ms, sync  # noqa: E402
 
@@ -309,23 +309,19 @@ def bench_model(name: str, quick: bool, device: str, dtype: torch.dtype, backend
 
 
 # ------------------------------------------------------------------------------------------------ output
-def _num(v: Any, fmt: str = "{:.2f}") -> str:
-    return "-" if v is None else fmt.format(v)
-
-
 def _row(r: dict) -> str:
     ms, sp, ph, fu = r.get("ms", {}), r.get("spread", {}), r.get("phases", {}), r.get("fused", {})
-    tot = {kind: " / ".join(_num(ph.get(v, {}).get(kind, {}).get("total_us"), "{:.0f}") for v in VARIANTS)
+    tot = {kind: " / ".join(num(ph.get(v, {}).get(kind, {}).get("total_us"), 0) for v in VARIANTS)
            for kind in ("forward", "backward")}
-    rot = {kind: f"{_num(ph.get('pass', {}).get(kind, {}).get('rotary_us'), '{:.1f}')} "
-                 f"({_num(fu.get(kind, {}).get('x_floor'))})" for kind in ("forward", "backward")}
+    rot = {kind: f"{num(ph.get('pass', {}).get(kind, {}).get('rotary_us'), 1)} "
+                 f"({num(fu.get(kind, {}).get('x_floor'))})" for kind in ("forward", "backward")}
     sk = {kind: f"{fu.get(kind, {}).get('sites', '-')}/{fu.get(kind, {}).get('kernels', '-')}"
           for kind in ("forward", "backward")}
     errors = "; ".join(f"{k}: {v[:80]}" for k, v in r.get("errors", {}).items())
-    cells = [r["model"], _num(ms.get("plain")), _num(ms.get("pass")), _num(r.get("ratio"), "{:.3f}"),
-             f"{_num(sp.get('plain'), '{:.1%}')} / {_num(sp.get('pass'), '{:.1%}')}", sk["forward"], sk["backward"],
+    cells = [r["model"], num(ms.get("plain")), num(ms.get("pass")), num(r.get("ratio"), 3),
+             f"{num(sp.get('plain'), 1, '%')} / {num(sp.get('pass'), 1, '%')}", sk["forward"], sk["backward"],
              tot["forward"], tot["backward"], rot["forward"], rot["backward"],
-             _num(r.get("grad_rel_diff", {}).get("pass vs plain"), "{:.2e}"), _num(r.get("ratio_triton"), "{:.3f}"),
+             num(r.get("grad_rel_diff", {}).get("pass vs plain"), 2, "e"), num(r.get("ratio_triton"), 3),
              errors]
     return "| " + " | ".join(cells) + " |"
 

@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import torch  # noqa: E402
 
 import rope_fusion  # noqa: E402
-from benchmarks.kernels import bench_ms, count_launches, environment, write_json  # noqa: E402
+from benchmarks.kernels import bench_ms, count_launches, environment, num, write_json  # noqa: E402
 from examples.vllm_omni_block import KERNELS, cpu_triton_tracing, interpreted, load_rotary, rope_tables  # noqa: E402
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
 
@@ -175,16 +175,13 @@ def markdown(records: list[dict], device: str) -> str:
         speed = ms["kernel"] / ms["fused"] if ms.get("kernel") and ms.get("fused") else None
         rows.append(
             f"| {r['shape']} | {d['tokens']} x {d['q_heads']}/{d['k_heads']} x {d['head_dim']} | {r['style']} | "
-            f"{r['backend']} | {_n(ms.get('kernel'), 4)} | {_n(ms.get('fused'), 4)} | {_n(ms.get('floor'), 4)} | "
-            f"{_n(xf.get('kernel'), 2)} | {_n(xf.get('fused'), 2)} | {_n(speed, 2)} | {_n(cg.get('kernel'), 2)} | "
-            f"{_n(cg.get('fused'), 2)} | {la.get('kernel') or '-'}/{la.get('fused') or '-'}/{la.get('floor') or '-'} | "
-            f"{r['sites']} / {', '.join(r['kernels']) or '-'} | {_n(r.get('max_diff_kernel_vs_fused'), 3, 'g')} "
-            f"({_n(r.get('max_diff_kernel_vs_fp32'), 3, 'g')}, {_n(r.get('max_diff_fused_vs_fp32'), 3, 'g')}) |")
+            f"{r['backend']} | {num(ms.get('kernel'), 4)} | {num(ms.get('fused'), 4)} | {num(ms.get('floor'), 4)} | "
+            f"{num(xf.get('kernel'), 2)} | {num(xf.get('fused'), 2)} | {num(speed, 2)} | {num(cg.get('kernel'), 2)} | "
+            f"{num(cg.get('fused'), 2)} | "
+            f"{la.get('kernel') or '-'}/{la.get('fused') or '-'}/{la.get('floor') or '-'} | "
+            f"{r['sites']} / {', '.join(r['kernels']) or '-'} | {num(r.get('max_diff_kernel_vs_fused'), 3, 'g')} "
+            f"({num(r.get('max_diff_kernel_vs_fp32'), 3, 'g')}, {num(r.get('max_diff_fused_vs_fp32'), 3, 'g')}) |")
     return "\n".join(rows)
-
-
-def _n(v: float | None, digits: int = 2, kind: str = "f") -> str:
-    return "-" if v is None else f"{v:.{digits}{kind}}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -227,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["records"].append(r)
                 write_json(args.out, result, quiet=True)  # partial results survive a time limit
                 print(f"[{time.perf_counter() - t0:6.1f}s] {name} {style} {backend}: sites {r['sites']} "
-                      f"{r['kernels']}, x floor " + ", ".join(f"{v} {_n(x)}" for v, x in r["x_floor"].items()),
+                      f"{r['kernels']}, x floor " + ", ".join(f"{v} {num(x)}" for v, x in r["x_floor"].items()),
                       flush=True)
     print()
     print(markdown(result["records"], args.device))

@@ -29,6 +29,7 @@ from test_kernel_sites import (  # noqa: E402  (pytest puts tests/ on sys.path: 
     capture_backend,
     compile_capture,
     cpu_triton_tracing,
+    flashinfer_case,
     interpreted,
     vllm_ops,  # noqa: F401  (fixture)
 )
@@ -330,15 +331,7 @@ def test_vllm_c_batched_positions_and_dynamic_tokens(vllm_ops):  # noqa: F811
 
 def test_vllm_flashinfer_op(vllm_ops):  # noqa: F811
     _, fi_op = vllm_ops
-    g = torch.Generator().manual_seed(6)
-    pos = torch.randint(0, 32, (6,), generator=g, dtype=torch.int32)
-    cache = torch.randn(32, 32, generator=g)
-    q, k = torch.randn(6, 4 * 64, generator=g).bfloat16(), torch.randn(6, 2, 64, generator=g).bfloat16()
-
-    def f(pos, q, k, cache):
-        fi_op(pos, q, k, 64, cache, False)
-        return q + 0, k + 0
-
+    f, pos, q, k, cache, _ = flashinfer_case(fi_op)
     plain, pargs, fused, fargs, cap = plain_and_fused(f, pos, q, k, cache, v2=False)
     assert_one_pair(cap, "vllm.flashinfer_rotary_embedding")
     node = fused_call(cap)

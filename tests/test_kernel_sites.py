@@ -896,8 +896,9 @@ def test_vllm_c_not_expressible(vllm_ops):
     assert "head stride" in reasons[2]
 
 
-def test_vllm_flashinfer_op(vllm_ops):
-    _, fi_op = vllm_ops
+def flashinfer_case(fi_op) -> tuple:
+    """(f, pos, q, k, cache, generator): vLLM's flashinfer rotary op in place on a flat q and a [T, H, D] k,
+    GPT-J pairs, rotary 32 of 64; the generator goes on where the inputs end."""
     g = torch.Generator().manual_seed(6)
     pos = torch.randint(0, 32, (6,), generator=g, dtype=torch.int32)
     cache = torch.randn(32, 32, generator=g)
@@ -907,6 +908,12 @@ def test_vllm_flashinfer_op(vllm_ops):
         fi_op(pos, q, k, 64, cache, False)
         return q + 0, k + 0
 
+    return f, pos, q, k, cache, g
+
+
+def test_vllm_flashinfer_op(vllm_ops):
+    _, fi_op = vllm_ops
+    f, pos, q, k, cache, g = flashinfer_case(fi_op)
     _, cap = compile_capture(f, pos, q.clone(), k.clone(), cache, v2=False)
     assert cap.misses == []
     assert [(s.kind, s.layout, s.rotary_dim, s.interleaved) for s in cap.sites] == [
