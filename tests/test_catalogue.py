@@ -15,7 +15,7 @@ from spellings.case import distinct_tables
 from spellings.checks import check_graph, check_report
 
 MUST_ROWS = [f"I{i}" for i in range(1, 9)] + [f"N{i}" for i in range(1, 9)] + ["C1", "C2", "C3"] + \
-    [f"M{i}" for i in range(1, 10)] + ["M12"]
+    [f"M{i}" for i in range(1, 12)] + ["M12"]
 
 SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 

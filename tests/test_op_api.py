@@ -176,3 +176,57 @@ def test_deinterleave_is_neox_on_the_deinterleaved_x(full):
     assert torch.autograd.gradcheck(lambda x: torch.ops.rope_fusion.rotary(x, c, s, **kw), (x,))
     with pytest.raises(ValueError, match="interleaved=True"):
         torch.ops.rope_fusion.rotary(x, c, s, **{**kw, "interleaved": False})
+
+
+def _per_block_neox(x, c, s, blocks):
+    """An independent spelling of `rotary_blocks`: rotate_half on each block with its slice of full tables."""
+    w = c.shape[-1] // blocks
+    out = []
+    for b in range(blocks):
+        xb, cb, sb = (t[..., b * w:(b + 1) * w] for t in (x, c, s))
+        out.append(xb * cb + torch.cat((-xb[..., w // 2:], xb[..., :w // 2]), -1) * sb)
+    return torch.cat([*out, x[..., c.shape[-1]:]], -1)
+
+
+@pytest.mark.parametrize("blocks,rotary_dim", [(3, 24), (2, 16), (4, 16)])
+def test_rotary_blocks_rotate_each_block_on_its_own(blocks, rotary_dim):
+    """Allegro's and Gemma 4's head dim rotated per axis: NeoX pairs within each block, in the reference, the
+    lowering and the gradient (the conjugate rotation, its sin entries swapped within each block)."""
+    torch.manual_seed(8)
+    x = torch.randn(2, 5, 3, 28, dtype=torch.float64, requires_grad=True)
+    c, s = _tables((5, 1), rotary_dim)
+    want = _per_block_neox(x, c, s, blocks)
+    kw = dict(interleaved=False, rotary_dim=rotary_dim, full_tables=True, conjugate=False, out_dtype=torch.float64,
+              rotary_blocks=blocks)
+    torch.testing.assert_close(torch.ops.rope_fusion.rotary(x, c, s, **kw), want)
+    compiled = torch.compile(lambda x: torch.ops.rope_fusion.rotary(x, c, s, **kw))  # the lowering
+    torch.testing.assert_close(compiled(x.detach()), want.detach())
+    assert torch.autograd.gradcheck(lambda x: torch.ops.rope_fusion.rotary(x, c, s, **kw), (x,))
+    # per-pair tables list block 0's pairs, then block 1's: entry j of block b serves lanes bW + j, bW + j + W/2
+    cp, sp = _tables((5, 1), rotary_dim // 2)
+    cf, sf = (torch.cat([t.unflatten(-1, (blocks, -1))] * 2, -1).flatten(-2) for t in (cp, sp))
+    torch.testing.assert_close(rope_fusion.apply_rotary(x, cp, sp, rotary_dim=rotary_dim, rotary_blocks=blocks),
+                               _per_block_neox(x, cf, sf, blocks))
+    c2, s2 = _tables((5, 1), rotary_dim, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, c, s: torch.ops.rope_fusion.rotary(x, c, s, **kw), (x, c2, s2))
+    with pytest.raises(ValueError, match="rotary_blocks"):
+        torch.ops.rope_fusion.rotary(x, c, s, **{**kw, "interleaved": True})
+    with pytest.raises(ValueError, match="does not split"):
+        torch.ops.rope_fusion.rotary(x, c, s, **{**kw, "rotary_blocks": 5})
+
+
+def test_rotary_qkv_rotates_three_tensors_like_one_each():
+    """CLVP's q, k and v by one table: one call, each result as the one-tensor op gives it, gradients too."""
+    torch.manual_seed(9)
+    q, k, v = (torch.randn(2, 5, h, 8, dtype=torch.float64, requires_grad=True) for h in (3, 1, 2))
+    c, s = _tables((5, 1), 3)
+    kw = dict(interleaved=False, rotary_dim=6, full_tables=False, conjugate=False, out_dtype=torch.float64)
+    outs = torch.ops.rope_fusion.rotary_qkv(q, k, v, c, s, **kw)
+    for got, x in zip(outs, (q, k, v)):
+        torch.testing.assert_close(got, rotary_reference(x, c, s, interleaved=False, rotary_dim=6, full_tables=False))
+    compiled = torch.compile(lambda *xs: torch.ops.rope_fusion.rotary_qkv(*xs, c, s, **kw))
+    for got, want in zip(compiled(*(t.detach() for t in (q, k, v))), outs):
+        torch.testing.assert_close(got, want.detach())
+    assert torch.autograd.gradcheck(lambda q, k, v: torch.ops.rope_fusion.rotary_qkv(q, k, v, c, s, **kw), (q, k, v))
+    with pytest.raises(ValueError, match="q and v must share the head dim"):
+        torch.ops.rope_fusion.rotary_qkv(q, k, v[..., :6], c, s, **kw)

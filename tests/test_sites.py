@@ -73,13 +73,14 @@ def per_head_tables_flat_x(x, cos, sin):
     return (xh * cos + rotate_half(xh) * sin).view(b, s, hd)
 
 
-def test_per_head_tables_on_a_flattened_head_dim_say_so():
+def test_per_head_tables_on_a_flattened_head_dim_fuse_as_blocks():
+    """Each head of the flat [.., H*D] result is rotated by its own table: NeoX pairs within H blocks of D
+    lanes whose tables, flattened, are one [.., H*D] table (once a near miss: tables differ between heads)."""
     cos, sin = _tables(6, 4, 16)
     args = (torch.randn(2, 6, 64), cos, sin)
     out, p = compile_with_pass(per_head_tables_flat_x, *args)
-    assert p.report.sites == [] and len(p.report.misses) == 1, p.report.table()
-    assert "tables differ between the heads" in p.report.misses[0].reason
-    check_unchanged(per_head_tables_flat_x, args, out)
+    assert [(s.style, s.blocks, s.rotary_dim) for s in p.report.sites] == [("neox", 4, 64)], p.report.table()
+    check_numerics(per_head_tables_flat_x, args, out, context=p.report.table())
 
 
 def angles_from_x(q):
@@ -100,3 +101,23 @@ def test_tables_computed_from_x_are_not_a_rope():
         assert p.report.sites == [] and len(p.report.misses) == 1, p.report.table()
         assert "computed from x" in p.report.misses[0].reason, p.report.table()
         check_unchanged(fn, args, out)
+
+
+def two_independent_attentions(h1, h2, w, cos, sin):
+    """q and k of two attentions on different activations, all rotated by one table."""
+    def qk(h):
+        q, k = (h @ w).view(2, 6, 2, 4, 16).unbind(2)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return (*qk(h1), *qk(h2))
+
+
+def test_a_third_tensor_joins_a_launch_only_from_the_same_activation():
+    """q, k and v projected from one activation share a `rotary_qkv` launch (CLVP, the catalogue's M10); the q
+    of another, independent attention that reads the same table does not join a pair (its launch would wait
+    for that attention's projection): two `rotary_qk`, each attention's q and k."""
+    cos, sin = _tables(6, 1, 16)
+    args = (torch.randn(2, 6, 32), torch.randn(2, 6, 32), torch.randn(32, 128) / 8, cos, sin)
+    out, p = compile_with_pass(two_independent_attentions, *args)
+    assert [k.op for k in p.report.kernels] == ["rope_fusion.rotary_qk"] * 2, p.report.table()
+    assert [sorted(k.sites) for k in p.report.kernels] == [[0, 1], [2, 3]], p.report.table()
+    check_numerics(two_independent_attentions, args, out, context=p.report.table())

@@ -332,7 +332,7 @@ def test_host_side_runs_on_fake_tensors():
         assert ko.shape == k.shape
     assert len(launches) == 1
     grid, args, kwargs = launches[0]
-    assert grid[0] == 16 and kwargs["NSIDES"] == 2 and args[11:13] == (16, 2)  # tokens (2*8), heads
+    assert grid[0] == 16 and kwargs["NSIDES"] == 2 and args[14:16] == (16, 2)  # tokens (2*8), heads
 
 
 @pytest.mark.skipif(OP_INTERPRETED, reason="interpreted kernels cannot run on fake tensors")
@@ -525,3 +525,64 @@ def test_deinterleaved_output(full):
     for out, x in ((qo, q), (ko, k)):
         xd = x.unflatten(-1, (32, 2)).transpose(-1, -2).reshape(x.shape)
         check(out, xd, cos, sin, **opts(False, 64, full_tables=full))
+
+
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("blocks,head_dim", [(3, 96), (2, 72), (4, 64)])
+def test_neox_within_blocks(full, blocks, head_dim):
+    """A head dim rotated per axis (Allegro: 3 blocks of 32; a pass-through tail at 72 of 64 rotated): NeoX
+    pairs within each block, tables indexed per block, norm weights per lane."""
+    torch.manual_seed(11)
+    rot = 64 if head_dim == 72 else head_dim
+    q = torch.randn(2, 5, 4, head_dim, dtype=torch.bfloat16)
+    k = torch.randn(2, 5, 2, head_dim, dtype=torch.bfloat16)
+    cos, sin = tables((5, 1), rot if full else rot // 2)
+    params = RotaryParams(interleaved=False, rotary_dim=rot, full_tables=full, conjugate=False,
+                          out_dtype=torch.float32, rotary_blocks=blocks)
+    w = torch.randn(head_dim)
+    for norm, weights in (("none", None), ("rms", [w, w])):
+        p = params.replace(norm=norm)
+        with poisoned_outputs():
+            outs = tr.launch([q, k], cos, sin, p, weights=weights, kernel=KERNEL, block_h=2)
+        for out, x in zip(outs, (q, k)):
+            want = rotary_reference(x.double(), cos.double(), sin.double(), positions=None,
+                                    norm_weight=None if weights is None else w.double(),
+                                    **{**p.kwargs(), "out_dtype": torch.float64})
+            assert not out.isnan().any()
+            err = (out.double() - want).abs().max().item()
+            assert err <= 1e-5 * want.abs().max().item(), err
+
+
+@pytest.mark.parametrize("nsplit,block_h", [(None, None), (3, 1)])
+def test_three_tensors_in_one_launch(nsplit, block_h):
+    """q, k and v (CLVP) share tables: one launch whose work items are the head blocks of all three (also
+    spread over several programs per token), each tensor with its own head count, strides and norm weight."""
+    torch.manual_seed(12)
+    q = torch.randn(2, 5, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 5, 1, 64, dtype=torch.bfloat16)
+    v = torch.randn(2, 6, 3, 64, dtype=torch.bfloat16)[:, :5].transpose(1, 2).contiguous().transpose(1, 2)
+    cos, sin = tables((5, 1), 16)
+    params = RotaryParams(interleaved=False, rotary_dim=32, full_tables=False, conjugate=True,
+                          out_dtype=torch.bfloat16)
+    calls = []
+
+    class Counting:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return KERNEL[grid]
+
+    with poisoned_outputs():
+        outs = tr.launch([q, k, v], cos, sin, params, kernel=Counting(), nsplit=nsplit, block_h=block_h)
+    assert len(calls) == 1
+    for out, x in zip(outs, (q, k, v)):
+        check(out, x, cos, sin, **opts(False, 32, conjugate=True))
+    wq, wk, wv = (torch.randn(64) for _ in range(3))
+    with poisoned_outputs():
+        outs = tr.launch([q, k, v], cos, sin, params.replace(norm="rms"), weights=[wq, wk, wv], kernel=KERNEL,
+                         nsplit=nsplit, block_h=block_h)
+    for out, x, w in zip(outs, (q, k, v), (wq, wk, wv)):
+        want = rotary_reference(x.double(), cos.double(), sin.double(), interleaved=False, rotary_dim=32,
+                                full_tables=False, conjugate=True, out_dtype=torch.float64, norm="rms",
+                                norm_weight=w.double())
+        err = (out.double() - want).abs().max().item()
+        assert err <= 4 * torch.finfo(torch.bfloat16).eps * want.abs().max().item(), err

@@ -1,12 +1,13 @@
 """Ascend NPU bridge: the fused rotary op as torch_npu's own RoPE kernels.
 
-`rope_fusion::rotary_npu` and `rope_fusion::rotary_qk_npu` are variants of `rotary` / `rotary_qk` (one schema,
-ops/schema.py; semantics in docs/design.md section 2); the pass emits them for sites on an NPU device
+`rope_fusion::rotary_npu`, `rotary_qk_npu` and `rotary_qkv_npu` are variants of `rotary` / `rotary_qk` /
+`rotary_qkv` (one schema, ops/schema.py; semantics in docs/design.md section 2); the pass emits them for sites
+on an NPU device
 (`AUTO_ORDER["npu"]`). Inductor does not lower them, so they run as these calls. They call
 
 - `torch.ops.npu.npu_rotary_mul(x, r1, r2, rotary_mode)`: out = x*r1 + rotate(x)*r2, rotate = cat(-x2, x1)
   for 'half' (NeoX pairs) or interleaved stack(-x_odd, x_even) for 'interleave'; 4-D x, tables of the full
-  width (one entry per lane) that broadcast against x. A q/k pair is two calls.
+  width (one entry per lane) that broadcast against x. A q/k pair is two calls, q/k/v three.
 - `torch.ops.npu.npu_apply_rotary_pos_emb(q, k, cos, sin, layout, rotary_mode)`: q and k in one call, for
   the cases its documentation allows: layout BSND (4-D) or TND (3-D), rotary_mode 'half', head dim 64 or
   128 and fully rotated, q, k, tables and output of one dtype, inference (it has no backward: it is only
@@ -180,14 +181,15 @@ def _impl(call: RotaryCall) -> list | None:
     reference) for a tensor whose case the documented constraints exclude. Cache rows picked by positions
     are gathered first and a norm prologue runs first (the NPU ops take plain tables and x)."""
     xs, cos, sin, params = call.xs, call.cos, call.sin, call.params
-    if params.deinterleave:  # the NPU ops write pairs where they read them: the reference serves this
+    if params.deinterleave or params.rotary_blocks > 1:  # pairs the NPU ops do not know: the reference serves
         return None
     if call.positions is not None:
         cos, sin = cos[call.positions], sin[call.positions]
     if params.norm != "none":
         xs = [rms_norm(x.float(), params.norm, params.norm_eps, call.weight(i)).to(x.dtype)
               for i, x in enumerate(xs)]
-    kw = {k: v for k, v in params.kwargs().items() if k not in ("norm", "norm_eps", "deinterleave")}
+    kw = {k: v for k, v in params.kwargs().items()
+          if k not in ("norm", "norm_eps", "deinterleave", "rotary_blocks")}
     if len(xs) == 2:
         layout = apply_layout(*xs, cos, sin, **{k: v for k, v in kw.items() if k != "conjugate"})
         if layout is not None:
@@ -200,7 +202,8 @@ def _impl(call: RotaryCall) -> list | None:
     return outs
 
 
-ROTARY_NPU, ROTARY_QK_NPU = define_rotary_ops("_npu", _impl)
+NPU_OPS = define_rotary_ops("_npu", _impl)  # by arity - 1
+ROTARY_NPU, ROTARY_QK_NPU, ROTARY_QKV_NPU = NPU_OPS
 
 
 def supports(spec: SiteSpec) -> str | None:
@@ -214,15 +217,16 @@ def supports(spec: SiteSpec) -> str | None:
         return "x has more than 4 dims"
     if spec.params.deinterleave:
         return "the NPU ops cannot write a de-interleaved (NeoX-ordered) result of interleaved pairs"
+    if spec.params.rotary_blocks > 1:
+        return "the NPU ops pair NeoX lanes across the whole rotary dim, not within blocks"
     return None
 
 
-register_backend(Backend("npu", supports, lambda em, call, like: emit_op_call((ROTARY_NPU, ROTARY_QK_NPU), em,
-                                                                               call, like)))
+register_backend(Backend("npu", supports, lambda em, call, like: emit_op_call(NPU_OPS, em, call, like)))
 if torch._C._get_privateuse1_backend_name() == "npu":  # torch_npu is loaded: serve direct calls of the op too
     from ..ops.library import register_device_kernel
 
     register_device_kernel("npu", _impl)
 
-__all__ = ["OP_NAMESPACE", "ROTARY_NPU", "ROTARY_QK_NPU", "supports", "full_width", "rotary_mul_layout",
-           "apply_layout", "stats"]
+__all__ = ["OP_NAMESPACE", "NPU_OPS", "ROTARY_NPU", "ROTARY_QK_NPU", "ROTARY_QKV_NPU", "supports", "full_width",
+           "rotary_mul_layout", "apply_layout", "stats"]

@@ -56,24 +56,26 @@ MIN_PROGRAMS = 1024  # below this many tokens, head blocks are also spread over 
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, wq_ptr, wk_ptr,
-    N1, N2, HQ, HK, NSPLIT, crow, srow, swqh, swkh, eps,
+    q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, cos_ptr, sin_ptr, pos_ptr, wq_ptr, wk_ptr, wv_ptr,
+    N1, N2, HQ, HK, HV, NSPLIT, crow, srow, swqh, swkh, swvh, eps,
     sq0, sq1, sq2, sqh, sqo0, sqo1, sqo2, sqoh,
     sk0, sk1, sk2, skh, sko0, sko1, sko2, skoh,
+    sv0, sv1, sv2, svh, svo0, svo1, svo2, svoh,
     sc0, sc1, sc2, ss0, ss1, ss2,
     ROT: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, NSIDES: tl.constexpr, INTERLEAVED: tl.constexpr, FULL_TABLES: tl.constexpr,
     CONJ: tl.constexpr, MATH_FP64: tl.constexpr, NEOX_ROW: tl.constexpr, HAS_POS: tl.constexpr,
     NORM: tl.constexpr, HAS_W: tl.constexpr, HEAD_PAD: tl.constexpr, DEINTERLEAVE: tl.constexpr,
-    ONE_BLOCK: tl.constexpr, SCD: tl.constexpr, SSD: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, SCD: tl.constexpr, SSD: tl.constexpr, BH: tl.constexpr,
 ):
-    """Rotate the rows of one token of q (and k): grid = (tokens, NSPLIT).
+    """Rotate the rows of one token of q (and k, and v): grid = (tokens, NSPLIT).
 
-    The head blocks of q and then of k form one list of work items; program `split` of a token takes items
+    The head blocks of q, then of k, then of v form one list of work items; program `split` of a token takes items
     split, split + NSPLIT, ... (NSPLIT = 1: one program does all of q and k; NSPLIT = 2 with one block each:
     q and k in separate programs of the same launch). NORM 1 RMS-normalises each head row first, NORM 2 all
     heads of the token (from the tile itself when one block holds every head, ONE_BLOCK; else a first pass
-    over the token's rows sums their squares), times the per-lane weight."""
+    over the token's rows sums their squares), times the per-lane weight. NeoX pairs lie within blocks of
+    2 * BH lanes (BH = ROT / 2: one block, plain NeoX)."""
     HALF: tl.constexpr = ROT // 2
     if MATH_FP64:
         cdt = tl.float64
@@ -97,13 +99,17 @@ def _rotary_kernel(
         row_mask = tl.where(tl_half, lanes - HALF_PAD, lanes) < HALF
     jt = tl.arange(0, HALF_PAD)
     tmask = jt < HALF
+    if BH < HALF:  # the first lane of pair jt when NeoX pairs lie within blocks of 2 * BH lanes
+        lt = (jt // BH) * (2 * BH) + jt % BH
+    else:
+        lt = jt
     if FULL_TABLES:
         if INTERLEAVED and not DEINTERLEAVE:  # a de-interleaved result indexes full tables by output lane
             ia = 2 * jt
             ib = 2 * jt + 1
         else:
-            ia = jt
-            ib = jt + HALF
+            ia = lt
+            ib = lt + BH
     else:
         ia = jt
         ib = jt
@@ -128,9 +134,11 @@ def _rotary_kernel(
 
     hoffs = tl.arange(0, BLOCK_H)
     j = tl.arange(0, HALF_PAD)[None, :]
+    lj = lt[None, :]
     nbq = (HQ + BLOCK_H - 1) // BLOCK_H
+    nbk = (HK + BLOCK_H - 1) // BLOCK_H
     for side in tl.static_range(NSIDES):
-        # side 0 is q, side 1 is k: a compile-time choice, so each side's code has its own dtypes.
+        # side 0 is q, 1 is k, 2 is v: a compile-time choice, so each side's code has its own dtypes.
         if side == 0:
             first = split
             x_row = q_ptr + i0 * sq0 + i1 * sq1 + i2 * sq2
@@ -140,7 +148,7 @@ def _rotary_kernel(
             nheads = HQ
             w_ptr = wq_ptr
             swh = swqh
-        else:
+        elif side == 1:
             x_row = k_ptr + i0 * sk0 + i1 * sk1 + i2 * sk2
             o_row = ko_ptr + i0 * sko0 + i1 * sko1 + i2 * sko2
             sxh = skh
@@ -149,6 +157,15 @@ def _rotary_kernel(
             w_ptr = wk_ptr
             swh = swkh
             first = (split + NSPLIT - nbq % NSPLIT) % NSPLIT
+        else:
+            x_row = v_ptr + i0 * sv0 + i1 * sv1 + i2 * sv2
+            o_row = vo_ptr + i0 * svo0 + i1 * svo1 + i2 * svo2
+            sxh = svh
+            soh = svoh
+            nheads = HV
+            w_ptr = wv_ptr
+            swh = swvh
+            first = (split + NSPLIT - (nbq + nbk) % NSPLIT) % NSPLIT
         nblocks = (nheads + BLOCK_H - 1) // BLOCK_H
         if NORM == 2 and not ONE_BLOCK:  # one scale for every head of the token: a first pass sums the squares
             total = tl.full((BLOCK_H,), 0.0, cdt)
@@ -177,8 +194,8 @@ def _rotary_kernel(
                 v = tl.load(xp + lanes, mask=m, other=0.0).to(cdt)
             else:
                 m = hmask & (j < HALF)
-                a = tl.load(xp + j, mask=m, other=0.0).to(cdt)
-                b = tl.load(xp + HALF + j, mask=m, other=0.0).to(cdt)
+                a = tl.load(xp + lj, mask=m, other=0.0).to(cdt)
+                b = tl.load(xp + BH + lj, mask=m, other=0.0).to(cdt)
             if TAIL_PAD > 0:
                 tail = ROT + tl.arange(0, TAIL_PAD)[None, :]
                 t = tl.load(xp + tail, mask=hmask & (tail < HEAD_DIM), other=0.0).to(cdt)
@@ -206,8 +223,8 @@ def _rotary_kernel(
                 if NEOX_ROW or INTERLEAVED:
                     v = v * tl.load(wp + row, mask=m, other=0.0).to(cdt)
                 else:
-                    a = a * tl.load(wp + j, mask=m, other=0.0).to(cdt)
-                    b = b * tl.load(wp + (HALF + j), mask=m, other=0.0).to(cdt)
+                    a = a * tl.load(wp + lj, mask=m, other=0.0).to(cdt)
+                    b = b * tl.load(wp + (BH + lj), mask=m, other=0.0).to(cdt)
                 if TAIL_PAD > 0:
                     tl_lanes = ROT + tl.arange(0, TAIL_PAD)[None, :]
                     t = t * tl.load(wp + tl_lanes, mask=hmask & (tl_lanes < HEAD_DIM), other=0.0).to(cdt)
@@ -228,8 +245,8 @@ def _rotary_kernel(
                 o = tl.reshape(tl.permute(tl.join(oa, ob), (0, 2, 1)), (BLOCK_H, 2 * HALF_PAD))
                 tl.store(op + row_off, o.to(op.dtype.element_ty), mask=m)
             else:
-                tl.store(op + j, oa.to(op.dtype.element_ty), mask=m)
-                tl.store(op + HALF + j, ob.to(op.dtype.element_ty), mask=m)
+                tl.store(op + lj, oa.to(op.dtype.element_ty), mask=m)
+                tl.store(op + BH + lj, ob.to(op.dtype.element_ty), mask=m)
             if TAIL_PAD > 0:
                 tail = ROT + tl.arange(0, TAIL_PAD)[None, :]
                 tl.store(op + tail, t.to(op.dtype.element_ty), mask=hmask & (tail < HEAD_DIM))
@@ -393,7 +410,7 @@ _LAUNCH_CACHE: dict = {}  # geometry key -> launches; keeps the host side of a r
 def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams, positions: Any = None,
            weights: Sequence | None = None, *, kernel: Any = None, block_h: int | None = None,
            num_warps: int | None = None, nsplit: int | None = None, neox_row: bool | None = None) -> list:
-    """Rotate 1 or 2 tensors sharing tables; one launch when their geometry allows it, else one each.
+    """Rotate 1-3 tensors sharing tables; one launch when their geometry allows it, else one each.
     With positions, the tables are rows of a cache read per token (`cos[positions]`); with a norm in params,
     each x is RMS-normalised (and scaled by its weight, one per x, which may vary over heads and lanes only)
     in the same pass. The tuning options override the rules below (the benchmarks' sweeps use them)."""
@@ -425,10 +442,9 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
     if launches is not None:
         pos = positions if positions is not None else cos  # unused pointers stand in for absent tensors
         for group, grid, scalars, meta in launches:
-            q, k, qo, ko = xs[group[0]], xs[group[-1]], outs[group[0]], outs[group[-1]]
-            wq, wk = (weights[group[0]] if weights[group[0]] is not None else cos,
-                      weights[group[-1]] if weights[group[-1]] is not None else cos)
-            fn[grid](q, k, qo, ko, cos, sin, pos, wq, wk, *scalars, **meta)
+            sides = [group[min(i, len(group) - 1)] for i in range(3)]  # q, k, v; absent sides repeat the last
+            ws = [weights[i] if weights[i] is not None else cos for i in sides]
+            fn[grid](*(xs[i] for i in sides), *(outs[i] for i in sides), cos, sin, pos, *ws, *scalars, **meta)
         return outs
     # More than 3 token dims that do not merge: materialize x and tables (rare, correct), one launch each.
     if positions is not None:
@@ -444,7 +460,7 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
         assert p is not None
         grid, scalars, meta = _launch_args(p, [x], [outs[i]], t, [0], *opts)
         w = weights[i] if weights[i] is not None else c
-        fn[grid](x, x, outs[i], outs[i], c, s, c, w, w, *scalars, **meta)
+        fn[grid](x, x, x, outs[i], outs[i], outs[i], c, s, c, w, w, w, *scalars, **meta)
     return outs
 
 
@@ -454,7 +470,7 @@ def _per_lane(w: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 def _make_launches(xs: list, outs: list, tables: _Tables, *opts: Any) -> list | None:
-    """[(tensor indices, grid, scalar args, meta args)]: one entry for q and k together when possible."""
+    """[(tensor indices, grid, scalar args, meta args)]: one entry for all tensors together when possible."""
     groups = [list(range(len(xs)))]
     plan = _plan(xs, outs, tables)
     if plan is None and len(xs) > 1:
@@ -489,7 +505,7 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
     lanes_pad = 2 * half_pad + tail_pad  # registers per head row, the pass-through tail included
     if neox_row is None:
         neox_row = default_neox_row(interleaved, rotary_dim, head_dim)
-    neox_row = bool(neox_row) and not interleaved
+    neox_row = bool(neox_row) and not interleaved and params.rotary_blocks == 1
     bh = block_h or _block_heads(p.heads, lanes_pad, NORM_TILE_ELEMENTS if params.norm == "rms" else TILE_ELEMENTS)
     # a norm across heads whose heads all fit one block takes its statistics from that tile (a larger block to
     # get there was slower in the norm sweep: 1.32x against 1.17x the floor at 12 heads x 128)
@@ -500,17 +516,17 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
         nsplit = 1
         if isinstance(ntok, int) and ntok < MIN_PROGRAMS:
             nsplit = max(1, min(nblocks, -(-MIN_PROGRAMS // max(ntok, 1))))
-    sk = p.x_strides[-1] if len(xs) > 1 else [0, 0, 0, 0]
-    sko = p.o_strides[-1] if len(xs) > 1 else [0, 0, 0, 0]
-    hk = p.heads[-1] if len(xs) > 1 else 0
+    none = [0, 0, 0, 0]
+    sk, sv = (p.x_strides[i] if len(xs) > i else none for i in (1, 2))
+    sko, svo = (p.o_strides[i] if len(xs) > i else none for i in (1, 2))
+    hk, hv = (p.heads[i] if len(xs) > i else 0 for i in (1, 2))
     cos, sin = tables.cos, tables.sin
     wide = math_dtype(xs, cos, sin, params.out_dtype) == torch.float64
     rows = (cos.stride(0), sin.stride(0)) if tables.positions is not None else (0, 0)
     weights = [tables.weights[i] if tables.weights else None for i in group]
-    wq = _weight_head_stride(weights[0], xs[0], p.head)
-    wk = _weight_head_stride(weights[-1], xs[-1], p.head) if len(xs) > 1 else 0
-    scalars = (p.tokens[1], p.tokens[2], p.heads[0], hk, nsplit, *rows, wq, wk, float(params.norm_eps),
-               *p.x_strides[0], *p.o_strides[0], *sk, *sko, *p.c_strides[:3], *p.s_strides[:3])
+    wq, wk, wv = (_weight_head_stride(weights[i], xs[i], p.head) if len(xs) > i else 0 for i in range(3))
+    scalars = (p.tokens[1], p.tokens[2], p.heads[0], hk, hv, nsplit, *rows, wq, wk, wv, float(params.norm_eps),
+               *p.x_strides[0], *p.o_strides[0], *sk, *sko, *sv, *svo, *p.c_strides[:3], *p.s_strides[:3])
     meta = dict(ROT=rotary_dim, HEAD_DIM=head_dim, HALF_PAD=half_pad, TAIL_PAD=tail_pad, BLOCK_H=bh,
                 NSIDES=len(xs), INTERLEAVED=interleaved, FULL_TABLES=params.full_tables, CONJ=params.conjugate,
                 MATH_FP64=wide, NEOX_ROW=neox_row, HAS_POS=tables.positions is not None,
@@ -520,7 +536,7 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
                 # the tables' lane strides are compile-time constants: Inductor launches the kernel with runtime
                 # scalars that Triton does not specialize, and a lane stride only known at run time turns the
                 # vector loads into gathers (the in-graph kernel ran at twice the time of a direct launch)
-                SCD=p.c_strides[3], SSD=p.s_strides[3],
+                SCD=p.c_strides[3], SSD=p.s_strides[3], BH=rotary_dim // 2 // params.rotary_blocks,
                 num_warps=num_warps or _num_warps(bh * lanes_pad, "rows" if interleaved or neox_row else "halves"))
     return (ntok, nsplit), scalars, meta
 
@@ -547,7 +563,8 @@ _INTERPRETED = _interpreted()  # TRITON_INTERPRET=1: the kernel runs on CPU tens
 
 # `rope_fusion::rotary_triton` / `rotary_qk_triton`: the kernel behind an opaque op, for sites whose sizes are
 # symbolic (the user-kernel node of kernels/triton_graph.py needs concrete sizes) and for direct calls.
-ROTARY_TRITON, ROTARY_QK_TRITON = define_rotary_ops("_triton", _impl)
+TRITON_OPS = define_rotary_ops("_triton", _impl)  # by arity - 1
+ROTARY_TRITON, ROTARY_QK_TRITON, ROTARY_QKV_TRITON = TRITON_OPS
 
 
 def supports(spec: SiteSpec) -> str | None:
@@ -574,10 +591,10 @@ def _emit(emitter: Any, call: RotaryCall, like: Any) -> list:
         outs = emit_triton(emitter.graph, emitter.fake_mode, call, like)
         if outs is not None:
             return outs
-    return emit_op_call((ROTARY_TRITON, ROTARY_QK_TRITON), emitter, call, like)
+    return emit_op_call(TRITON_OPS, emitter, call, like)
 
 
 register_backend(Backend("triton", supports, _emit))
 register_device_kernel("cuda", _impl)
 
-__all__ = ["ROTARY_TRITON", "ROTARY_QK_TRITON", "launch", "supports"]
+__all__ = ["ROTARY_TRITON", "ROTARY_QK_TRITON", "ROTARY_QKV_TRITON", "TRITON_OPS", "launch", "supports"]

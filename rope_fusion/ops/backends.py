@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .cost_model import SiteCost, cheapest
-from .library import ROTARY, ROTARY_QK
+from .library import OPS
 from .schema import RotaryCall, RotaryParams
 
 # Optional backends: name -> module that registers it (imported on first use).
@@ -89,9 +89,10 @@ def register_backend(backend: Backend) -> None:
 
 
 def emit_op_call(ops: tuple, emitter: Any, call: RotaryCall, like: Any) -> list:
-    """One call of an op pair (`rotary*`, `rotary_qk*`): the emission of every backend that is an op."""
+    """One call of a variant's op of the call's arity (`ops`: `rotary*`, `rotary_qk*`, `rotary_qkv*`): the
+    emission of every backend that is an op."""
     n = len(call.xs)
-    node = emitter.call(ops[0] if n == 1 else ops[1], call.tensors(), call.params.kwargs(), like=like)
+    node = emitter.call(ops[n - 1], call.tensors(), call.params.kwargs(), like=like)
     if n == 1:
         return [node]
     return [emitter.call(operator.getitem, (node, i), like=like) for i in range(n)]
@@ -159,7 +160,7 @@ def _inductor_supports(spec: SiteSpec) -> str | None:
 
 
 def _inductor_emit(emitter: Any, call: RotaryCall, like: Any) -> list:
-    return emit_op_call((ROTARY, ROTARY_QK), emitter, call, like)
+    return emit_op_call(OPS, emitter, call, like)
 
 
 register_backend(Backend("inductor", _inductor_supports, _inductor_emit))

@@ -1,4 +1,4 @@
-"""The `rope_fusion::rotary` and `rope_fusion::rotary_qk` operators, and the way every variant is defined.
+"""The `rope_fusion::rotary`, `rotary_qk` and `rotary_qkv` operators, and the way every variant is defined.
 
 Fused nodes are ordinary torch.library ops in any FX graph: a fake implementation (shape propagation under
 torch.compile), an eager implementation (the reference, or a device kernel that a backend registers with
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .reference import partner_lanes, rotary_reference, table_grads
-from .schema import TENSOR_NAMES, RotaryCall, RotaryParams, check_call, op_schema
+from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, RotaryParams, check_call, op_schema
 
 LIBRARY = torch.library.Library("rope_fusion", "FRAGMENT")
 
@@ -78,10 +78,10 @@ def _backward(ctx: Any, *grads: Any) -> tuple:
     if ctx.normed:
         return _recomputed_grads(call, grads, n_inputs)
     p = ctx.params
-    back_sin = partner_lanes(call.sin, p.rotary_dim, p.interleaved) if p.full_tables else call.sin
+    back_sin = partner_lanes(call.sin, p.interleaved, p.rotary_blocks) if p.full_tables else call.sin
     inverse = [p.replace(conjugate=not p.conjugate, out_dtype=dtype) for dtype in ctx.x_dtypes]
-    if len(grads) == 2 and None not in grads and inverse[0] == inverse[1]:  # q and k: one launch
-        gx = list(ROTARY_QK(*grads, call.cos, back_sin, call.positions, **inverse[0].kwargs()))
+    if len(grads) > 1 and None not in grads and all(q == inverse[0] for q in inverse):  # q, k (v): one launch
+        gx = list(OPS[len(grads) - 1](*grads, call.cos, back_sin, call.positions, **inverse[0].kwargs()))
     else:
         gx = [None if g is None else ROTARY(g, call.cos, back_sin, call.positions, **q.kwargs())
               for g, q in zip(grads, inverse)]
@@ -89,7 +89,7 @@ def _backward(ctx: Any, *grads: Any) -> tuple:
     if ctx.tables_need_grad:
         gcos, gsin = table_grads(grads, call.xs, call.cos, call.sin, interleaved=p.interleaved,
                                  rotary_dim=p.rotary_dim, full_tables=p.full_tables, conjugate=p.conjugate,
-                                 positions=call.positions)
+                                 positions=call.positions, rotary_blocks=p.rotary_blocks)
     return (*gx, gcos, gsin, *[None] * (n_inputs - len(gx) - 2))
 
 
@@ -107,11 +107,12 @@ def _recomputed_grads(call: RotaryCall, grads: tuple, n_inputs: int) -> tuple:
     return tuple(by_id.get(id(t)) if isinstance(t, torch.Tensor) else None for t in leaves)[:n_inputs]
 
 
-def define_rotary_ops(suffix: str = "", impl: Impl | None = None, impl_qk: Impl | None = None) -> tuple:
-    """Define `rope_fusion::rotary{suffix}` and `rope_fusion::rotary_qk{suffix}` (one tensor, or q and k that
-    share tables, in one call) and return their default overloads."""
+def define_rotary_ops(suffix: str = "", impl: Impl | None = None) -> tuple:
+    """Define `rope_fusion::rotary{suffix}`, `rotary_qk{suffix}` and `rotary_qkv{suffix}` (one tensor; q and k;
+    q, k and v that share tables, in one call) and return their default overloads, indexed by arity - 1."""
     ops = []
-    for arity, name, fn in ((1, f"rotary{suffix}", impl), (2, f"rotary_qk{suffix}", impl_qk or impl)):
+    for arity, base in OP_NAMES.items():
+        name, fn = base + suffix, impl
         qualname = f"rope_fusion::{name}"
         torch.library.define(qualname, op_schema(arity), lib=LIBRARY)
         torch.library.impl(qualname, "default", lib=LIBRARY)(_eager(fn, arity))
@@ -121,12 +122,13 @@ def define_rotary_ops(suffix: str = "", impl: Impl | None = None, impl_qk: Impl 
     return tuple(ops)
 
 
-ROTARY, ROTARY_QK = define_rotary_ops()
+OPS = define_rotary_ops()  # by arity - 1
+ROTARY, ROTARY_QK, ROTARY_QKV = OPS
 
 
 def register_device_kernel(device_type: str, impl: Impl) -> None:
-    """Serve eager calls of `rotary` / `rotary_qk` on one device type with `impl` (None from it: reference)."""
-    for op, arity in ((ROTARY, 1), (ROTARY_QK, 2)):
+    """Serve eager calls of every arity's op on one device type with `impl` (None from it: reference)."""
+    for arity, op in enumerate(OPS, start=1):
         torch.library.register_kernel(op._schema.name, device_type, _eager(impl, arity), lib=LIBRARY)
 
 
@@ -158,15 +160,14 @@ def _call(xs: list, cos: torch.Tensor, sin: torch.Tensor, options: dict) -> Any:
     call = RotaryCall(list(xs), cos, sin, params, positions, list(weights) if weights is not None else None)
     check_call(call)
     load_backends()  # device kernels (Triton on CUDA) register on import
-    op = ROTARY if len(xs) == 1 else ROTARY_QK
-    return op(*call.tensors(), **params.kwargs())
+    return OPS[len(xs) - 1](*call.tensors(), **params.kwargs())
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False,
                  rotary_dim: int | None = None, full_tables: bool = False, conjugate: bool = False,
                  out_dtype: torch.dtype | None = None, positions: torch.Tensor | None = None,
                  norm: str = "none", norm_eps: float = 1e-6,
-                 norm_weight: torch.Tensor | None = None) -> torch.Tensor:
+                 norm_weight: torch.Tensor | None = None, rotary_blocks: int = 1) -> torch.Tensor:
     """Rotate the last dim of x by the tables; differentiable (the gradient is the inverse rotation).
 
     Pairs are (2j, 2j+1) when `interleaved`, else NeoX (j, j + R/2), R = `rotary_dim` (default: the whole
@@ -178,10 +179,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inter
     `cos[positions]`, which broadcast against x like plain tables (positions [T, 1] for x [T, H, D]). With
     `norm="rms"` (each head) or `"rms_across_heads"` (all heads of a token), x is first RMS-normalised with
     `norm_eps` and scaled by `norm_weight` (broadcast against x's lanes), in fp32. Raises ValueError naming the
-    argument for bad shapes, dtypes or devices."""
+    argument for bad shapes, dtypes or devices. `rotary_blocks` > 1 (NeoX only): the rotated lanes are that many
+    equal blocks, each with its own NeoX pairs (a head dim rotated per axis, as in Allegro)."""
     return _call([x], cos, sin, dict(interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full_tables,
                                      conjugate=conjugate, out_dtype=out_dtype, positions=positions, norm=norm,
-                                     norm_eps=norm_eps, norm_weight=norm_weight))
+                                     norm_eps=norm_eps, norm_weight=norm_weight, rotary_blocks=rotary_blocks))
 
 
 def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

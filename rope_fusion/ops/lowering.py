@@ -16,7 +16,7 @@ from torch._inductor.utils import sympy_index_symbol  # noqa: F401  (import chec
 from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import ModularIndexing
 
-from .library import ROTARY, ROTARY_QK
+from .library import OPS
 from .schema import RotaryCall, RotaryParams
 
 
@@ -66,6 +66,14 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams, positions=None):
             partner = d + 1 - 2 * ModularIndexing(d, 1, 2)
             is_second = ModularIndexing(d, 1, 2)
             pair = ModularIndexing(d, 2, half)
+        elif p.rotary_blocks > 1:  # NeoX pairs within each block of width w = 2 * bh
+            bh = half // p.rotary_blocks
+            w = 2 * bh
+            block = ModularIndexing(d, w, p.rotary_blocks)
+            lane_x = d
+            partner = block * w + ModularIndexing(d + bh, 1, w)
+            is_second = ModularIndexing(d, bh, 2)
+            pair = block * bh + ModularIndexing(d, 1, bh)
         else:
             lane_x = d
             partner = ModularIndexing(d + half, 1, r)
@@ -117,5 +125,5 @@ def _lowering(arity: int):
     return lower
 
 
-register_lowering(ROTARY, type_promotion_kind=None)(_lowering(1))
-register_lowering(ROTARY_QK, type_promotion_kind=None)(_lowering(2))
+for _arity, _op in enumerate(OPS, start=1):
+    register_lowering(_op, type_promotion_kind=None)(_lowering(_arity))

@@ -12,14 +12,28 @@ import torch
 from .schema import check_args, math_dtype  # noqa: F401  (re-exported: the reference validates like the op)
 
 
-def _lane_tables(t: torch.Tensor, rotary_dim: int, interleaved: bool, full_tables: bool):
+def split_pairs(t: torch.Tensor, interleaved: bool, blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first and the second lane of every pair of t's last dim (the rotated lanes), pairs in op order:
+    interleaved (2j, 2j+1); NeoX (j, j + W/2) within each of `blocks` blocks of width W, block by block."""
+    if interleaved:
+        return t[..., 0::2], t[..., 1::2]
+    t = t.unflatten(-1, (blocks, t.shape[-1] // blocks))
+    half = t.shape[-1] // 2
+    return t[..., :half].flatten(-2), t[..., half:].flatten(-2)
+
+
+def join_pairs(a: torch.Tensor, b: torch.Tensor, interleaved: bool, blocks: int = 1) -> torch.Tensor:
+    """The inverse of split_pairs: the lanes of every pair back in place."""
+    if interleaved:
+        return torch.stack((a, b), dim=-1).flatten(-2)
+    return torch.cat((a.unflatten(-1, (blocks, -1)), b.unflatten(-1, (blocks, -1))), dim=-1).flatten(-2)
+
+
+def _lane_tables(t: torch.Tensor, interleaved: bool, full_tables: bool, blocks: int):
     """Table entries for the first and second lane of each pair, each of width rotary_dim/2."""
     if not full_tables:
         return t, t
-    if interleaved:
-        return t[..., 0::2], t[..., 1::2]
-    half = rotary_dim // 2
-    return t[..., :half], t[..., half:]
+    return split_pairs(t, interleaved, blocks)
 
 
 def rotary_reference(
@@ -37,6 +51,7 @@ def rotary_reference(
     norm_eps: float = 1e-6,
     norm_weight: torch.Tensor | None = None,
     deinterleave: bool = False,
+    rotary_blocks: int = 1,
 ) -> torch.Tensor:
     """out[a]=x[a]C[a]-x[b]S[a], out[b]=x[b]C[b]+x[a]S[b] per pair (a,b); S negated when conjugate; with
     positions the tables are the rows cos[positions], sin[positions] of a cache; with a norm, x is first
@@ -47,22 +62,15 @@ def rotary_reference(
     cd = math_dtype([x], cos, sin, out_dtype)
     x = rms_norm(x.to(cd), norm, norm_eps, norm_weight) if norm != "none" else x
     r = rotary_dim
-    xr = x[..., :r].to(cd)
-    if interleaved:
-        a, b = xr[..., 0::2], xr[..., 1::2]
-    else:
-        a, b = xr[..., : r // 2], xr[..., r // 2 :]
+    a, b = split_pairs(x[..., :r].to(cd), interleaved, rotary_blocks)
     table_layout = interleaved and not deinterleave  # a de-interleaved result indexes full tables by output lane
-    ca, cb = (t.to(cd) for t in _lane_tables(cos, r, table_layout, full_tables))
-    sa, sb = (t.to(cd) for t in _lane_tables(sin, r, table_layout, full_tables))
+    ca, cb = (t.to(cd) for t in _lane_tables(cos, table_layout, full_tables, rotary_blocks))
+    sa, sb = (t.to(cd) for t in _lane_tables(sin, table_layout, full_tables, rotary_blocks))
     if conjugate:
         sa, sb = -sa, -sb
     oa = a * ca - b * sa
     ob = b * cb + a * sb
-    if interleaved and not deinterleave:
-        rot = torch.stack((oa, ob), dim=-1).flatten(-2)
-    else:
-        rot = torch.cat((oa, ob), dim=-1)
+    rot = join_pairs(oa, ob, table_layout, rotary_blocks)  # de-interleaved: the two NeoX halves
     rot = rot.to(out_dtype)
     if r < x.shape[-1]:
         rot = torch.cat((rot, x[..., r:].to(out_dtype)), dim=-1)
@@ -77,20 +85,18 @@ def rms_norm(x: torch.Tensor, norm: str, eps: float, weight: torch.Tensor | None
     return x * weight.to(x.dtype) if weight is not None else x
 
 
-def partner_lanes(t: torch.Tensor, rotary_dim: int, interleaved: bool) -> torch.Tensor:
+def partner_lanes(t: torch.Tensor, interleaved: bool, blocks: int = 1) -> torch.Tensor:
     """A full-width table with each pair's two entries swapped: entry a_j of the result is t[b_j].
 
     The gradient of a rotation reads the sin entry of the partner lane (d out[b]/d x[a] = S[b]), so the
     backward is the conjugate rotation by (C, partner_lanes(S)); for one entry per pair this is S itself."""
-    if interleaved:
-        return t.unflatten(-1, (rotary_dim // 2, 2)).flip(-1).flatten(-2)
-    half = rotary_dim // 2
-    return torch.cat((t[..., half:], t[..., :half]), dim=-1)
+    a, b = split_pairs(t, interleaved, blocks)
+    return join_pairs(b, a, interleaved, blocks)
 
 
 def table_grads(grads, xs, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, rotary_dim: int,
-                full_tables: bool, conjugate: bool,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                full_tables: bool, conjugate: bool, positions: torch.Tensor | None = None,
+                rotary_blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of the tables, summed over every rotated tensor and reduced to each table's shape.
 
     With pairs (a, b): out[a] = x[a]C[a] - x[b]S[a] and out[b] = x[b]C[b] + x[a]S[b] (S negated when
@@ -98,7 +104,8 @@ def table_grads(grads, xs, cos: torch.Tensor, sin: torch.Tensor, *, interleaved:
     receives the sum over both lanes of its pair; a gathered cache the sum over the tokens that read a row."""
     if positions is not None:  # the gradient of the gathered rows, accumulated into the cache's rows
         gc, gs = table_grads(grads, xs, cos[positions], sin[positions], interleaved=interleaved,
-                             rotary_dim=rotary_dim, full_tables=full_tables, conjugate=conjugate)
+                             rotary_dim=rotary_dim, full_tables=full_tables, conjugate=conjugate,
+                             rotary_blocks=rotary_blocks)
         index = positions.reshape(-1)
         return (torch.zeros_like(cos).index_add_(0, index, gc.reshape(-1, cos.shape[-1])),
                 torch.zeros_like(sin).index_add_(0, index, gs.reshape(-1, sin.shape[-1])))
@@ -109,15 +116,10 @@ def table_grads(grads, xs, cos: torch.Tensor, sin: torch.Tensor, *, interleaved:
     for g, x in zip(grads, xs):
         if g is None:
             continue
-        g, x = g[..., :r].to(cd), x[..., :r].to(cd)
-        if interleaved:
-            ga, gb, xa, xb = g[..., 0::2], g[..., 1::2], x[..., 0::2], x[..., 1::2]
-        else:
-            ga, gb, xa, xb = g[..., : r // 2], g[..., r // 2:], x[..., : r // 2], x[..., r // 2:]
+        (ga, gb), (xa, xb) = (split_pairs(t[..., :r].to(cd), interleaved, rotary_blocks) for t in (g, x))
         if full_tables:
-            join = (lambda a, b: torch.stack((a, b), -1).flatten(-2)) if interleaved else \
-                (lambda a, b: torch.cat((a, b), -1))
-            c, s = join(ga * xa, gb * xb), join(-ga * xb, gb * xa) * sign
+            c = join_pairs(ga * xa, gb * xb, interleaved, rotary_blocks)
+            s = join_pairs(-ga * xb, gb * xa, interleaved, rotary_blocks) * sign
         else:
             c, s = ga * xa + gb * xb, (gb * xa - ga * xb) * sign
         c, s = c.sum_to_size(cos.shape), s.sum_to_size(sin.shape)  # q and k broadcast differently (GQA)

@@ -23,8 +23,10 @@ _SCHEMA_TYPES = {bool: "bool", int: "int", float: "float", str: "str", torch.dty
 # Norms the op can apply to x before rotating it (the attention's QK-norm, docs/design.md section 2).
 NORMS = ("none", "rms", "rms_across_heads")
 
-# Names of the rotated tensors of each arity (one tensor, or a query and a key that share tables).
-TENSOR_NAMES = {1: ("x",), 2: ("q", "k")}
+# Names of the rotated tensors of each arity (one tensor; a query and a key that share tables; q, k and v
+# rotated by the same tables, as CLVP does) and of the op variant that rotates them.
+TENSOR_NAMES = {1: ("x",), 2: ("q", "k"), 3: ("q", "k", "v")}
+OP_NAMES = {1: "rotary", 2: "rotary_qk", 3: "rotary_qkv"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,10 @@ class RotaryParams:
     deinterleave: with interleaved pairs, write the result in NeoX order: out[j] and out[j + R/2] are the
         rotated pair (2j, 2j + 1) of x (DeepSeek-V3's `view(.., D/2, 2).transpose(-1, -2)` before rotate_half);
         full tables are then indexed by output lane.
+    rotary_blocks: NeoX pairs within each of this many equal blocks of the rotated lanes: block b of width
+        W = rotary_dim / rotary_blocks pairs lane b*W + j with b*W + j + W/2 (a head dim split into per-axis
+        blocks, each rotated on its own, as Allegro and Gemma 4's vision tower do); per-pair tables list block
+        0's pairs, then block 1's; full tables are indexed by lane. 1 (plain NeoX) for interleaved pairs.
     """
 
     interleaved: bool
@@ -52,6 +58,7 @@ class RotaryParams:
     norm: str = "none"
     norm_eps: float = 1e-6
     deinterleave: bool = False
+    rotary_blocks: int = 1
 
     def kwargs(self) -> dict[str, Any]:
         """The op's keyword arguments."""
@@ -160,6 +167,13 @@ def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                              f"{name} (shape {tuple(x.shape)})")
     if params.deinterleave and not params.interleaved:
         raise ValueError("deinterleave=True rotates interleaved pairs: it needs interleaved=True")
+    if params.rotary_blocks != 1:
+        if params.interleaved or params.rotary_blocks < 1:
+            raise ValueError(f"rotary_blocks={params.rotary_blocks}: blocks of NeoX pairs need interleaved=False "
+                             "and a positive count (interleaved pairs never cross a block)")
+        if params.rotary_dim % (2 * params.rotary_blocks):
+            raise ValueError(f"rotary_dim={params.rotary_dim} does not split into {params.rotary_blocks} blocks "
+                             "of an even width")
     if params.norm == "rms_across_heads" and any(x.dim() < 2 for x in xs):
         raise ValueError("norm='rms_across_heads' needs x with a heads dim ([..., H, D])")
     if positions is not None:
@@ -185,8 +199,10 @@ def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
     r = params.rotary_dim
     if r <= 0 or r % 2:
         raise ValueError(f"rotary_dim must be a positive even number, got {r}")
-    if len(xs) > 1 and xs[0].shape[-1] != xs[1].shape[-1]:
-        raise ValueError(f"q and k must share the head dim, got q {tuple(xs[0].shape)} and k {tuple(xs[1].shape)}")
+    for name, x in zip(names[1:], xs[1:]):
+        if x.shape[-1] != xs[0].shape[-1]:
+            raise ValueError(f"q and {name} must share the head dim, got q {tuple(xs[0].shape)} and {name} "
+                             f"{tuple(x.shape)}")
     width = params.table_width
     for name, x in zip(names, xs):
         if r > x.shape[-1]:

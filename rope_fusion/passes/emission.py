@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from ..ops.backends import Backend, SiteSpec
-from ..ops.schema import RotaryCall, RotaryParams
+from ..ops.schema import OP_NAMES, RotaryCall, RotaryParams
 from .fx_util import as_int
 from .gathers import gather_of
 from .grouping import out_dtype
@@ -169,21 +169,42 @@ def _source_view(em: Emitter, node: fx.Node, as_real: bool, like: fx.Node) -> fx
 
 
 def table_view(em: Emitter, nodes: dict, t: TableRef, blocks: tuple, like: fx.Node,
-               interleaved: bool = False) -> fx.Node:
-    """The table as the op reads it: a strided view of the source, unsqueezed once per head block of x."""
-    view = em.flatten_tail(_source_view(em, nodes[t.name], t.as_real, like), t.k, like)
-    n = as_int(view.meta["val"].shape[-1])
-    if not (t.start == 0 and t.step == 1 and t.width == n):
-        end = t.start + t.step * (t.width - 1) + 1
-        view = em.call(aten.slice.Tensor, (view, -1, t.start, end, t.step), like=like)
+               interleaved: bool = False, rotary_blocks: int = 1) -> fx.Node:
+    """The table as the op reads it: a strided view of the source, unsqueezed once per head block of x; a
+    table in pieces is their views broadcast to one shape and concatenated (a copy the size of the table)."""
+    if t.pieces:
+        views = [table_view(em, nodes, p, (), like) for p in t.pieces]
+        shape = torch.broadcast_shapes(*(v.meta["val"].shape[:-1] for v in views))
+        sizes = [as_int(d) for d in shape]
+        if None in sizes:  # symbolic: the sizes as graph values of the pieces that have them
+            sizes = [_dim_of(em, views, i - len(shape), like) for i in range(len(shape))]
+        views = [v if tuple(v.meta["val"].shape[:-1]) == tuple(shape) else
+                 em.call(aten.expand.default, (v, [*sizes, -1]), like=like) for v in views]
+        view = em.call(aten.cat.default, (views, -1), like=like)
+    else:
+        view = em.flatten_tail(_source_view(em, nodes[t.name], t.as_real, like), t.k, like)
+        n = as_int(view.meta["val"].shape[-1])
+        if not (t.start == 0 and t.step == 1 and t.width == n):
+            end = t.start + t.step * (t.width - 1) + 1
+            view = em.call(aten.slice.Tensor, (view, -1, t.start, end, t.step), like=like)
     if t.partner:  # the entries of each pair swapped: a table-sized copy
-        view = _swap_pairs(em, view, interleaved, like)
+        view = _swap_pairs(em, view, interleaved, rotary_blocks, like)
     for _ in blocks:  # the same table for every head of x
         view = em.call(aten.unsqueeze.default, (view, -2), like=like)
     return view
 
 
-def _swap_pairs(em: Emitter, t: fx.Node, interleaved: bool, like: fx.Node) -> fx.Node:
+def _dim_of(em: Emitter, views: list, dim: int, like: fx.Node) -> Any:
+    """Size `dim` (negative, counted before the lanes) of the broadcast of `views`: from a view where it is
+    not 1."""
+    for v in views:
+        shape = v.meta["val"].shape
+        if len(shape) - 1 >= -dim and not (isinstance(shape[dim - 1], int) and shape[dim - 1] == 1):
+            return em.size_args(v, range(len(shape) + dim - 1, len(shape) + dim), like)[0]
+    return 1
+
+
+def _swap_pairs(em: Emitter, t: fx.Node, interleaved: bool, rotary_blocks: int, like: fx.Node) -> fx.Node:
     """reference.partner_lanes as graph nodes: entry a_j holds t[b_j] and b_j holds t[a_j]."""
     width = as_int(t.meta["val"].shape[-1])
     if interleaved:  # stack(t[1::2], t[0::2]) flattened, in ops every backend lowers (not aten.flip)
@@ -192,14 +213,17 @@ def _swap_pairs(em: Emitter, t: fx.Node, interleaved: bool, like: fx.Node) -> fx
                                                       -1), like=like) for s in (1, 0))
         pairs = em.call(aten.cat.default, ([odd, even], -1), like=like)
         return em.call(aten.reshape.default, (pairs, lead + [width]), like=like)
-    half = width // 2
-    return em.call(aten.cat.default, ([em.call(aten.slice.Tensor, (t, -1, half, width), like=like),
-                                       em.call(aten.slice.Tensor, (t, -1, 0, half), like=like)], -1), like=like)
+    w = width // rotary_blocks  # NeoX: the halves of each block swapped
+    halves = [(b * w + s, b * w + e) for b in range(rotary_blocks) for s, e in ((w // 2, w), (0, w // 2))]
+    return em.call(aten.cat.default, ([em.call(aten.slice.Tensor, (t, -1, s, e), like=like) for s, e in halves],
+                                      -1), like=like)
 
 
 def gathered_tables(em: Emitter, nodes: dict, m: Match, like: fx.Node) -> tuple | None:
     """(cos, sin, positions) as the op takes a gathered cache, or None: the cos and sin of `m` must be two
     lane windows of one gather of one cache by one positions tensor."""
+    if m.cos.pieces or m.sin.pieces:
+        return None
     got = [gather_of(nodes[t.name], t) for t in (m.cos, m.sin)]
     if None in got or (got[0].cache, got[0].positions) != (got[1].cache, got[1].positions):
         return None
@@ -247,7 +271,8 @@ def _unflatten(em: Emitter, out: fx.Node, m: Match) -> fx.Node:
 
 def params_of(m: Match) -> RotaryParams:
     return RotaryParams(interleaved=m.interleaved, rotary_dim=m.rotary_dim, full_tables=m.full_tables,
-                        conjugate=m.conjugate, out_dtype=out_dtype(m), deinterleave=m.deinterleave)
+                        conjugate=m.conjugate, out_dtype=out_dtype(m), deinterleave=m.deinterleave,
+                        rotary_blocks=m.rotary_blocks)
 
 
 @dataclasses.dataclass
@@ -320,8 +345,8 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
         if gathered is not None:
             cos, sin, positions = gathered
         else:
-            cos = table_view(em, nodes, m0.cos, m0.blocks, m0.node, m0.interleaved)
-            sin = table_view(em, nodes, m0.sin, m0.blocks, m0.node, m0.interleaved)
+            cos = table_view(em, nodes, m0.cos, m0.blocks, m0.node, m0.interleaved, m0.rotary_blocks)
+            sin = table_view(em, nodes, m0.sin, m0.blocks, m0.node, m0.interleaved, m0.rotary_blocks)
         params = params_of(m0)
         if norms is not None:
             params = params.replace(norm=norms[0].kind, norm_eps=norms[0].eps)
@@ -341,7 +366,7 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
         if heads:
             outs = [em.call(aten.cat.default, ([h, o], -1), like=m0.node) for h, o in zip(heads, outs)]
         finals = [_unflatten(em, o, m) for o, m in zip(outs, group)]
-    op_name = "rope_fusion.rotary_qk" if len(group) == 2 else "rope_fusion.rotary"
+    op_name = f"rope_fusion.{OP_NAMES[len(group)]}"
     norm = f"{params.norm} folded" if norms is not None else (f"left in the graph: {norm_note}" if norm_note else "")
     return PlannedGroup(group, inputs, finals, op_name, backend.name, fallback, cos, sin, anchor, norm)
 
@@ -352,7 +377,7 @@ def anchor_of(group: tuple, nodes: dict, order: dict) -> fx.Node:
     if len(group) == 1:
         return group[0].node
     m0 = group[0]
-    inputs = [nodes[m.x_name] for m in group] + [nodes[m0.cos.name], nodes[m0.sin.name]]
+    inputs = [nodes[m.x_name] for m in group] + [nodes[p.name] for t in (m0.cos, m0.sin) for p in t.parts]
     inputs += [t for m in group for t in m.table_inputs]
     return max(inputs, key=lambda n: order[n]).next
 

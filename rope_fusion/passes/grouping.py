@@ -89,8 +89,8 @@ def broadcast_geometry(view: torch.Tensor, lead: tuple) -> tuple | None:
 
 
 def _options(m: Match) -> tuple:
-    return (m.interleaved, m.deinterleave, m.rotary_dim, m.full_tables, m.conjugate, m.head_dim, m.wide, m.offset,
-            out_dtype(m))
+    return (m.interleaved, m.deinterleave, m.rotary_blocks, m.rotary_dim, m.full_tables, m.conjugate, m.head_dim,
+            m.wide, m.offset, out_dtype(m))
 
 
 class _Pairing:
@@ -104,6 +104,9 @@ class _Pairing:
         head blocks; or views of one storage that read the same numbers as the op shapes them
         (`freqs.unsqueeze(2)` against `freqs[:, :, None]`) and broadcast against both x."""
         st, nodes = self.structure, self.nodes
+        if a.pieces or b.pieces:  # tables in pieces: the same pieces, each the same table
+            return len(a.pieces) == len(b.pieces) and a.partner == b.partner and all(
+                self.same_table(pa, ablocks, pb, bblocks, mb) for pa, pb in zip(a.pieces, b.pieces))
         if (st.id(nodes[a.name]), *a.key[1:], len(ablocks)) == (st.id(nodes[b.name]), *b.key[1:], len(bblocks)):
             return True
         if a.partner or b.partner:  # a swapped copy is no view: only the same recipe is provably the same
@@ -137,7 +140,7 @@ class _Pairing:
         from .kernel_rewrite import fixed_row_tables
 
         k, n = (a, b) if a.table_key is not None else (b, a)
-        if n.cos.partner or n.sin.partner:
+        if n.cos.partner or n.sin.partner or n.cos.pieces or n.sin.pieces:
             return False
         with fake_mode_of(k.node.meta["val"]):
             fixed = fixed_row_tables(k)
@@ -154,6 +157,11 @@ class _Pairing:
                         return False
         return True
 
+    def same_projection_input(self, group: list, b: Match) -> bool:
+        """Every x of `group` and b's x are projections (matmuls) of one activation."""
+        inputs = {_projection_input(self.nodes[m.x_name]) for m in (*group, b)}
+        return len(inputs) == 1 and None not in inputs
+
     def can_pair(self, a: Match, b: Match) -> bool:
         if b.node is a.node or a.x_name == b.x_name or _options(a) != _options(b):
             return False
@@ -166,24 +174,60 @@ class _Pairing:
         elif not (self.same_table(a.cos, a.blocks, b.cos, b.blocks, b)
                   and self.same_table(a.sin, a.blocks, b.sin, b.blocks, b)):
             return False
-        inputs = [self.nodes[a.x_name], self.nodes[b.x_name], self.nodes[a.cos.name], self.nodes[a.sin.name],
+        inputs = [self.nodes[a.x_name], self.nodes[b.x_name], *(self.nodes[p.name] for p in a.cos.parts + a.sin.parts),
                   *a.table_inputs, *b.table_inputs]
         # one launch for both is possible unless an input of one needs the other's result
         return not any(self.acc.depends_on(i, r.node) for i in inputs for r in (a, b))
 
 
+_MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1, torch.ops.aten.bmm.default: 0,
+            torch.ops.aten.baddbmm.default: 1}
+
+
+def _projection_input(x: fx.Node) -> fx.Node | None:
+    """The activation x is a projection of: back from x through ops of one tensor input (views, casts, a
+    scale) to a matmul, then back through that input's ops of one tensor input. None when x is no projection."""
+    node = x
+    while node.op == "call_function" and node.target not in _MATMULS:
+        tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if len(tensors) != 1:
+            return None
+        node = tensors[0]
+    if node.op != "call_function":
+        return None
+    act = node.args[_MATMULS[node.target]]
+    while act.op == "call_function":
+        tensors = [a for a in act.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if len(tensors) != 1:
+            break
+        act = tensors[0]
+    return act
+
+
+# The most rotated tensors one launch takes: q, k and v (CLVP rotates all three by the same tables).
+MAX_GROUP = 3
+
+
 def pair_up(matches: list[Match], acc: Acceptor) -> list[tuple[Match, ...]]:
-    """Group matches (in graph order) into pairs that share one launch, first come first paired."""
+    """Group matches (in graph order) into groups of up to MAX_GROUP that share one launch, first come first
+    grouped: each later member pairs with every earlier one. A third member must be projected from the same
+    activation as the pair (CLVP's q, k and v of one attention), not merely share their tables (q of another
+    independent block, as in Wan VACE, would delay this pair's launch to where that block computes it)."""
     pairing = _Pairing(acc)
     groups: list[tuple[Match, ...]] = []
     used: set = set()
     for i, a in enumerate(matches):
         if i in used:
             continue
-        j = next((j for j in range(i + 1, len(matches)) if j not in used and pairing.can_pair(a, matches[j])), None)
-        if j is None:
-            groups.append((a,))
-        else:
-            used.add(j)
-            groups.append((a, matches[j]))
+        group = [a]
+        for j in range(i + 1, len(matches)):
+            if len(group) == MAX_GROUP:
+                break
+            b = matches[j]
+            if len(group) == 2 and not pairing.same_projection_input(group, b):
+                continue
+            if j not in used and all(pairing.can_pair(g, b) for g in group):
+                used.add(j)
+                group.append(b)
+        groups.append(tuple(group))
     return groups

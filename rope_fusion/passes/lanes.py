@@ -246,7 +246,8 @@ class LaneInterpreter:
         if count > self.max_lanes:
             raise Unsupported("too many lanes")
         shape = shape[: len(shape) - grid_rank] + tuple(grid)
-        entries = [poly.atom((node.name, grid_rank, is_complex, flat)) for flat in range(count)]
+        name = node.name  # poly.atom, inlined: a wide graph creates hundreds of thousands of source lanes
+        entries = [{((name, grid_rank, is_complex, flat),): 1.0} for flat in range(count)]
         result = LaneValue(shape, grid_rank, entries, is_complex)
         self._raw[key] = result
         return result

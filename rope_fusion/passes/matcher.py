@@ -50,11 +50,17 @@ class Rejection(str):
 FORM, PAIRING, LANES, TABLES = range(4)
 
 
+# At most this many pieces make one table (a head dim rotated per axis has 2-3; more is no structure).
+MAX_TABLE_PIECES = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class TableRef:
     """A table as the op reads it: node (as_real when complex), last k dims flattened, then a strided slice;
     with `partner`, the two entries of every pair swapped (the backward of a rotation reads the sin entry of
-    the partner lane: d out[b] / d x[a] = S[b])."""
+    the partner lane: d out[b] / d x[a] = S[b]). With `pieces`, the table is those tables broadcast to one
+    shape and concatenated along the lanes (a head dim rotated per axis, each block by its own tables); the
+    other fields then describe the first piece."""
 
     name: str
     k: int
@@ -63,10 +69,17 @@ class TableRef:
     step: int
     width: int
     partner: bool = False
+    pieces: tuple = ()
 
     @property
     def key(self) -> tuple:
-        return (self.name, self.k, self.as_real, self.start, self.step, self.width, self.partner)
+        return (self.name, self.k, self.as_real, self.start, self.step, self.width, self.partner,
+                tuple(p.key for p in self.pieces))
+
+    @property
+    def parts(self) -> tuple:
+        """The single-source tables this one reads: its pieces, or itself."""
+        return self.pieces or (self,)
 
 
 @dataclasses.dataclass
@@ -94,6 +107,7 @@ class Match:
     table_inputs: tuple = ()  # the nodes `tables` reads besides cos and sin (positions, offsets)
     origin: str = "arithmetic"
     deinterleave: bool = False  # interleaved pairs of x written in NeoX order (DeepSeek-V3's de-interleave)
+    rotary_blocks: int = 1  # NeoX pairs within this many equal blocks (a head dim rotated per axis, Allegro)
 
 
 def _affine(flats: list) -> tuple | None:
@@ -106,15 +120,21 @@ def _affine(flats: list) -> tuple | None:
     return start, step
 
 
+# Lanes that `looks_like_rotation` reads: a rotation shows in the first head of a value (a pass-through part
+# and the rotated lanes of one head fit), and the wide values of a DiT (3072 lanes in Flux) are not rotations.
+SCAN_LANES = 2048
+
+
 def looks_like_rotation(v: lanes.LaneValue) -> bool:
     """Some lane adds two products that read different lanes of one tensor: worth a near-miss record."""
-    for e in v.entries:
+    for e in v.entries[:SCAN_LANES]:
         if e is None or len(e) < 2:
             continue
+        products = [m for m in e if len(m) > 1]
+        if len(products) < 2:  # most lanes of a wide graph (a projection, a modulation): one product at most
+            continue
         seen: dict = {}  # source (name, k, as_real) -> [(lane, monomial)] of its atoms in products
-        for i, m in enumerate(e):
-            if len(m) < 2:
-                continue
+        for i, m in enumerate(products):
             for a in m:
                 got = seen.setdefault(a[:3], [])
                 if any(f != a[3] and j != i for f, j in got):
@@ -363,7 +383,7 @@ class Acceptor:
         got = first = None
         xkey = (xl.name, xl.k, xl.as_real) if xl.entries is None else tuple(map(id, xl.entries))
         for style in styles:
-            key = (id(entries), xkey, style.name, head, rot, n, nblocks)
+            key = (id(entries), xkey, style.key, head, rot, n, nblocks)
             got = self._lanes_memo.get(key)
             if got is None:
                 got = self._lanes_memo[key] = self._lanes(style, entries, xl, head, rot, n, nblocks, is_copy)
@@ -385,14 +405,14 @@ class Acceptor:
                 if self.depends_on(tnode, o):
                     return Rejection(TABLES, f"the table {tnode.name} is computed from x ({o.name}): a rotation "
                                              "by angles taken from x itself is not a position embedding")
-        tkey = (tuple(cos_lanes), tuple(sin_lanes), rot, style.name)
+        tkey = (tuple(cos_lanes), tuple(sin_lanes), rot, style.key)
         refs = self._tables_memo.get(tkey)
         if refs is None:
             refs = self._tables_memo[tkey] = self._tables(cos_lanes, sin_lanes, rot, first_of_pair, partner)
         if isinstance(refs, str):
             return Rejection(TABLES, refs)
         cos, sin, full = refs
-        for t in (cos, sin):
+        for t in (p for table in (cos, sin) for p in table.parts):
             if not self._broadcasts(t, v.lead):
                 return Rejection(TABLES, f"the table {t.name} does not broadcast against x")
         if xl.entries is None:
@@ -411,7 +431,7 @@ class Acceptor:
         return Match(node=node, value_k=v.k, blocks=tuple(v.grid[: v.k - m]), x_name=xl.name, x_k=xl.k,
                      x_as_real=xl.as_real, head_dim=n, rotary_dim=rot, interleaved=interleaved, full_tables=full,
                      conjugate=bool(conj), cos=cos, sin=sin, wide=v.wide, offset=head,
-                     deinterleave=style.name == "deinterleave")
+                     deinterleave=style.name == "deinterleave", rotary_blocks=style.blocks)
 
     def _x_origins(self, x_node: fx.Node, xl: _XLanes) -> list:
         """Where x's numbers come from: x (a source), or the sources its computed lanes read, with what they
@@ -448,8 +468,29 @@ class Acceptor:
         return "table lanes are not a strided view of one tensor"
 
     def _table(self, entries: list) -> TableRef | None:
-        """A view that reads the table `entries` ((atom, coef) per lane): a strided slice of one source,
-        or a node that computes exactly those entries."""
+        """The table `entries` ((atom, coef) per lane) as one view, or as a few concatenated ones."""
+        whole = self._one_table(entries)
+        if whole is not None:
+            return whole
+        runs = [[entries[0]]]  # runs of lanes that read one source at evenly spaced entries
+        for e in entries[1:]:
+            run = runs[-1]
+            a, b = run[-1][0], e[0]
+            if a[:3] == b[:3] and b[3] > a[3] and (len(run) < 2 or b[3] - a[3] == a[3] - run[-2][0][3]):
+                run.append(e)
+            elif len(runs) == MAX_TABLE_PIECES:
+                return None
+            else:
+                runs.append([e])
+        pieces = [self._one_table(run) for run in runs]
+        # one table read again for every head is x's heads, not pieces: the caller tries the head as the grid
+        if len(pieces) < 2 or None in pieces or len({p.key for p in pieces}) < len(pieces):
+            return None
+        return dataclasses.replace(pieces[0], width=len(entries), pieces=tuple(pieces))
+
+    def _one_table(self, entries: list) -> TableRef | None:
+        """A view that reads the table `entries`: a strided slice of one source, or a node that computes
+        exactly those entries."""
         atoms = [a for a, _ in entries]
         keys = {a[:3] for a in atoms}
         if len(keys) == 1 and all(c == 1.0 for _, c in entries):
@@ -485,14 +526,24 @@ class Acceptor:
 @dataclasses.dataclass(frozen=True)
 class Pairing:
     """Which lanes of x an output lane d combines (x_lane, x_partner), whether d holds a pair's first
-    element, and which output lane holds the other element of its pair (out_partner)."""
+    element, and which output lane holds the other element of its pair (out_partner). NeoX pairs may lie
+    within `blocks` equal blocks of the rotated lanes (a head dim split per axis, each block rotate_half)."""
 
     name: str
     half: int
+    blocks: int = 1
 
     @property
     def interleaved(self) -> bool:
         return self.name != "neox"
+
+    @property
+    def key(self) -> tuple:
+        return (self.name, self.blocks)
+
+    @property
+    def _block_half(self) -> int:
+        return self.half // self.blocks
 
     def x_lane(self, d: int) -> int:
         if self.name == "deinterleave":  # out[j] and out[j + R/2] come from the pair (2j, 2j + 1) of x
@@ -501,20 +552,27 @@ class Pairing:
 
     def x_partner(self, d: int) -> int:
         if self.name == "neox":
-            return (d + self.half) % (2 * self.half)
+            return self._neox_partner(d)
         return self.x_lane(d) ^ 1
 
     def first(self, d: int) -> bool:
-        return d % 2 == 0 if self.name == "interleaved" else d < self.half
+        return d % 2 == 0 if self.name == "interleaved" else d % (2 * self._block_half) < self._block_half
 
     def out_partner(self, d: int) -> int:
-        return d ^ 1 if self.name == "interleaved" else (d + self.half) % (2 * self.half)
+        """The output lane of d's pair partner: NeoX-ordered for the de-interleaved output too."""
+        return d ^ 1 if self.name == "interleaved" else self._neox_partner(d)
+
+    def _neox_partner(self, d: int) -> int:
+        bh = self._block_half
+        return d - d % (2 * bh) + (d % (2 * bh) + bh) % (2 * bh)
 
 
 def _pairings(half: int, whole: bool) -> list:
-    """The pairings to try; the de-interleaved one only when every lane rotates (no pass-through lanes)."""
+    """The pairings to try: NeoX, interleaved, de-interleaved (only when every lane rotates: no pass-through
+    lanes), then NeoX within 2, 3, ... equal blocks of at least 4 lanes (blocks of 2 are interleaved pairs)."""
     names = ["neox", "interleaved"] + (["deinterleave"] if whole else [])
-    return [Pairing(name, half) for name in names]
+    blocks = [Pairing("neox", half, nb) for nb in range(2, half // 2 + 1) if half % nb == 0]
+    return [Pairing(name, half) for name in names] + blocks
 
 
 def _carried_from(x: fx.Node) -> list:

@@ -37,6 +37,12 @@ class Site:
     origin: str = "arithmetic"  # what was replaced: RoPE arithmetic, or a rotary kernel already in the graph
     graph_kind: str = ""  # "inference", "forward" or "backward" (GraphRecord.kind)
     norm: str = ""  # the QK-norm before the rotation: "rms folded", or why it stayed in the graph
+    blocks: int = 1  # NeoX pairs within this many equal blocks of the rotated lanes (a head dim rotated per axis)
+
+    def style_label(self) -> str:
+        """The pairing as a person reads it: "neox x3 blocks conjugate"."""
+        return self.style + (f" x{self.blocks} blocks" if self.blocks > 1 else "") + \
+            (" conjugate" if self.conjugate else "")
 
 
 @dataclasses.dataclass
@@ -79,6 +85,7 @@ class GraphRecord:
     sites: int = 0
     kernels: int = 0
     misses: int = 0
+    seconds: float = 0.0  # the pass's own time on this graph (its share of the compile time)
 
 
 @dataclasses.dataclass
@@ -110,6 +117,12 @@ class Report:
             self.cache_counter.rebase()
 
     @property
+    def seconds(self) -> float:
+        """The pass's own time over every graph it saw: what it adds to the compile, Inductor's work on the
+        fused nodes (a Triton kernel's compile) aside."""
+        return sum(g.seconds for g in self.graph_records)
+
+    @property
     def cached(self) -> CacheReuse:
         return self.cache_counter.reused() if self.cache_counter is not None else CacheReuse()
 
@@ -126,7 +139,7 @@ class Report:
         lines = [self.summary() + " (counted per compiled graph; a graph run for several layers counts once)"]
         for i, s in enumerate(self.sites):
             k = self.kernels[s.kernel] if 0 <= s.kernel < len(self.kernels) else None
-            style = s.style + (" conjugate" if s.conjugate else "")
+            style = s.style_label()
             lines.append(
                 f"  site {i:3d} {s.role:1s} {style:21s} R={s.rotary_dim:<4d} D={s.head_dim:<4d} "
                 f"{'[backward] ' if s.graph_kind == 'backward' else ''}"

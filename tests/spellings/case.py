@@ -22,7 +22,7 @@ class Expect:
 
     sites: int  # exact number of site records (one per rotated tensor)
     kernels: int  # exact number of fused nodes
-    op: str  # op of every kernel: "rope_fusion.rotary" or "rope_fusion.rotary_qk"
+    op: str  # op of every kernel: "rope_fusion.rotary", "rope_fusion.rotary_qk" or "rope_fusion.rotary_qkv"
     style: str  # "neox" or "interleaved"
     rotary_dim: int | tuple  # an int, or a tuple of accepted values
     head_dim: int | tuple | None  # None: not asserted
@@ -102,12 +102,13 @@ def noncontig_bhsd(b, h, s, d, dtype):
     return rnd(b, s, h, d, dtype=dtype).transpose(1, 2)
 
 
-def rope(x, cos, sin, *, interleaved, rotary_dim=None, full, conjugate=False, out_dtype=None):
+def rope(x, cos, sin, *, interleaved, rotary_dim=None, full, conjugate=False, out_dtype=None, blocks=1):
     """rotary_reference with the argument names the spellings use."""
     return rotary_reference(x, cos, sin, interleaved=interleaved,
                             rotary_dim=x.shape[-1] if rotary_dim is None else rotary_dim,
-                            full_tables=full, conjugate=conjugate, out_dtype=out_dtype)
+                            full_tables=full, conjugate=conjugate, out_dtype=out_dtype, rotary_blocks=blocks)
 
 
 QK = "rope_fusion.rotary_qk"
+QKV = "rope_fusion.rotary_qkv"
 ONE = "rope_fusion.rotary"

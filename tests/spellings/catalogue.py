@@ -1,5 +1,5 @@
-"""One spelling per "must" row of catalogue.md (I1-I8, N1-N8, C1-C3, M1-M7, M12), written from the row's
-description (not copied from the model code)."""
+"""One spelling per "must" row of catalogue.md (I1-I8, N1-N8, C1-C3, M1-M7, M12) and per "should" row that
+fuses (M8-M11), written from the row's description (not copied from the model code)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 from .case import (
     ONE,
     QK,
+    QKV,
     R_PARTIAL,
     B,
     Case,
@@ -703,6 +704,113 @@ def m9_ref(q, k, a):
     return tuple(rope(x, c, s, interleaved=True, full=False) for x in (q, k))
 
 
+# ---------------------------------------------------------------------------------------------- M10
+def _heads(h, w):
+    return (h @ w).view(B, S, H, D).transpose(1, 2)
+
+
+def m10_clvp(h, wq, wk, wv, cos, sin):
+    """transformers CLVP: q, k and v projected from one activation and rotated by one table, partial NeoX
+    (rotary_dim R of D), cat with the rest."""
+    def one(x):
+        rot, rest = x[..., :R], x[..., R:]
+        return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+    return one(_heads(h, wq)), one(_heads(h, wk)), one(_heads(h, wv))
+
+
+def m10_make(dt):
+    return (rnd(B, S, H * D, dtype=dt), *(rnd(H * D, H * D, dtype=dt) / D for _ in range(3)),
+            *full_neox_tables(B, 1, S, R, dtype=dt))
+
+
+def m10_ref(h, wq, wk, wv, c, s):
+    return tuple(rope(_heads(h, w), c, s, interleaved=False, rotary_dim=R, full=True) for w in (wq, wk, wv))
+
+
+# ---------------------------------------------------------------------------------------------- M11
+D3 = 24  # Allegro's head dim: three blocks of 8 (D is not a multiple of 3)
+POS = 11  # rows of Allegro's per-axis caches
+
+
+def m11_allegro(q, k, c_t, s_t, c_h, s_h, c_w, s_w, pos):
+    """diffusers Allegro: x.chunk(3), each block rotate_half by its own cache gathered with F.embedding."""
+    def one(x):
+        out = []
+        for part, p, c, s in zip(x.chunk(3, dim=-1), pos, (c_t, c_h, c_w), (s_t, s_h, s_w)):
+            c, s = torch.nn.functional.embedding(p, c)[:, None], torch.nn.functional.embedding(p, s)[:, None]
+            out.append((up(part) * c + up(rotate_half(part)) * s).to(part.dtype))
+        return torch.cat(out, dim=-1)
+    return one(q), one(k)
+
+
+def m11_allegro_make(dt):
+    caches = [t for _ in range(3) for t in full_neox_tables(POS, D3 // 3)]
+    return rnd(B, H, S, D3, dtype=dt), rnd(B, H, S, D3, dtype=dt), *caches, torch.randint(0, POS, (3, B, S))
+
+
+def m11_allegro_ref(q, k, c_t, s_t, c_h, s_h, c_w, s_w, pos):
+    c = torch.cat([t[p] for t, p in zip((c_t, c_h, c_w), pos)], -1)[:, None]
+    s = torch.cat([t[p] for t, p in zip((s_t, s_h, s_w), pos)], -1)[:, None]
+    return tuple(rope(x, c, s, interleaved=False, full=True, blocks=3) for x in (q, k))
+
+
+def _vjepa2_block(x, pos):
+    """transformers V-JEPA 2 `rotate_queries_or_keys`: tables from positions in the graph, repeat()ed (not
+    repeat_interleave()d) over interleaved pairs, so every lane has its own table entry."""
+    d = x.shape[-1]
+    omega = 1.0 / 10000 ** (torch.arange(d // 2, dtype=x.dtype) / (d / 2.0))
+    freq = pos.unsqueeze(-1) * omega
+    emb_sin, emb_cos = freq.sin().repeat(1, 1, 1, 2), freq.cos().repeat(1, 1, 1, 2)
+    y1, y2 = x.unflatten(-1, (-1, 2)).unbind(dim=-1)
+    return x * emb_cos + torch.stack((-y2, y1), dim=-1).flatten(-2) * emb_sin
+
+
+VJ = 2 * ((D // 3) // 2)  # V-JEPA 2's block width: three blocks of 4 of D = 16, the last 4 lanes pass through
+
+
+def m11_vjepa2(q, k, pos_d, pos_h, pos_w):
+    def one(x):
+        blocks = [_vjepa2_block(x[..., i * VJ:(i + 1) * VJ], p) for i, p in enumerate((pos_d, pos_h, pos_w))]
+        return torch.cat([*blocks, x[..., 3 * VJ:]], dim=-1)
+    return one(q), one(k)
+
+
+def m11_vjepa2_make(dt):
+    return (rnd(B, H, S, D, dtype=dt), rnd(B, H, S, D, dtype=dt),
+            *(torch.randint(0, 9, (B, 1, S)).to(torch.float32) for _ in range(3)))
+
+
+def m11_vjepa2_ref(q, k, *pos):
+    def table(fn):
+        parts = []
+        for p in pos:
+            omega = 1.0 / 10000 ** (torch.arange(VJ // 2, dtype=q.dtype) / (VJ / 2.0))
+            parts.append(fn(p.unsqueeze(-1) * omega).repeat(1, 1, 1, 2))
+        return torch.cat(parts, -1)
+    c, s = table(torch.cos), table(torch.sin)
+    return tuple(rope(x, c, s, interleaved=True, rotary_dim=3 * VJ, full=True) for x in (q, k))
+
+
+def m11_gemma4(q, k, cos, sin):
+    """transformers Gemma 4 vision `apply_multidimensional_rope`: torch.split of x and of one cos/sin into
+    equal blocks (one per position axis), rotate_half per block, cat; [B, S, H, D] with unsqueeze(2)."""
+    def one(x):
+        sizes = [D // 2, D // 2]
+        parts = zip(torch.split(x, sizes, -1), torch.split(cos, sizes, -1), torch.split(sin, sizes, -1))
+        return torch.cat([p * c.unsqueeze(2) + rotate_half(p) * s.unsqueeze(2) for p, c, s in parts], dim=-1)
+    return one(q), one(k)
+
+
+def m11_gemma4_make(dt):
+    c_h, s_h = full_neox_tables(B, S, D // 2, dtype=dt)
+    c_w, s_w = full_neox_tables(B, S, D // 2, dtype=dt)
+    return rnd(B, S, H, D, dtype=dt), rnd(B, S, H, D, dtype=dt), torch.cat([c_h, c_w], -1), torch.cat([s_h, s_w], -1)
+
+
+def m11_gemma4_ref(q, k, c, s):
+    return tuple(rope(x, c[:, :, None], s[:, :, None], interleaved=False, full=True, blocks=2) for x in (q, k))
+
+
 # ---------------------------------------------------------------------------------------------- M12
 def m12_llama4(xq, xk, freqs_cis):
     xq_ = torch.view_as_complex(up(xq).reshape(*xq.shape[:-1], -1, 2))
@@ -748,8 +856,8 @@ def m12_deepseek_ref(x, f):
 
 # ---------------------------------------------------------------------------------------------- cases
 def E(n, style, rd, table, *, head=None, conj=False):
-    """n = 1: one tensor (op rotary); n = 2: a q/k pair sharing tables (op rotary_qk)."""
-    return Expect(sites=n, kernels=1, op=QK if n == 2 else ONE, style=style, rotary_dim=rd,
+    """n = 1: one tensor (op rotary); n = 2: a q/k pair sharing tables (op rotary_qk); n = 3: q, k, v (rotary_qkv)."""
+    return Expect(sites=n, kernels=1, op={1: ONE, 2: QK, 3: QKV}[n], style=style, rotary_dim=rd,
                   head_dim=D if head is None else (None if head == "any" else head), table_form=table,
                   conjugate=conj)
 
@@ -790,6 +898,13 @@ CASES = [
     Case("M8_deepseek_v3_deinterleave", m8_deepseek_v3, m8_make, m8_ref, E(2, "deinterleave", D, "per-lane"),
          (bf16, fp32)),
     Case("M9_hidream_rotation_matrices", m9_hidream, m9_make, m9_ref, E(2, IL, D, "per-pair"), (bf16, fp32)),
+    Case("M10_clvp_qkv", m10_clvp, m10_make, m10_ref, E(3, NX, R, "per-lane"), (fp32, bf16)),
+    Case("M11_allegro_3_blocks", m11_allegro, m11_allegro_make, m11_allegro_ref,
+         E(2, NX, D3, "per-lane", head=D3), (bf16, fp32)),
+    Case("M11_vjepa2_blocks_tail", m11_vjepa2, m11_vjepa2_make, m11_vjepa2_ref, E(2, IL, 3 * VJ, "per-lane"),
+         (fp32,)),
+    Case("M11_gemma4_split_blocks", m11_gemma4, m11_gemma4_make, m11_gemma4_ref, E(2, NX, D, "per-lane"),
+         (bf16, fp32)),
     Case("M12_llama4_complex64_qk", m12_llama4, m12_llama4_make, m12_llama4_ref, E(2, IL, D, "per-pair"), (bf16,)),
     Case("M12_lumina2_complex128", m12_lumina2, m12_lumina2_make, m12_lumina2_ref, E(1, IL, D, "per-pair"), (bf16,)),
     Case("M12_deepseek_view", m12_deepseek_view, m12_deepseek_make, m12_deepseek_ref, E(1, IL, D, "per-pair"),

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from rope_fusion.ops.schema import OP_NAMES
+
 from .case import Expect
+
+OP_ARITY = {f"rope_fusion.{name}": arity for arity, name in OP_NAMES.items()}
 
 
 def dtype_name_matches(name: str, dtype: torch.dtype) -> bool:
@@ -28,7 +32,7 @@ def check_report(p, e: Expect, out_dtypes=(), check_source: bool = True) -> None
     assert len(r.kernels) == e.kernels, f"expected {e.kernels} kernels, got {len(r.kernels)}:\n{t}"
     for k in r.kernels:
         assert k.op == e.op, f"kernel op {k.op!r}, expected {e.op!r}:\n{t}"
-        assert len(k.sites) == (2 if e.op.endswith("_qk") else 1), f"kernel {k}:\n{t}"
+        assert len(k.sites) == OP_ARITY[e.op], f"kernel {k}:\n{t}"
     for s in r.sites:
         assert s.style == e.style, f"style {s.style!r}, expected {e.style!r}:\n{t}"
         assert _ok(s.rotary_dim, e.rotary_dim), f"rotary_dim {s.rotary_dim}, expected {e.rotary_dim}:\n{t}"

@@ -3,8 +3,9 @@
 Each entry builds a model (no downloads) and its example inputs, and states how many RoPE sites one
 forward pass has, counted from the model's own source (the `note` says where). `kernels` is the number of
 fused nodes expected when q and k that share tables are grouped, `qk` how many of those are
-`rotary_qk`. Categories: "must" (every site must fuse) and "should" (catalogue forms M8-M10: fused
-correctly or left alone, never a wrong rewrite). The configs are the team's list of tiny configurations with
+`rotary_qk` or `rotary_qkv` (one launch for several tensors). Categories: "must" (every site must fuse) and
+"should" (catalogue forms not fused yet, M9's general 2x2 tables: fused correctly or left alone, never a wrong
+rewrite). The configs are the team's list of tiny configurations with
 which these models build offline.
 """
 
@@ -105,6 +106,27 @@ def _clvp():
     return transformers.ClvpEncoder(cfg), {"input_ids": _ids()}
 
 
+def _vjepa2():
+    import transformers
+    from transformers.models.vjepa2.modeling_vjepa2 import VJEPA2Encoder
+    # head dim 16: d/h/w blocks of 2 * ((16 // 3) // 2) = 4 lanes each, the last 4 lanes pass through
+    cfg = transformers.VJEPA2Config(patch_size=4, crop_size=16, frames_per_clip=4, tubelet_size=2, hidden_size=32,
+                                    num_attention_heads=2, num_hidden_layers=2, mlp_ratio=2.0)
+    cfg._attn_implementation = "sdpa"
+    return VJEPA2Encoder(cfg), {"pixel_values_videos": _r(1, 4, 3, 16, 16)}  # 2 x 4 x 4 = 32 tokens
+
+
+def _gemma4_vision():
+    import transformers
+    cfg = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                          pooling_kernel_size=2, patch_size=4, position_embedding_size=16)
+    cfg._attn_implementation = "sdpa"
+    g = torch.arange(4)
+    pos = torch.stack(torch.meshgrid(g, g, indexing="xy"), -1).reshape(1, 16, 2)  # (x, y) of a 4 x 4 grid
+    return transformers.Gemma4VisionModel(cfg), {"pixel_values": torch.rand(1, 16, 48), "pixel_position_ids": pos}
+
+
 ENTRIES: list[Entry] = []
 
 
@@ -181,9 +203,20 @@ add(
           "modeling_deepseek_v3.py",
           "modeling_deepseek_v3.py apply_rotary_pos_emb_interleave(q_rot, k_rot) (M8: de-interleave then NeoX), "
           "2 layers", dtypes=("float32",)),
-    Entry("clvp", _clvp, 6, 4, 2, "modeling_clvp.py",
+    Entry("clvp", _clvp, 6, 2, 2, "modeling_clvp.py",
           "modeling_clvp.py ClvpSelfAttention.forward: apply_rotary_pos_emb(query_rot, key_rot, value_rot) (M10: "
-          "q, k AND v rotated by one table), 2 layers", category="should", dtypes=("float32",)),
+          "q, k AND v rotated by one table: one rotary_qkv per layer), 2 layers", dtypes=("float32",)),
+    Entry("vjepa2", _vjepa2, 4, 2, 2, "modeling_vjepa2.py",
+          "modeling_vjepa2.py VJEPA2RopeAttention.apply_rotary_embeddings(key), (query) (M11: head dim in 3 blocks): "
+          "rotate_queries_or_keys on the d/h/w blocks (interleaved pairs, sin/cos computed in the graph from the "
+          "token ids, widths 4 + 4 + 4 of 16) and torch.cat with the pass-through tail; VJEPA2Encoder, 2 layers",
+          dtypes=("float32", "bfloat16")),
+    Entry("gemma4.vision", _gemma4_vision, 4, 2, 2, "modeling_gemma4.py",
+          "modeling_gemma4.py Gemma4VisionAttention.forward: apply_multidimensional_rope(q), (k) after q/k RMSNorm "
+          "(M11: head dim in 2 blocks): torch.split into ndim = 2 blocks of 8, apply_rotary_pos_emb (NeoX) with the "
+          "matching slices of one cos/sin, torch.cat; Gemma4VisionModel, 2 layers", dtypes=("float32",),
+          compile_note="2 graphs: hidden_states[pooler_mask] (aten.nonzero) breaks the graph after the pooler; "
+                       "all 4 sites are in the first graph"),
 )
 
 
@@ -299,6 +332,23 @@ _EMB = "embeddings.py"  # diffusers' shared apply_rotary_emb: the innermost fram
 
 def _df_src(own: str) -> str:
     return own + "|" + _EMB
+
+
+def _allegro():
+    import diffusers
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed_allegro
+    model = diffusers.AllegroTransformer3DModel(
+        num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4, num_layers=2,
+        cross_attention_dim=24, sample_width=8, sample_height=8, sample_frames=8, caption_channels=8)
+    c = model.config
+    # the tables and positions as AllegroPipeline._prepare_rotary_positional_embeddings builds them:
+    # 2 frames x 4 x 4 patches
+    ft, fh, fw, gt, gh, gw = get_3d_rotary_pos_embed_allegro(
+        embed_dim=c.attention_head_dim, crops_coords=((0, 0), (4, 4)), grid_size=(4, 4), temporal_size=2,
+        interpolation_scale=(c.interpolation_scale_t, c.interpolation_scale_h, c.interpolation_scale_w))
+    pos = torch.cartesian_prod(gt.long(), gh.long(), gw.long()).reshape(-1, 3).transpose(0, 1).reshape(3, 1, -1)
+    return model, {"hidden_states": _r(2, 4, 2, 8, 8), "encoder_hidden_states": _r(2, 16, 8), "timestep": _t(2),
+                   "image_rotary_emb": ((ft, fh, fw), tuple(pos.contiguous()))}
 
 
 add(
@@ -444,6 +494,10 @@ add(
         "transformer_hidream_image.py HiDreamAttnProcessor: apply_rope(query_i, key_i, rope) (M9: 2x2 rotation "
         "matrices, F[...,0]*x0 + F[...,1]*x1) on image q/k plus text q/k in the double block (4) and joint q/k "
         "in the single block (2)", category="should", dtypes=("float32",)),
+    Entry("allegro", _allegro, 4, 2, 2, "attention_processor.py|embeddings.py",
+          "attention_processor.py AllegroAttnProcessor2_0: apply_rotary_emb_allegro(query), (key) in attn1 (attn2 "
+          "is cross-attention) (M11: head dim in 3 blocks): embeddings.py x.chunk(3, -1), NeoX rotate_half per "
+          "block with F.embedding-gathered t/h/w tables (width 4 of 12 each), torch.cat; 2 blocks"),
 )
 
 

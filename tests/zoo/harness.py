@@ -47,7 +47,7 @@ _RESETS = {
     aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default, aten.convolution.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_flash_attention.default, aten.scaled_dot_product_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default, aten.embedding.default,
+    aten._scaled_dot_product_cudnn_attention.default,
     aten.native_layer_norm.default, aten._weight_int8pack_mm.default,
 }
 _MULS = {aten.mul.Tensor, aten.mul_.Tensor}
@@ -136,6 +136,10 @@ def analyze(graph: torch.fx.Graph, placeholder_names: list | None = None,
             negations.append((node.name, _source(node)))
         if node.target in _RESETS:
             table[node], act[node] = False, any_a
+            continue
+        if node.target is aten.embedding.default:  # rows of its weight: a table gathered by positions (Allegro)
+            table[node] = table.get(node.args[0], False)
+            act[node] = not table[node]
             continue
         if node.target in _MULS and len(node.args) >= 2 and all(isinstance(a, torch.fx.Node) for a in node.args[:2]):
             a, b = node.args[:2]
@@ -400,7 +404,7 @@ def run_entry(entry, dtype: torch.dtype, *, full: bool = False, backend: str = "
     r = p.report if p is not None else rope_fusion.Report()
     res.sites = len(r.sites)
     res.kernels = len(r.kernels)
-    res.qk_kernels = sum(1 for k in r.kernels if k.op.endswith("rotary_qk"))
+    res.qk_kernels = sum(1 for k in r.kernels if len(k.sites) > 1)  # rotary_qk, or rotary_qkv
     res.graphs = len([g for g in cap.graphs if g.before is not None])
     res.products_before = len(cap.products_before)
     res.products_after = cap.products_after
