@@ -69,14 +69,62 @@ def test_one_user_kernel_node_for_q_and_k(interleaved, rotary_dim, full, conj, h
     g.lint()
 
 
-def test_symbolic_sizes_are_not_inlined():
+def _symbolic(fm, t, dims):
     from torch._dynamo.source import ConstantSource
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC if i in dims else DimDynamic.STATIC
+                                                  for i in range(t.dim())])
+    return fm.from_tensor(t, symbolic_context=ctx, source=ConstantSource(f"t{len(dims)}_{t.dim()}"))
+
+
+def test_a_symbolic_token_count_becomes_graph_values():
+    """vLLM's form: q and k split from one [T, (Hq + Hk) * D] projection, T symbolic, a cos|sin cache read
+    by positions. The user-kernel node is emitted with the grid and the token counts as `sym_size` of an
+    input (one program per token, NSPLIT = 1), the outputs allocated with T."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     fm = FakeTensorMode(shape_env=ShapeEnv())
-    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * 3)
-    q = fm.from_tensor(torch.randn(2, 5, 2, 16), symbolic_context=ctx, source=ConstantSource("q"))
-    c = fm.from_tensor(torch.randn(5, 1, 8))
+    qk = _symbolic(fm, torch.randn(11, 6 * 64, dtype=torch.bfloat16), {0})
+    pos = _symbolic(fm, torch.zeros(11, dtype=torch.int64), {0})
+    with fm:
+        torch._check(pos.shape[0] == qk.shape[0])
+        q, k = qk[:, :4 * 64].view(-1, 4, 64), qk[:, 4 * 64:].view(-1, 2, 64)
+        cache = torch.empty(100, 64)
+        cos, sin = cache[:, :32], cache[:, 32:]
+        pos2 = pos.view(-1, 1)
+    g = fx.Graph()
+    nodes = []
+    for name, t in zip(["q", "k", "c", "s", "p"], (q, k, cos, sin, pos2)):
+        n = g.placeholder(name)
+        n.meta["val"] = t
+        nodes.append(n)
+    params = RotaryParams(interleaved=False, rotary_dim=64, full_tables=False, conjugate=False,
+                          out_dtype=torch.bfloat16)
+    outs = emit_triton(g, fm, RotaryCall(nodes[:2], nodes[2], nodes[3], params, positions=nodes[4]), nodes[0])
+    assert outs is not None
+    hop, = [n for n in g.nodes if n.target is triton_kernel_wrapper_functional]
+    grid, = hop.kwargs["grid"]
+    kw = hop.kwargs["kwargs"]
+    assert isinstance(grid[0], fx.Node) and grid[0].target is torch.ops.aten.sym_size.int and grid[1:] == (1, 1)
+    assert kw["NSPLIT"] == 1 and isinstance(kw["N2"], fx.Node) and kw["N1"] == 1 and kw["HAS_POS"]
+    for name, x in (("qo_ptr", q), ("ko_ptr", k)):
+        buf = kw[name]
+        assert buf.target is torch.ops.aten.empty.memory_format and isinstance(buf.args[0][0], fx.Node)
+        assert buf.meta["val"].shape == x.shape
+    for out, x in zip(outs, (q, k)):
+        assert out.meta["val"].shape == x.shape
+    g.output(tuple(outs))
+    g.lint()
+
+
+def test_symbolic_sizes_beyond_one_token_count_are_not_inlined():
+    """Two symbolic dims walked as one token index (their product): the pass emits the op call instead."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fm = FakeTensorMode(shape_env=ShapeEnv())
+    q = _symbolic(fm, torch.randn(2, 5, 2, 16), {0, 1})
+    c = _symbolic(fm, torch.randn(2, 5, 1, 8), {0, 1})
     g, nodes = _graph(fm, (q, q, c, c))
     params = RotaryParams(interleaved=False, rotary_dim=16, full_tables=False, conjugate=False,
                           out_dtype=torch.float32)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 from torch._higher_order_ops.triton_kernel_wrap import (
     triton_kernel_wrapper_functional,
     triton_kernel_wrapper_mutation,
@@ -28,7 +29,7 @@ from torch._higher_order_ops.triton_kernel_wrap import (
 from ..ops.schema import RotaryCall
 from .triton_rotary import launch
 
-_OUT_ARGS = ("qo_ptr", "ko_ptr")
+_OUT_ARGS = ("qo_ptr", "ko_ptr", "vo_ptr")
 
 
 def _concrete(t: torch.Tensor) -> bool:
@@ -45,16 +46,21 @@ def emit_triton(graph: fx.Graph, fake_mode: Any, call: RotaryCall, like: fx.Node
     inputs = [t for t in call.tensors() if t is not None]
     slots = [i for i, t in enumerate(call.tensors()) if t is not None]  # where each input goes in the call
     vals = [a.meta["val"] for a in inputs]
-    if not all(_concrete(v) for v in vals):
-        return None
     n = len(xs)
+    symbolic = None
+    if not all(_concrete(v) for v in vals):
+        symbolic = _SymbolicPlan.of(call, inputs, vals, fake_mode)
+        if symbolic is None:
+            return None
+        vals = symbolic.stand_ins
 
     def fn(*args):
         full = [None] * len(call.tensors())
         for slot, a in zip(slots, args):
             full[slot] = a
         c = RotaryCall.parse(full, call.params.kwargs(), n)
-        return tuple(launch(c.xs, c.cos, c.sin, c.params, c.positions, c.norm_weights))
+        return tuple(launch(c.xs, c.cos, c.sin, c.params, c.positions, c.norm_weights,
+                            nsplit=1 if symbolic is not None else None))
 
     with fake_mode, enable_python_dispatcher():
         gm = make_fx(fn, tracing_mode="real")(*vals)
@@ -88,6 +94,8 @@ def emit_triton(graph: fx.Graph, fake_mode: Any, call: RotaryCall, like: fx.Node
         if node.target is triton_kernel_wrapper_mutation:
             kw = dict(node.kwargs)
             kwargs = {k: arg(v) for k, v in kw["kwargs"].items()}
+            if symbolic is not None:  # the sizes as graph values where the stand-ins had their hints
+                kw["grid"], kwargs = symbolic.kernel_args(graph, kw["grid"], kwargs)
             written = []
             for name in _OUT_ARGS:
                 buf = kwargs.get(name)
@@ -111,10 +119,172 @@ def emit_triton(graph: fx.Graph, fake_mode: Any, call: RotaryCall, like: fx.Node
                 _copy_meta(got, like)
                 env[src] = got
             continue
-        new = graph.node_copy(node, arg)
+        if symbolic is not None and node.target is torch.ops.aten.empty.memory_format:
+            new = symbolic.output_buffer(graph, node)  # an output of x's symbolic shape
+        else:
+            new = graph.node_copy(node, arg)
         _copy_meta(new, like)
         env[node] = new
     return outs
+
+
+class _SymbolicPlan:
+    """A launch for sizes that are symbolic only along the tokens (vLLM marks the token count dynamic).
+
+    The launch is traced on stand-ins of the sizes' hints, one program per token (NSPLIT = 1: the split for
+    few tokens needs the count); the host plan run on the symbolic sizes then says which scalars and grid
+    entries are sizes, and those become graph values (`sym_size` of an input, times a constant). Anything
+    else symbolic (a compile-time constant of the kernel, a stride, a product of two sizes) is refused, and
+    the pass emits the opaque op instead."""
+
+    def __init__(self, call: RotaryCall, inputs: list, vals: list, stand_ins: list, launches: list):
+        self.call, self.inputs, self.vals, self.stand_ins, self.launches = call, inputs, vals, stand_ins, launches
+        self._sizes: dict = {}  # symbol -> graph node of that size
+        self._launch = self._outputs = 0
+
+    @classmethod
+    def of(cls, call: RotaryCall, inputs: list, vals: list, fake_mode: Any) -> _SymbolicPlan | None:
+        from .triton_rotary import _make_launches, _Tables
+
+        if fake_mode is None or fake_mode.shape_env is None:
+            return None
+        env = fake_mode.shape_env
+        try:
+            hint = [([_hint(env, d) for d in v.shape], [_hint(env, d) for d in v.stride()]) for v in vals]
+        except _NotSimple:
+            return None
+        with fake_mode:
+            stand_ins = [torch.empty_strided(sh, st, dtype=v.dtype, device=v.device) for (sh, st), v in zip(hint, vals)]
+            by_node = dict(zip(inputs, vals))
+            xs = [by_node[x] for x in call.xs]
+            if not all(isinstance(x.stride(-1), int) and x.stride(-1) == 1 for x in xs):
+                return None  # `launch` would copy x first
+            if call.params.norm != "none" and any(w is not None and by_node[w].dim() > 2
+                                                  for w in call.norm_weights or []):
+                return None
+            plans = []
+            for vs in (vals, stand_ins):  # the symbolic plan, and the one traced on the hints
+                by_node = dict(zip(inputs, vs))
+                xs = [by_node[x] for x in call.xs]
+                outs = [torch.empty(x.shape, dtype=call.params.out_dtype, device=x.device) for x in xs]
+                weights = [by_node[w] if w is not None else None for w in (call.norm_weights or [None] * len(xs))]
+                tables = _Tables(by_node[call.cos], by_node[call.sin],
+                                 by_node[call.positions] if call.positions is not None else None, weights)
+                plans.append(_make_launches(xs, outs, tables, call.params, None, None, 1, None))
+        launches, traced = plans
+        if not launches or not traced or len(launches) != len(traced):
+            return None
+        for (group, grid, scalars, meta), (tgroup, tgrid, tscalars, tmeta) in zip(launches, traced):
+            if not all(_simple(v) for v in (*grid, *scalars)):
+                return None
+            # the same launch but for the sizes' values: else the hints planned another geometry (a symbolic
+            # dim that the hint made short enough to loop over, say), and the traced kernel would not fit
+            at_hints = [_at_hint(env, v) for v in (*grid, *scalars)]
+            if (group, meta) != (tgroup, tmeta) or at_hints != [*tgrid, *tscalars]:
+                return None
+        return cls(call, inputs, vals, stand_ins, launches)
+
+    def kernel_args(self, graph: fx.Graph, grid: list, kwargs: dict) -> tuple[list, dict]:
+        """The traced launch's grid and arguments with the symbolic plan's sizes as graph values."""
+        from .triton_rotary import _rotary_kernel
+
+        _group, sym_grid, scalars, _meta = self.launches[self._launch]
+        self._launch += 1
+        names = [a for a in _kernel_args(_rotary_kernel) if a in kwargs and not isinstance(kwargs[a], fx.Node)]
+        scalar_names = names[: len(scalars)]
+        kwargs = dict(kwargs)
+        for name, v in zip(scalar_names, scalars):
+            kwargs[name] = self._value(graph, v)
+        g = tuple(self._value(graph, v) for v in sym_grid)
+        g = g + (1,) * (len(grid[0]) - len(g))
+        return [g], kwargs
+
+    def output_buffer(self, graph: fx.Graph, node: fx.Node) -> fx.Node:
+        """The i-th `empty(x.shape)` of the traced launch (`launch` allocates one per x, in order), with the
+        i-th x's symbolic shape."""
+        x = self.vals[self.inputs.index(self.call.xs[self._outputs])]
+        self._outputs += 1
+        new = graph.call_function(node.target, ([self._value(graph, d) for d in x.shape],), dict(node.kwargs))
+        with detect_fake_mode([x]):
+            new.meta["val"] = torch.empty(x.shape, dtype=node.kwargs["dtype"], device=x.device)
+        return new
+
+    def _value(self, graph: fx.Graph, v: Any) -> Any:
+        """An int as it is; a size (c * s for a symbol s of an input's size) as graph nodes."""
+        if not isinstance(v, torch.SymInt):
+            return v
+        coeff, sym = _linear(v)
+        node = self._size_node(graph, sym)
+        if coeff == 1:
+            return node
+        out = graph.call_function(operator.mul, (node, coeff))
+        out.meta["val"] = node.meta["val"] * coeff
+        return out
+
+    def _size_node(self, graph: fx.Graph, sym: Any) -> fx.Node:
+        if sym in self._sizes:
+            return self._sizes[sym]
+        for node, val in zip(self.inputs, self.vals):
+            for d, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr == sym:
+                    out = graph.call_function(torch.ops.aten.sym_size.int, (node, d))
+                    out.meta["val"] = size
+                    self._sizes[sym] = out
+                    return out
+        raise _NotSimple(f"no input has the size {sym}")
+
+
+class _NotSimple(Exception):
+    pass
+
+
+def _hint(env: Any, d: Any) -> int:
+    if isinstance(d, int):
+        return d
+    if not _simple(d):
+        raise _NotSimple(str(d))
+    return _expr_hint(env, d.node.expr)
+
+
+def _at_hint(env: Any, v: Any) -> Any:
+    return _expr_hint(env, v.node.expr) if isinstance(v, torch.SymInt) else v
+
+
+def _expr_hint(env: Any, expr: Any) -> int:
+    """The example value of a size (`optimization_hint` from torch 2.13, `size_hint` before)."""
+    hint = getattr(env, "optimization_hint", None) or env.size_hint
+    return int(hint(expr))
+
+
+def _linear(v: torch.SymInt) -> tuple[int, Any]:
+    """(c, s) with v == c * s for one symbol s, else _NotSimple."""
+    import sympy
+
+    expr = v.node.expr
+    if isinstance(expr, sympy.Symbol):
+        return 1, expr
+    if isinstance(expr, sympy.Mul) and len(expr.args) == 2:
+        a, b = expr.args
+        if isinstance(a, sympy.Integer) and isinstance(b, sympy.Symbol):
+            return int(a), b
+    raise _NotSimple(str(expr))
+
+
+def _simple(v: Any) -> bool:
+    if not isinstance(v, torch.SymInt):
+        return isinstance(v, (bool, int, float))
+    try:
+        _linear(v)
+        return True
+    except _NotSimple:
+        return False
+
+
+def _kernel_args(kernel: Any) -> list:
+    """The kernel's parameter names in order (a JITFunction, or the interpreter's wrapper of one)."""
+    fn = getattr(kernel, "fn", kernel)
+    return list(getattr(kernel, "arg_names", None) or getattr(fn, "arg_names", None)
+                or fn.__code__.co_varnames[: fn.__code__.co_argcount])
 
 
 def _copy_meta(node: fx.Node, like: fx.Node) -> None:

@@ -18,8 +18,9 @@ model's own code one per tensor).
   1.35-1.55x with a norm across heads.
 - The model's own code for vLLM's gathered `forward_native` measured 1.44-2.0x (NeoX) and 2.6-2.7x (GPT-J).
 - Sizes known only at run time (vLLM's dynamic token count) take the lowering with a folded norm (1.22x
-  against 1.73x for the model's code, Qwen3) or interleaved pairs (GPT-J partial: 1.16x against 2.72x); a
-  plain NeoX site is left (Llama: the lowering 1.52-4.19x against 1.41-3.08x from 64 tokens on).
+  against 1.73x for the model's code, Qwen3) and the Triton kernel otherwise: its user-kernel node takes the
+  token count as a graph value (kernels/triton_graph.py), and the model's own code compiled for a symbolic
+  count measured 1.41-3.08x (Llama NeoX) and 2.72x (GPT-J), the lowering 1.16-4.19x.
 - Training graphs are costed like any other: a Flux training step with the kernel in its forward and backward
   graphs ran at 0.98x plain compile's time (BENCHMARKS.md, Training).
 - A fused choice must beat the model's own code by `MARGIN`: the estimates are not better than that, and
@@ -89,10 +90,10 @@ def estimates(c: SiteCost) -> dict[str, float]:
 
 def cheapest(c: SiteCost) -> tuple[str, str]:
     """("triton" | "inductor" | "left", why) for a CUDA site under `auto`."""
-    if c.x_bytes is None:  # the user-kernel node needs sizes: the lowering or nothing
-        if c.norm != "none" or c.style != "neox":
-            return "inductor", "sizes known only at run time: the lowering (measured ahead for norms, pairs)"
-        return "left", "sizes known only at run time: the lowering measured slower for NeoX halves"
+    if c.x_bytes is None:  # no bytes to weigh: what was measured for a symbolic token count
+        if c.norm != "none":
+            return "inductor", "sizes known only at run time: the lowering (measured ahead with a folded norm)"
+        return "triton", "sizes known only at run time: the kernel, its grid the token count"
     est = estimates(c)
     fused = min(("triton", "inductor"), key=est.get)
     best = fused if est[fused] < (1 - MARGIN) * est["left"] else "left"
