@@ -1,7 +1,7 @@
 """Kernel-level benchmark: RoPE sites, q and k, against the copy floor (a clone of q and k: the same bytes read
 and written once), measured side by side in one run.
 
-Row groups (`--groups`, default all; they run in the order norm, flux, vllm, backward, spellings):
+Row groups (`--groups`, default all; they run in the order norm, flux, vllm, backward, coverage, spellings):
 - `spellings`: every catalogue spelling (benchmarks/spellings.py) at four shapes: eager, plain torch.compile
   (twice, for the run-to-run spread), torch.compile + RopeFusionPass(backend="auto" | "triton" | "inductor"),
   the Triton op called directly with the arguments the pass would emit, Liger (NeoX only, if installed);
@@ -19,8 +19,15 @@ Row groups (`--groups`, default all; they run in the order norm, flux, vllm, bac
   variant compiled once per form and reused for every T; kernel launches per call.
 - `backward`: a training step's RoPE in isolation (q, k require grad): forward and forward+backward, plain
   against the pass, and from the profiler the backward's rotary kernel (named *rotary*) against the floor.
+- `coverage`: the catalogue's rarer forms at their models' shapes (`coverage_rows` gives shapes and floors):
+  M8 DeepSeek-V3 MLA (de-interleave then rotate_half on the 64 rope lanes of q's 192, single-head k_pe; floor
+  q_pe and k_pe), M9 HiDream (2x2 rotation matrices built in the graph), M10 CLVP (q, k and v by one table,
+  partial NeoX; floor q, k and v; also from the hidden states, projections included), M11 Allegro (three
+  NeoX blocks, tables gathered by F.embedding) and V-JEPA 2 (three interleaved blocks, tables from positions
+  in the graph, int64 and fp32 positions); plain compile against the pass (auto, and backend="triton"),
+  kernel launches per call.
 
-Rows of the norm, flux, vllm and backward groups are timed with triton's do_bench (L2 flushed between
+Rows of the norm, flux, vllm, backward and coverage groups are timed with triton's do_bench (L2 flushed between
 calls) and, but for `backward`, in CUDA-graph replay (do_bench_cudagraph: no host overhead, as vLLM replays
 decode). The pass's report of each variant is kept (sites, backends, norms folded, misses such as "left to
 Inductor").
@@ -71,7 +78,7 @@ QUICK_SHAPES = {
 DECODE = ("decode64x32x128", "decode4x4x64")
 VARIANTS = ("eager", "compile", "compile#2", "pass-auto", "pass-triton", "pass-inductor", "triton-op", "liger",
             "floor")
-GROUPS = ("norm", "flux", "vllm", "backward", "spellings")  # the order they run in
+GROUPS = ("norm", "flux", "vllm", "backward", "coverage", "spellings")  # the order they run in
 
 # ---------------------------------------------------------------------------------------------------------
 # measurement helpers (models.py and profile.py use them too)
@@ -262,7 +269,7 @@ def pass_summary(p: Any) -> dict:
            "miss_reasons": sorted({m[:200] for m in misses}), "host_tables": len(r.host_tables),
            "errors": [f"{e.outcome}: {e.error}"[:300] for e in r.errors],
            "fallbacks": sorted({k.fallback[:200] for k in r.kernels if k.fallback}),
-           "graphs": len(r.graph_records) or r.graphs,
+           "graphs": len(r.graph_records) or r.graphs, "pass_s": round(r.seconds, 2),
            "backward_sites": sum(s.graph_kind == "backward" for s in r.sites)}
     c = r.cached
     if c.graphs:
@@ -587,7 +594,111 @@ def backward_rows(quick: bool) -> list[Row]:
                 backward=True)]
 
 
-ROW_GROUPS = {"norm": norm_rows, "flux": flux_rows, "vllm": vllm_rows, "backward": backward_rows}
+COVERAGE_VARIANTS = ("compile", "pass", "pass-triton")
+
+
+def _neox_table(S: int, rot: int, device: str, dtype: torch.dtype = torch.bfloat16) -> tuple:
+    """Full NeoX cos and sin [S, rot] (cat(freqs, freqs)), as the HF rotary embeddings return them."""
+    a = sp._angles(S, rot // 2, device)
+    a = torch.cat((a, a), -1)
+    return a.cos().to(dtype), a.sin().to(dtype)
+
+
+def coverage_rows(quick: bool) -> list[Row]:
+    """(e) catalogue rows M8-M11 (the forms the pass fuses beyond the common ones) at their models' shapes:
+    the copy floor, plain compile, the pass (auto) and the pass with backend="triton", kernel launches per call.
+
+    - M8 deepseek-v3 mla: q [B, 128, T, 192] of which the last 64 lanes (q_pe) are rotated, k_pe [B, 1, T, 64]
+      shared by the heads, bf16 full NeoX tables [B, T, 64]; de-interleave then rotate_half, q put back
+      together as cat((q_nope, q_pe), -1). Floor: a clone of q (whole: the function returns all of it) and of
+      k_pe; a clone of the strided q_pe alone measured 3x its bytes' time, so it is no floor.
+    - M9 hidream 2x2: q, k [B, S, H, D] (S = 4096 image + 128 text tokens), fp32 angles [B, S, D/2], the 2x2
+      rotation matrices stacked from cos and sin in the graph, `.float()` math, `type_as`. Floor: q and k.
+    - M10 clvp qkv: q, k and v [B, H, T, 64] rotated by one bf16 table pair [B, 1, T, 32] (partial NeoX, 32 of
+      64 lanes), each cat with its pass-through half. Floor: q, k and v. The pass takes a third tensor into a
+      q/k launch when all three are graph inputs (here) or projections of one activation: `M10 clvp qkv+proj`
+      starts from CLVP's hidden states (three [E, E] matmuls, view to heads, transpose). Its times include the
+      three matmuls (cuBLAS, the same in every variant: compare variants in ms); its floor is a clone of the
+      three projections ([B, H, T, D] strided views).
+    - M11 allegro 3-block: q, k [B, H, t*h*w, 96] chunked in three blocks of 32, each NeoX by its own fp32
+      cache [t|h|w, 32] gathered with F.embedding by int64 positions [3, B, t*h*w]. Floor: q and k.
+    - M11 vjepa2 3-block: q, k [B, H, N, 64], three interleaved blocks of 20 lanes (d, h, w) with tables
+      computed in the graph from the positions of V-JEPA 2's `get_position_ids` ([1, 1, N] each), 4 lanes
+      passed through. With int64 positions, as the model makes them, omega (in x's dtype) keeps the tables and
+      outputs bf16; the `fp32-pos` row passes float positions (the catalogue's form): the tables are fp32
+      and so are the outputs (type promotion), so its ideal is 1.5x the floor (bf16 read, fp32 written).
+      Floor: q and k (bf16).
+    """
+    rows = []
+    # M8: (B, heads, T, nope, rope)
+    B, H, T, NOPE, ROPE = (1, 4, 64, 32, 16) if quick else (1, 128, 8192, 128, 64)
+
+    def make_m8(device, B=B, H=H, T=T, NOPE=NOPE, ROPE=ROPE):
+        cos, sin = _neox_table(T, ROPE, device)
+        return (_randn(B, H, T, NOPE + ROPE, device=device), _randn(B, 1, T, ROPE, device=device),
+                cos.expand(B, T, ROPE).contiguous(), sin.expand(B, T, ROPE).contiguous())
+
+    rows.append(Row("coverage", "M8 deepseek-v3 mla", f"q {B}x{H}x{T}x{NOPE + ROPE}[{NOPE}:] k_pe {B}x1x{T}x{ROPE}",
+                    sp.deepseek_v3_mla, make_m8, lambda a: (a[0], a[1]),
+                    COVERAGE_VARIANTS, launches=True))
+    # M9: (B, image + text tokens, heads, D)
+    B, S, H, D = (1, 64 + 8, 4, 32) if quick else (1, 4096 + 128, 20, 128)
+
+    def make_m9(device, B=B, S=S, H=H, D=D):
+        ang = sp._angles(S, D // 2, device).float().expand(B, S, D // 2).contiguous()
+        return _randn(B, S, H, D, device=device), _randn(B, S, H, D, device=device), ang
+
+    rows.append(Row("coverage", "M9 hidream 2x2", f"{B}x{S}x{H}x{D}", sp.hidream, make_m9, _qk_args,
+                    COVERAGE_VARIANTS, launches=True))
+    # M10: (B, heads, T, D, rotary dim)
+    B, H, T, D, R = (1, 4, 64, 16, 8) if quick else (1, 16, 8192, 64, 32)
+
+    def make_m10(device, B=B, H=H, T=T, D=D, R=R):
+        cos, sin = _neox_table(T, R, device)
+        return (*(_randn(B, H, T, D, device=device) for _ in range(3)), cos.view(1, 1, T, R).expand(B, 1, T, R),
+                sin.view(1, 1, T, R).expand(B, 1, T, R))
+
+    rows.append(Row("coverage", "M10 clvp qkv", f"{B}x{H}x{T}x{D} R={R}", sp.clvp_qkv, make_m10, lambda a: a[:3],
+                    COVERAGE_VARIANTS, launches=True))
+
+    def make_m10_proj(device, B=B, H=H, T=T, D=D):
+        E = H * D
+        h = _randn(B, T, E, device=device)
+        ws = [_randn(E, E, device=device, scale=E ** -0.5) for _ in range(3)]
+        return (h, *ws, *make_m10(device)[3:])
+
+    def m10_proj_floor(a, H=H, D=D):  # the projections' results, as the function's rotation reads them
+        h, ws = a[0], a[1:4]
+        return tuple((h @ w).view(h.shape[0], h.shape[1], H, D).transpose(1, 2) for w in ws)
+
+    rows.append(Row("coverage", "M10 clvp qkv+proj", f"{B}x{T}x{H * D} @ 3x{H * D}x{H * D} -> {B}x{H}x{T}x{D} R={R}",
+                    sp.clvp_projected(D), make_m10_proj, m10_proj_floor, COVERAGE_VARIANTS, launches=True))
+    # M11 Allegro: (B, heads, (t, h, w) grid, D)
+    B, H, grid, D = (2, 4, (2, 3, 4), 24) if quick else (2, 24, (8, 22, 40), 96)
+    N = grid[0] * grid[1] * grid[2]
+
+    def make_allegro(device, B=B, H=H, grid=grid, D=D, N=N):
+        return (_randn(B, H, N, D, device=device), _randn(B, H, N, D, device=device),
+                *sp.allegro_caches(grid, D // 3, device), sp.allegro_positions(B, *grid, device))
+
+    rows.append(Row("coverage", "M11 allegro 3-block", f"{B}x{H}x{N}x{D} grid {'x'.join(map(str, grid))}",
+                    sp.allegro, make_allegro, _qk_args, COVERAGE_VARIANTS, launches=True))
+    # M11 V-JEPA 2: (B, heads, frames, grid, D): N = frames * grid * grid tokens
+    B, H, F, G, D = (1, 4, 4, 4, 16) if quick else (1, 16, 32, 16, 64)
+    N = F * G * G
+    for suffix, pos_dtype in (("", torch.int64), (" fp32-pos", torch.float32)):
+        def make_vjepa2(device, B=B, H=H, G=G, D=D, N=N, pos_dtype=pos_dtype):
+            return (_randn(B, H, N, D, device=device), _randn(B, H, N, D, device=device),
+                    *sp.vjepa2_positions(N, G, device, pos_dtype))
+
+        block = 2 * ((D // 3) // 2)
+        rows.append(Row("coverage", f"M11 vjepa2 3-block{suffix}", f"{B}x{H}x{N}x{D} 3x{block}+{D - 3 * block}",
+                        sp.vjepa2, make_vjepa2, _qk_args, COVERAGE_VARIANTS, launches=True))
+    return rows
+
+
+ROW_GROUPS = {"norm": norm_rows, "flux": flux_rows, "vllm": vllm_rows, "backward": backward_rows,
+              "coverage": coverage_rows}
 
 
 def _time(rec: dict, v: str, call: Callable, device: str, cudagraph: bool, launches: bool) -> None:

@@ -305,3 +305,155 @@ def vllm_qwen3_rope(head_size: int) -> Callable:
         return rope(positions, q_by_head.view(q.shape), k_by_head.view(k.shape), cos_sin_cache)
 
     return forward
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Coverage forms (catalogue rows M8-M11, tests/spellings/catalogue.py), at their models' shapes in
+# benchmarks.kernels' "coverage" group.
+
+def deepseek_v3_mla(q, k_pe, cos, sin):
+    """transformers DeepSeek-V3 MLA with `apply_rotary_pos_emb_interleave` (M8): q [B, H, S, 192] split into
+    q_nope (128) and q_pe (64), q_pe and the single-head k_pe [B, 1, S, 64] de-interleaved (view, transpose,
+    reshape) then rotate_half NeoX with full [B, S, 64] tables (unsqueeze(1)), q put back together by cat."""
+    rope_dim = k_pe.shape[-1]
+    q_nope, q_pe = q[..., : q.shape[-1] - rope_dim], q[..., q.shape[-1] - rope_dim:]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    b, h, s, d = q_pe.shape
+    q_pe = q_pe.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+    b, h, s, d = k_pe.shape
+    k_pe = k_pe.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+    q_embed = (q_pe * cos) + (_rotate_half(q_pe) * sin)
+    k_embed = (k_pe * cos) + (_rotate_half(k_pe) * sin)
+    return torch.cat((q_nope, q_embed), dim=-1), k_embed
+
+
+def hidream_rope_matrices(ang: torch.Tensor) -> torch.Tensor:
+    """diffusers HiDream `rope`: [..., D/2] angles -> [..., D/2, 2, 2] rotation matrices, in the graph."""
+    m = torch.stack([ang.cos(), -ang.sin(), ang.sin(), ang.cos()], dim=-1)
+    return m.view(*m.shape[:-1], 2, 2)
+
+
+def hidream(xq, xk, ang):
+    """diffusers HiDream `apply_rope` (M9): [B, S, H, D] q and k times the 2x2 matrices built from fp32 angles
+    [B, S, D/2] (a heads dim added), `.float()` math, `type_as`."""
+    freqs_cis = hidream_rope_matrices(ang)[:, :, None]
+    xq_ = xq.float().reshape(*xq.shape[:-1], -1, 1, 2)
+    xk_ = xk.float().reshape(*xk.shape[:-1], -1, 1, 2)
+    xq_out = freqs_cis[..., 0] * xq_[..., 0] + freqs_cis[..., 1] * xq_[..., 1]
+    xk_out = freqs_cis[..., 0] * xk_[..., 0] + freqs_cis[..., 1] * xk_[..., 1]
+    return xq_out.reshape(*xq.shape).type_as(xq), xk_out.reshape(*xk.shape).type_as(xk)
+
+
+def clvp_qkv(q, k, v, cos, sin):
+    """transformers CLVP attention (M10): q, k and v [B, H, S, D] split at the rotary width (the tables' width),
+    all three rotated by one table pair (`apply_rotary_pos_emb(query_rot, key_rot, value_rot, ...)`, NeoX
+    rotate_half), each cat with its pass-through tail."""
+    r = cos.shape[-1]
+    q_rot, q_pass = q[..., :r], q[..., r:]
+    k_rot, k_pass = k[..., :r], k[..., r:]
+    v_rot, v_pass = v[..., :r], v[..., r:]
+    q_rot = (q_rot * cos) + (_rotate_half(q_rot) * sin)
+    k_rot = (k_rot * cos) + (_rotate_half(k_rot) * sin)
+    v_rot = (v_rot * cos) + (_rotate_half(v_rot) * sin)
+    return torch.cat((q_rot, q_pass), dim=-1), torch.cat((k_rot, k_pass), dim=-1), torch.cat((v_rot, v_pass), dim=-1)
+
+
+def clvp_projected(head_dim: int) -> Callable:
+    """(h, wq, wk, wv, cos, sin) -> (q, k, v): CLVP's attention from its input on, q, k and v projected from
+    one activation h [B, T, E] (`_shape(proj(h))`: view to heads, transpose to [B, H, T, D]), then `clvp_qkv`.
+    The grouping of the pass takes a third rotated tensor into the pair's launch only when all three are
+    projections of one activation, so this is the form in which q, k and v can share one launch."""
+    def forward(h, wq, wk, wv, cos, sin):
+        def shape(x):
+            return x.view(x.shape[0], x.shape[1], -1, head_dim).transpose(1, 2)
+
+        return clvp_qkv(shape(h @ wq), shape(h @ wk), shape(h @ wv), cos, sin)
+
+    forward.__name__ = f"clvp_projected_{head_dim}"
+    return forward
+
+
+def allegro_rotary(x, caches, positions):
+    """diffusers `apply_rotary_emb_allegro` (M11): x [B, H, N, D] chunked in three (t, h, w), each block
+    rotate_half NeoX by its own cos/sin cache rows gathered with F.embedding(positions[i]), `.float()` math,
+    `.to(dtype)`, cat."""
+    def apply_1d_rope(tokens, pos, cos, sin):
+        cos = torch.nn.functional.embedding(pos, cos)[:, None, :, :]
+        sin = torch.nn.functional.embedding(pos, sin)[:, None, :, :]
+        x1, x2 = tokens[..., : tokens.shape[-1] // 2], tokens[..., tokens.shape[-1] // 2:]
+        tokens_rotated = torch.cat((-x2, x1), dim=-1)
+        return (tokens.float() * cos + tokens_rotated.float() * sin).to(tokens.dtype)
+
+    (t_cos, t_sin), (h_cos, h_sin), (w_cos, w_sin) = caches
+    t, h, w = x.chunk(3, dim=-1)
+    t = apply_1d_rope(t, positions[0], t_cos, t_sin)
+    h = apply_1d_rope(h, positions[1], h_cos, h_sin)
+    w = apply_1d_rope(w, positions[2], w_cos, w_sin)
+    return torch.cat([t, h, w], dim=-1)
+
+
+def allegro(q, k, t_cos, t_sin, h_cos, h_sin, w_cos, w_sin, positions):
+    """Allegro's attention: q and k through `apply_rotary_emb_allegro` with the same caches and positions."""
+    caches = ((t_cos, t_sin), (h_cos, h_sin), (w_cos, w_sin))
+    return allegro_rotary(q, caches, positions), allegro_rotary(k, caches, positions)
+
+
+def allegro_caches(sizes: tuple, dim: int, device) -> list:
+    """get_3d_rotary_pos_embed_allegro: per axis (t, h, w) get_1d_rotary_pos_embed(use_real=True,
+    repeat_interleave_real=False): fp32 [size, dim] NeoX cos and sin over the axis' grid."""
+    out = []
+    for n in sizes:
+        a = _angles(n, dim // 2, device)
+        a = torch.cat((a, a), -1)
+        out += [a.cos().float(), a.sin().float()]
+    return out
+
+
+def allegro_positions(B: int, T: int, H: int, W: int, device) -> torch.Tensor:
+    """Allegro's positions: the (t, h, w) grid index of every token, int64 [3, B, T*H*W]."""
+    t, h, w = torch.meshgrid(*(torch.arange(n, device=device) for n in (T, H, W)), indexing="ij")
+    return torch.stack([g.reshape(1, -1).expand(B, -1) for g in (t, h, w)])
+
+
+def vjepa2_rotate_queries_or_keys(x, pos):
+    """transformers V-JEPA 2 `rotate_queries_or_keys`: omega in x's dtype, the table computed from positions in
+    the graph and repeat()ed over the interleaved pairs (unflatten, unbind, stack((-y2, y1)), flatten)."""
+    B, num_heads, N, D = x.size()
+    omega = torch.arange(D // 2, dtype=x.dtype, device=x.device)
+    omega /= D / 2.0
+    omega = 1.0 / 10000**omega
+    freq = pos.unsqueeze(-1) * omega
+    emb_sin = freq.sin()
+    emb_cos = freq.cos()
+    emb_sin = emb_sin.repeat(1, 1, 1, 2)
+    emb_cos = emb_cos.repeat(1, 1, 1, 2)
+    y = x.unflatten(-1, (-1, 2))
+    y1, y2 = y.unbind(dim=-1)
+    y = torch.stack((-y2, y1), dim=-1)
+    y = y.flatten(-2)
+    return (x * emb_cos) + (y * emb_sin)
+
+
+def vjepa2_rotary(qk, pos_d, pos_h, pos_w):
+    """V-JEPA 2 `apply_rotary_embeddings`: d, h and w blocks of 2*((D//3)//2) lanes each, the rest passed
+    through, cat."""
+    block = 2 * ((qk.shape[-1] // 3) // 2)
+    parts = [vjepa2_rotate_queries_or_keys(qk[..., i * block:(i + 1) * block], p)
+             for i, p in enumerate((pos_d, pos_h, pos_w))]
+    if 3 * block < qk.shape[-1]:
+        parts.append(qk[..., 3 * block:])
+    return torch.cat(parts, dim=-1)
+
+
+def vjepa2(q, k, pos_d, pos_h, pos_w):
+    return vjepa2_rotary(q, pos_d, pos_h, pos_w), vjepa2_rotary(k, pos_d, pos_h, pos_w)
+
+
+def vjepa2_positions(N: int, grid: int, device, dtype=torch.float32) -> tuple:
+    """V-JEPA 2 `get_position_ids` without masks: frame, row and column of each token, [1, 1, N] each."""
+    ids = torch.arange(N, device=device)
+    per_frame = grid * grid
+    d = ids // per_frame
+    h = (ids - per_frame * d) // grid
+    w = ids - per_frame * d - grid * h
+    return tuple(p.to(dtype).view(1, 1, N) for p in (d, h, w))

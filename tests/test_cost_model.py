@@ -91,6 +91,8 @@ def _cost(x_mib, table_mib=8, computed=False, users=2, style="neox", **kw):
     (_cost(168, users=64, computed=True), "left"),  # Llama's computed tables: Inductor computes them in place
     (_cost(168, gathered=True), "triton"),  # vLLM forward_native at 8192 tokens: 1.04x against 1.44-1.99x
     (_cost(168, style="interleaved"), "triton"),  # interleaved: 1.05x against 1.46x
+    # Allegro's three NeoX blocks, tables gathered per axis and concatenated: kernel 1.49x against 2.46x
+    (_cost(247, table_mib=10, computed=True, users=2, style="neox-blocks"), "triton"),
     (_cost(168, style="interleaved", padded=True), "triton"),  # D=80: 1.07x against 1.46x
     (_cost(96, 192, computed=True), "left"),  # LTX-style per-head tables computed in the graph
     (_cost(96, 192, computed=True, style="interleaved"), "left"),  # lowering 1.45x against 1.47x: margin
@@ -98,6 +100,7 @@ def _cost(x_mib, table_mib=8, computed=False, users=2, style="neox", **kw):
     (_cost(1, 0, style="complex64"), "triton"),  # decode: one launch for q and k
     (_cost(1, 0), "triton"),  # decode, CUDA-graph replay: 0.87-1.05x against 1.22-1.47x
     (_cost(96, norm="rms"), "left"),  # per-head norm + NeoX: Inductor 1.45x, kernel 1.75x, lowering 2.0x
+    (_cost(168, norm="rms", gathered=True), "inductor"),  # vLLM Qwen3 at 8192 tokens: lowering 1.20x, 1.82x left
     (_cost(96, norm="rms", style="interleaved"), "triton"),  # + Flux, D=128: kernel 1.59x, Inductor 3.4x
     (_cost(96, norm="rms", style="interleaved", padded=True), "inductor"),  # D=80: lowering 1.7x, kernel 2.2x
     (_cost(96, norm="rms_across_heads", style="interleaved"), "triton"),  # Wan: 1.33x against 3.95x

@@ -121,3 +121,16 @@ def test_a_third_tensor_joins_a_launch_only_from_the_same_activation():
     assert [k.op for k in p.report.kernels] == ["rope_fusion.rotary_qk"] * 2, p.report.table()
     assert [sorted(k.sites) for k in p.report.kernels] == [[0, 1], [2, 3]], p.report.table()
     check_numerics(two_independent_attentions, args, out, context=p.report.table())
+
+
+def three_inputs_one_table(q, k, v, cos, sin):
+    return tuple(x * cos + rotate_half(x) * sin for x in (q, k, v))
+
+
+def test_three_graph_inputs_share_one_launch():
+    """q, k and v that are inputs of the graph wait for nothing: one `rotary_qkv`."""
+    cos, sin = _tables(6, 1, 16)
+    args = (torch.randn(2, 6, 4, 16), torch.randn(2, 6, 2, 16), torch.randn(2, 6, 2, 16), cos, sin)
+    out, p = compile_with_pass(three_inputs_one_table, *args)
+    assert [k.op for k in p.report.kernels] == ["rope_fusion.rotary_qkv"], p.report.table()
+    check_numerics(three_inputs_one_table, args, out, context=p.report.table())

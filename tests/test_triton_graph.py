@@ -8,6 +8,8 @@ shape in out_dtype, and no inlining when sizes are symbolic (the pass then emits
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.fx as fx
@@ -106,8 +108,13 @@ def test_a_symbolic_token_count_becomes_graph_values():
     hop, = [n for n in g.nodes if n.target is triton_kernel_wrapper_functional]
     grid, = hop.kwargs["grid"]
     kw = hop.kwargs["kwargs"]
-    assert isinstance(grid[0], fx.Node) and grid[0].target is torch.ops.aten.sym_size.int and grid[1:] == (1, 1)
-    assert kw["NSPLIT"] == 1 and isinstance(kw["N2"], fx.Node) and kw["N1"] == 1 and kw["HAS_POS"]
+    assert isinstance(grid[0], fx.Node) and grid[0].target is torch.ops.aten.sym_size.int and grid[2] == 1
+    assert isinstance(kw["N2"], fx.Node) and kw["N1"] == 1 and kw["HAS_POS"]
+    # programs per token: the head blocks spread over the grid for few tokens, one program from 1024 on
+    split = grid[1].meta["val"].node.expr
+    assert kw["NSPLIT"] is grid[1] and grid[1].target is torch.sym_max
+    t = grid[0].meta["val"].node.expr
+    assert split.subs(t, 8) > 1 and split.subs(t, 4096) == 1
     for name, x in (("qo_ptr", q), ("ko_ptr", k)):
         buf = kw[name]
         assert buf.target is torch.ops.aten.empty.memory_format and isinstance(buf.args[0][0], fx.Node)
@@ -118,16 +125,27 @@ def test_a_symbolic_token_count_becomes_graph_values():
     g.lint()
 
 
-def test_symbolic_sizes_beyond_one_token_count_are_not_inlined():
-    """Two symbolic dims walked as one token index (their product): the pass emits the op call instead."""
+def test_symbolic_batch_and_sequence_are_inlined_and_symbolic_heads_are_not():
+    """Two symbolic dims walked as one token index: the grid is their product, as graph values. A symbolic
+    head count would change the kernel's compile-time tiling between sizes: the pass emits the op call."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    fm = FakeTensorMode(shape_env=ShapeEnv())
-    q = _symbolic(fm, torch.randn(2, 5, 2, 16), {0, 1})
-    c = _symbolic(fm, torch.randn(2, 5, 1, 8), {0, 1})
-    g, nodes = _graph(fm, (q, q, c, c))
     params = RotaryParams(interleaved=False, rotary_dim=16, full_tables=False, conjugate=False,
                           out_dtype=torch.float32)
+    fm = FakeTensorMode(shape_env=ShapeEnv())
+    q = _symbolic(fm, torch.randn(2, 5, 2, 16), {0, 1})
+    with fm:
+        c = torch.empty(q.shape[0], q.shape[1], 1, 8)
+    g, nodes = _graph(fm, (q, q, c, c))
+    assert emit_triton(g, fm, RotaryCall(nodes[:2], nodes[2], nodes[3], params), nodes[0]) is not None
+    hop, = [n for n in g.nodes if n.target is triton_kernel_wrapper_functional]
+    tokens = hop.kwargs["grid"][0][0]
+    assert tokens.target is operator.mul and len(tokens.meta["val"].node.expr.free_symbols) == 2
+
+    fm = FakeTensorMode(shape_env=ShapeEnv())
+    q = _symbolic(fm, torch.randn(2, 5, 3, 16), {2})
+    c = fm.from_tensor(torch.randn(5, 1, 8))
+    g, nodes = _graph(fm, (q, q, c, c))
     assert emit_triton(g, fm, RotaryCall(nodes[:2], nodes[2], nodes[3], params), nodes[0]) is None
 
 

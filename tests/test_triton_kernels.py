@@ -444,6 +444,49 @@ def test_gpu_compiled_op_and_pass():
     torch.testing.assert_close(ko, ek, atol=0.05, rtol=0.02)
 
 
+@cuda
+def test_gpu_symbolic_token_count_takes_the_user_kernel_node():
+    """vLLM's forward_native compiled with the token count marked dynamic: the pass emits the kernel as a
+    user-kernel node whose grid is the count (no recompile for another T), q and k in one launch, right."""
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
+
+    import rope_fusion
+
+    def forward_native(positions, q, k, cache):
+        cos, sin = cache.index_select(0, positions).chunk(2, dim=-1)
+
+        def rot(x):
+            x = x.view(x.shape[0], -1, 128)
+            a, b = x.chunk(2, dim=-1)
+            c, s = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
+            return torch.cat((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+        return rot(q), rot(k)
+
+    seen = []
+
+    class Recording(rope_fusion.RopeFusionPass):
+        def __call__(self, graph, is_inference=None):
+            super().__call__(graph, is_inference)
+            seen.append(sum(n.target is triton_kernel_wrapper_functional for n in graph.nodes))
+
+    p = Recording(backend="triton")
+    compiled = torch.compile(forward_native, options={"post_grad_custom_post_pass": p})
+    cache = torch.randn(4096, 128, device="cuda")
+    for t in (300, 77, 2):  # (1 would specialize: Dynamo treats sizes 0 and 1 apart)
+        pos = torch.randint(0, 4096, (t,), device="cuda")
+        q = torch.randn(t, 8 * 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(t, 2 * 128, device="cuda", dtype=torch.bfloat16)
+        if t == 300:
+            for a in (pos, q, k):
+                torch._dynamo.mark_dynamic(a, 0)
+        qo, ko = compiled(pos, q, k, cache)
+        eq, ek = forward_native(pos, q, k, cache)
+        torch.testing.assert_close(qo, eq, atol=0.05, rtol=0.02)
+        torch.testing.assert_close(ko, ek, atol=0.05, rtol=0.02)
+    assert seen == [1], (seen, p.report.table())  # one graph, compiled once, one user-kernel node
+    assert [k.backend for k in p.report.kernels] == ["triton"], p.report.table()
+
+
 @pytest.mark.parametrize("interleaved,rotary_dim", [(False, 64), (True, 64), (False, 32)])
 def test_cache_rows_picked_by_positions(interleaved, rotary_dim):
     """vLLM's gathered tables: one [max_pos, R/2] cos and sin (views of one cos|sin cache), a row per token."""

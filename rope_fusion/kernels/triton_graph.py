@@ -59,8 +59,7 @@ def emit_triton(graph: fx.Graph, fake_mode: Any, call: RotaryCall, like: fx.Node
         for slot, a in zip(slots, args):
             full[slot] = a
         c = RotaryCall.parse(full, call.params.kwargs(), n)
-        return tuple(launch(c.xs, c.cos, c.sin, c.params, c.positions, c.norm_weights,
-                            nsplit=1 if symbolic is not None else None))
+        return tuple(launch(c.xs, c.cos, c.sin, c.params, c.positions, c.norm_weights))
 
     with fake_mode, enable_python_dispatcher():
         gm = make_fx(fn, tracing_mode="real")(*vals)
@@ -131,15 +130,15 @@ def emit_triton(graph: fx.Graph, fake_mode: Any, call: RotaryCall, like: fx.Node
 class _SymbolicPlan:
     """A launch for sizes that are symbolic only along the tokens (vLLM marks the token count dynamic).
 
-    The launch is traced on stand-ins of the sizes' hints, one program per token (NSPLIT = 1: the split for
-    few tokens needs the count); the host plan run on the symbolic sizes then says which scalars and grid
-    entries are sizes, and those become graph values (`sym_size` of an input, times a constant). Anything
-    else symbolic (a compile-time constant of the kernel, a stride, a product of two sizes) is refused, and
-    the pass emits the opaque op instead."""
+    The launch is traced on stand-ins of the sizes' hints; the host plan run on the symbolic sizes then says
+    which scalars and grid entries are sizes (the token count, the programs per token that few tokens get),
+    and those become graph values: `sym_size` of an input and sym arithmetic on it, which Inductor evaluates
+    in its generated code. A plan that differs at the hints, a compile-time constant of the kernel that
+    depends on a size, or a symbol that is no input's size is refused, and the pass emits the opaque op."""
 
     def __init__(self, call: RotaryCall, inputs: list, vals: list, stand_ins: list, launches: list):
         self.call, self.inputs, self.vals, self.stand_ins, self.launches = call, inputs, vals, stand_ins, launches
-        self._sizes: dict = {}  # symbol -> graph node of that size
+        self._sizes: dict = {}  # symbol or expression -> the graph node computing it
         self._launch = self._outputs = 0
 
     @classmethod
@@ -170,12 +169,13 @@ class _SymbolicPlan:
                 weights = [by_node[w] if w is not None else None for w in (call.norm_weights or [None] * len(xs))]
                 tables = _Tables(by_node[call.cos], by_node[call.sin],
                                  by_node[call.positions] if call.positions is not None else None, weights)
-                plans.append(_make_launches(xs, outs, tables, call.params, None, None, 1, None))
+                plans.append(_make_launches(xs, outs, tables, call.params, None, None, None, None))
         launches, traced = plans
         if not launches or not traced or len(launches) != len(traced):
             return None
+        sizes = {d.node.expr for v in vals for d in v.shape if isinstance(d, torch.SymInt)}
         for (group, grid, scalars, meta), (tgroup, tgrid, tscalars, tmeta) in zip(launches, traced):
-            if not all(_simple(v) for v in (*grid, *scalars)):
+            if not all(_simple(v, sizes) for v in (*grid, *scalars)):
                 return None
             # the same launch but for the sizes' values: else the hints planned another geometry (a symbolic
             # dim that the hint made short enough to loop over, say), and the traced kernel would not fit
@@ -210,15 +210,28 @@ class _SymbolicPlan:
         return new
 
     def _value(self, graph: fx.Graph, v: Any) -> Any:
-        """An int as it is; a size (c * s for a symbol s of an input's size) as graph nodes."""
+        """An int as it is; a symbolic size as graph nodes computing it from the inputs' sizes."""
         if not isinstance(v, torch.SymInt):
             return v
-        coeff, sym = _linear(v)
-        node = self._size_node(graph, sym)
-        if coeff == 1:
-            return node
-        out = graph.call_function(operator.mul, (node, coeff))
-        out.meta["val"] = node.meta["val"] * coeff
+        return self._expr(graph, v.node.expr)
+
+    def _expr(self, graph: fx.Graph, expr: Any) -> Any:
+        import sympy
+
+        if isinstance(expr, sympy.Integer):
+            return int(expr)
+        if isinstance(expr, sympy.Symbol):
+            return self._size_node(graph, expr)
+        if expr in self._sizes:  # computed once: the grid and a scalar often hold the same expression
+            return self._sizes[expr]
+        op = _SYM_OPS[_op_name(expr)]
+        out = self._expr(graph, expr.args[0])
+        for a in expr.args[1:]:
+            rhs = self._expr(graph, a)
+            val = op(*(x.meta["val"] if isinstance(x, fx.Node) else x for x in (out, rhs)))
+            out = graph.call_function(op, (out, rhs))
+            out.meta["val"] = val
+        self._sizes[expr] = out
         return out
 
     def _size_node(self, graph: fx.Graph, sym: Any) -> fx.Node:
@@ -256,28 +269,32 @@ def _expr_hint(env: Any, expr: Any) -> int:
     return int(hint(expr))
 
 
-def _linear(v: torch.SymInt) -> tuple[int, Any]:
-    """(c, s) with v == c * s for one symbol s, else _NotSimple."""
+# sym arithmetic the generated code evaluates (Inductor lowers these operators to the node's sympy value)
+_SYM_OPS = {"Add": operator.add, "Mul": operator.mul, "FloorDiv": operator.floordiv, "Max": torch.sym_max,
+            "Min": torch.sym_min}
+
+
+def _op_name(expr: Any) -> str:
+    return type(expr).__name__
+
+
+def _supported(expr: Any, sizes: set) -> bool:
     import sympy
 
-    expr = v.node.expr
+    if isinstance(expr, sympy.Integer):
+        return True
     if isinstance(expr, sympy.Symbol):
-        return 1, expr
-    if isinstance(expr, sympy.Mul) and len(expr.args) == 2:
-        a, b = expr.args
-        if isinstance(a, sympy.Integer) and isinstance(b, sympy.Symbol):
-            return int(a), b
-    raise _NotSimple(str(expr))
+        return expr in sizes
+    return _op_name(expr) in _SYM_OPS and all(_supported(a, sizes) for a in expr.args)
 
 
-def _simple(v: Any) -> bool:
+def _simple(v: Any, sizes: set | None = None) -> bool:
+    """A plain value, or a SymInt built from the inputs' size symbols (`sizes`; any symbol when None) by
+    the arithmetic of _SYM_OPS."""
     if not isinstance(v, torch.SymInt):
         return isinstance(v, (bool, int, float))
-    try:
-        _linear(v)
-        return True
-    except _NotSimple:
-        return False
+    expr = v.node.expr
+    return _supported(expr, sizes if sizes is not None else set(expr.free_symbols))
 
 
 def _kernel_args(kernel: Any) -> list:

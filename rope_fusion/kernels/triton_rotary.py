@@ -514,8 +514,11 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
     ntok = p.tokens[0] * p.tokens[1] * p.tokens[2]
     if nsplit is None:
         nsplit = 1
-        if isinstance(ntok, int) and ntok < MIN_PROGRAMS:
-            nsplit = max(1, min(nblocks, -(-MIN_PROGRAMS // max(ntok, 1))))
+        if isinstance(ntok, int):
+            if ntok < MIN_PROGRAMS:
+                nsplit = max(1, min(nblocks, -(-MIN_PROGRAMS // max(ntok, 1))))
+        elif nblocks > 1:  # a symbolic token count (vLLM: decode and prefill run one graph): the same rule
+            nsplit = torch.sym_max(1, torch.sym_min(nblocks, (ntok + MIN_PROGRAMS - 1) // ntok))
     none = [0, 0, 0, 0]
     sk, sv = (p.x_strides[i] if len(xs) > i else none for i in (1, 2))
     sko, svo = (p.o_strides[i] if len(xs) > i else none for i in (1, 2))

@@ -16,7 +16,8 @@ model's own code one per tensor).
   D=128, 2.0x at D=80) and with an interleaved one badly (3.2-3.4x), a norm across heads worse (3.6-4.0x); the
   kernel, as launched from Inductor's code, takes 1.6-1.75x with a per-head norm (2.2-2.3x at D=80) and
   1.35-1.55x with a norm across heads.
-- The model's own code for vLLM's gathered `forward_native` measured 1.44-2.0x (NeoX) and 2.6-2.7x (GPT-J).
+- The model's own code for vLLM's gathered `forward_native` measured 1.44-2.0x (NeoX) and 2.6-2.7x (GPT-J);
+  Allegro's per-axis blocks (chunk, rotate_half per block with embedding-gathered tables, cat) 2.46x.
 - Sizes known only at run time (vLLM's dynamic token count) take the lowering with a folded norm (1.22x
   against 1.73x for the model's code, Qwen3) and the Triton kernel otherwise: its user-kernel node takes the
   token count as a graph value (kernels/triton_graph.py), and the model's own code compiled for a symbolic
@@ -40,10 +41,14 @@ TRITON_PADDED_FACTOR = {"none": 1.3, "rms": 2.3, "rms_across_heads": 2.5}  # hal
 LOWERING_FACTOR = {("none", "neox"): 1.25, ("none", "interleaved"): 1.45,
                    ("rms", "neox"): 2.1, ("rms", "interleaved"): 1.9,
                    ("rms_across_heads", "neox"): 3.2, ("rms_across_heads", "interleaved"): 3.2}
-LEFT_FACTOR = {"neox": 1.12, "interleaved": 1.47, "complex64": 5.2, "complex128": 8.9}
+# "neox-blocks": a head dim rotated per axis, each block rotate_half with its own gathered tables (Allegro)
+LEFT_FACTOR = {"neox": 1.12, "interleaved": 1.47, "complex64": 5.2, "complex128": 8.9, "neox-blocks": 2.4}
 LEFT_GATHERED_FACTOR = {"neox": 1.45, "interleaved": 2.6}
 LEFT_NORM_FACTOR = {("rms", "neox"): 1.4, ("rms", "interleaved"): 2.9,
                     ("rms_across_heads", "neox"): 1.4, ("rms_across_heads", "interleaved"): 3.5}
+# A per-head norm before vLLM's gathered forward_native (Qwen3, flat [T, H*D]): the lowering reads the cache
+# row per token and fuses the norm (1.16-1.23x), the model's code measured 1.74-1.82x (CUDA-graph replay).
+GATHERED_NORM_FACTOR = {"inductor": 1.2, "left": 1.8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +59,7 @@ class SiteCost:
     table_bytes: int  # bytes of reading the cos and sin views once
     tables_computed: bool  # the graph computes the tables (not inputs or views of inputs)
     table_users: int  # sites that read the same computed tables (their materialisation is shared)
-    style: str  # "neox", "interleaved", "complex64" or "complex128" (the spelling left to Inductor)
+    style: str  # "neox", "neox-blocks", "interleaved", "complex64" or "complex128" (the spelling left to Inductor)
     # bytes of the x's that Inductor computes elementwise right before the site (an unfolded norm, a cat):
     # fused into the model's code or the lowering, written and read again around the Triton kernel
     x_fused_upstream_bytes: int = 0
@@ -65,7 +70,9 @@ class SiteCost:
 
 
 def _left_factor(c: SiteCost) -> float:
-    spelled = "neox" if c.style == "neox" else "interleaved"
+    spelled = "neox" if c.style.startswith("neox") else "interleaved"
+    if c.norm == "rms" and c.gathered:
+        return GATHERED_NORM_FACTOR["left"]
     if c.norm != "none":
         return LEFT_NORM_FACTOR[c.norm, spelled] if c.style in ("neox", "interleaved") \
             else LEFT_FACTOR[c.style] + 0.5
@@ -77,13 +84,14 @@ def _left_factor(c: SiteCost) -> float:
 def estimates(c: SiteCost) -> dict[str, float]:
     """Estimated bytes-equivalents of the three choices."""
     x = float(c.x_bytes or 0)
-    spelled = "neox" if c.style == "neox" else "interleaved"
+    spelled = "neox" if c.style.startswith("neox") else "interleaved"
     materialise = 2.0 * c.table_bytes / max(1, c.table_users) if c.tables_computed else 0.0
     table_reads = 0.0 if c.tables_computed else float(c.table_bytes)
     triton = (TRITON_PADDED_FACTOR if c.padded else TRITON_FACTOR)[c.norm]
+    lowering = GATHERED_NORM_FACTOR["inductor"] if c.norm == "rms" and c.gathered else LOWERING_FACTOR[c.norm, spelled]
     return {
         "triton": triton * (x + c.table_bytes) + materialise + c.x_fused_upstream_bytes + LAUNCH_BYTES,
-        "inductor": LOWERING_FACTOR[c.norm, spelled] * x + table_reads + LAUNCH_BYTES * c.tensors,
+        "inductor": lowering * x + table_reads + LAUNCH_BYTES * c.tensors,
         "left": _left_factor(c) * x + table_reads + LAUNCH_BYTES * c.tensors,
     }
 

@@ -158,7 +158,8 @@ class _Pairing:
         return True
 
     def same_projection_input(self, group: list, b: Match) -> bool:
-        """Every x of `group` and b's x are projections (matmuls) of one activation."""
+        """Every x of `group` and b's x are projections (matmuls) of one activation, or all are inputs of
+        the graph (nothing to wait for)."""
         inputs = {_projection_input(self.nodes[m.x_name]) for m in (*group, b)}
         return len(inputs) == 1 and None not in inputs
 
@@ -184,15 +185,21 @@ _MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1, torch
             torch.ops.aten.baddbmm.default: 1}
 
 
-def _projection_input(x: fx.Node) -> fx.Node | None:
+GRAPH_INPUT = "graph input"
+
+
+def _projection_input(x: fx.Node) -> Any:
     """The activation x is a projection of: back from x through ops of one tensor input (views, casts, a
-    scale) to a matmul, then back through that input's ops of one tensor input. None when x is no projection."""
+    scale) to a matmul, then back through that input's ops of one tensor input; GRAPH_INPUT when x is (a view
+    of) an input of the graph, there from the start; None otherwise."""
     node = x
     while node.op == "call_function" and node.target not in _MATMULS:
         tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         if len(tensors) != 1:
             return None
         node = tensors[0]
+    if node.op == "placeholder":
+        return GRAPH_INPUT
     if node.op != "call_function":
         return None
     act = node.args[_MATMULS[node.target]]
@@ -211,8 +218,9 @@ MAX_GROUP = 3
 def pair_up(matches: list[Match], acc: Acceptor) -> list[tuple[Match, ...]]:
     """Group matches (in graph order) into groups of up to MAX_GROUP that share one launch, first come first
     grouped: each later member pairs with every earlier one. A third member must be projected from the same
-    activation as the pair (CLVP's q, k and v of one attention), not merely share their tables (q of another
-    independent block, as in Wan VACE, would delay this pair's launch to where that block computes it)."""
+    activation as the pair (CLVP's q, k and v of one attention), or all three be graph inputs, not merely
+    share their tables (q of another independent block, as in Wan VACE, would delay this pair's launch to
+    where that block computes it)."""
     pairing = _Pairing(acc)
     groups: list[tuple[Match, ...]] = []
     used: set = set()

@@ -64,7 +64,7 @@ def site_spec(xs: list, cos: fx.Node, sin: fx.Node, params: RotaryParams, m: Mat
         table_bytes += numel * val.element_size()
     bases = {_base(t, _TABLE_VIEWS) for t in (cos, sin)}
     computed = any(b.op not in ("placeholder", "get_attr") for b in bases) and positions is None
-    style = "interleaved" if params.interleaved else "neox"
+    style = "interleaved" if params.interleaved else "neox" if params.rotary_blocks == 1 else "neox-blocks"
     if m.x_as_real:
         style = "complex128" if xv.dtype == torch.float64 else "complex64"
     users = max(len(b.users) for b in bases)
