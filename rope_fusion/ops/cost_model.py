@@ -64,7 +64,8 @@ class SiteCost:
     # fused into the model's code or the lowering, written and read again around the Triton kernel
     x_fused_upstream_bytes: int = 0
     norm: str = "none"  # the QK-norm folded into the op
-    padded: bool = False  # the rotary half or the head dim is no power of two (the kernel pads its rows)
+    padded: bool = False  # the rotary half or the head dim is no power of two (the kernel pads its rows), or
+    # a partial NeoX half is under 32 lanes
     gathered: bool = False  # tables gathered from a cache by positions (vLLM)
     tensors: int = 2  # x tensors of the site (q and k: 2)
 
