@@ -217,3 +217,40 @@ def test_inductor_keeps_the_traced_strides_of_the_kernel_inputs():
     assert eager["q_ptr"].stride() == q.stride() and eager["k_ptr"].stride() == k.stride()
     # the strides the kernel was planned for are the ones the eager values pin
     assert (kw["sq1"], kw["sq2"], kw["sqh"]) == (q.stride(0), q.stride(1), q.stride(2))
+
+
+def test_read_only_pointers_take_the_base_of_a_view_that_starts_where_it_starts():
+    """The kernel needs only a read-only tensor's data address (its strides are constants of the launch): a
+    view that starts at its base's address is passed as the base, so Inductor's wrapper does not re-create
+    the view per call; a view at an offset (k after q in one projection, the sin half of vLLM's cache) stays."""
+    aten = torch.ops.aten
+    fm = FakeTensorMode()
+    with fm:
+        qk_val = torch.empty(11, 6 * 64, dtype=torch.bfloat16)
+        cache_val = torch.empty(100, 64)
+        pos_val = torch.zeros(11, dtype=torch.int64)
+    g = fx.Graph()
+    qk, cache, pos = g.placeholder("qk"), g.placeholder("cache"), g.placeholder("pos")
+    qk.meta["val"], cache.meta["val"], pos.meta["val"] = qk_val, cache_val, pos_val
+
+    def call(target, *args):
+        n = g.call_function(target, args)
+        with fm:
+            n.meta["val"] = target(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args))
+        return n
+
+    q = call(aten.view.default, call(aten.slice.Tensor, qk, 1, 0, 256), [11, 4, 64])
+    k = call(aten.view.default, call(aten.slice.Tensor, qk, 1, 256, 384), [11, 2, 64])
+    cos, sin = call(aten.slice.Tensor, cache, 1, 0, 32), call(aten.slice.Tensor, cache, 1, 32, 64)
+    positions = call(aten.view.default, pos, [11, 1])
+    params = RotaryParams(interleaved=False, rotary_dim=64, full_tables=False, conjugate=False,
+                          out_dtype=torch.bfloat16)
+    outs = emit_triton(g, fm, RotaryCall([q, k], cos, sin, params, positions=positions), q)
+    hop, = [n for n in g.nodes if n.target is triton_kernel_wrapper_functional]
+    kw = hop.kwargs["kwargs"]
+    assert kw["q_ptr"] is qk and kw["cos_ptr"] is cache and kw["pos_ptr"] is pos
+    assert kw["k_ptr"] is k.args[0] and kw["sin_ptr"] is sin  # views at an offset stop there
+    vals = hop.meta["eager_input_vals"][1]["kwargs"]
+    assert tuple(vals["q_ptr"].shape) == (11, 384)  # the base's own strides are what Inductor must provide
+    g.output(tuple(outs))
+    g.lint()

@@ -95,6 +95,10 @@ def emit_triton(graph: fx.Graph, fake_mode: Any, call: RotaryCall, like: fx.Node
             kwargs = {k: arg(v) for k, v in kw["kwargs"].items()}
             if symbolic is not None:  # the sizes as graph values where the stand-ins had their hints
                 kw["grid"], kwargs = symbolic.kernel_args(graph, kw["grid"], kwargs)
+            # a read-only pointer needs only the data address: a view that starts where its base starts is
+            # passed as the base, so Inductor's wrapper does not re-create the view on every call
+            kwargs = {k: _same_address(v) if isinstance(v, fx.Node) and k not in _OUT_ARGS else v
+                      for k, v in kwargs.items()}
             written = []
             for name in _OUT_ARGS:
                 buf = kwargs.get(name)
@@ -125,6 +129,45 @@ def emit_triton(graph: fx.Graph, fake_mode: Any, call: RotaryCall, like: fx.Node
         _copy_meta(new, like)
         env[node] = new
     return outs
+
+
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+          torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
+          torch.ops.aten.expand.default, torch.ops.aten.permute.default, torch.ops.aten.transpose.int,
+          torch.ops.aten.slice.Tensor, torch.ops.aten.alias.default, torch.ops.aten.select.int}
+
+
+def _same_address(node: fx.Node) -> fx.Node:
+    """The farthest view ancestor of `node` that shares its storage and storage offset (the same data
+    address; the kernel reads it with the strides its launch planned), else the node itself."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return node
+    offset = val.storage_offset()
+    if not isinstance(offset, int):
+        return node
+    try:
+        storage = StorageWeakRef(val.untyped_storage())
+    except Exception:  # a fake tensor without storage
+        return node
+    cur = node
+    while cur.op == "call_function" and cur.target in _VIEWS and isinstance(cur.args[0], fx.Node):
+        parent = cur.args[0]
+        pv = parent.meta.get("val")
+        if not isinstance(pv, torch.Tensor) or pv.device != val.device:
+            break
+        p_offset = pv.storage_offset()
+        try:
+            same = isinstance(p_offset, int) and p_offset == offset and \
+                StorageWeakRef(pv.untyped_storage()) == storage
+        except Exception:
+            same = False
+        if not same:
+            break
+        cur = parent
+    return cur
 
 
 class _SymbolicPlan:
