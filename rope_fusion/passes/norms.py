@@ -61,9 +61,14 @@ def _factors(node: fx.Node, out: list, inner: set, depth: int = 0) -> bool:
     return isinstance(node, fx.Node)
 
 
+def _is_rsqrt(n: fx.Node) -> bool:
+    """rsqrt(v), or v ** -0.5 (Gemma 4's norm spells it with torch.pow)."""
+    return n.target is aten.rsqrt.default or (n.target is aten.pow.Tensor_Scalar and n.args[1] == -0.5)
+
+
 def _rsqrt_of(r: fx.Node, inner: set) -> tuple | None:
     """(x, eps) when r = rsqrt(mean(x^2, [-1], keepdim) + eps); its nodes into `inner`."""
-    if r.target is not aten.rsqrt.default:
+    if not _is_rsqrt(r):
         return None
     inner.add(r)
     add = _strip(r.args[0], inner)
@@ -108,7 +113,7 @@ def norm_prologue(x: fx.Node, head_dim: int, blocks: tuple) -> NormPrologue | st
     inner: set = set(views)
     if not _factors(normed, leaves, inner) or len(leaves) < 2:
         return None
-    rsqrts = [n for n in leaves if n.target is aten.rsqrt.default]
+    rsqrts = [n for n in leaves if _is_rsqrt(n)]
     if len(rsqrts) != 1:
         return None
     got = _rsqrt_of(rsqrts[0], inner)
