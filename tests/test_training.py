@@ -274,6 +274,23 @@ class LearnedRope(nn.Module):
         return self.o(a.transpose(1, 2).reshape(b, s, -1))
 
 
+def _runs_against_fp64(base: nn.Module, x: dict, target: torch.Tensor) -> dict:
+    """fp64 reference, then eager, plain compile and the pass in fp32, one training run each."""
+    runs = {}
+    runs["fp64"], lr = train(base, x, target, torch.float64, "fp64", None)
+    for variant in ("eager", "plain", "pass"):
+        runs[variant], _ = train(base, x, target, torch.float32, variant, lr)
+    return runs
+
+
+def _as_accurate_as_plain(runs: dict) -> None:
+    """Gradients and the optimizer steps of the pass within one fp32 eps of plain compile's errors."""
+    eps = torch.finfo(torch.float32).eps
+    for field in ("grad", "delta"):
+        err = _errs(runs, field)
+        assert err["pass"] <= err["plain"] + eps, (field, err)
+
+
 def test_learned_frequencies():
     """The rotations of q, k and of their gradients fuse; the gradient of the tables (and so of inv_freq) stays
     with Inductor (the fused op only rotates), and is as accurate as plain compile's. (The backward graph also
@@ -283,10 +300,7 @@ def test_learned_frequencies():
     torch.manual_seed(0)
     base, x = LearnedRope(), {"x": torch.randn(2, 32, 64)}
     target = torch.randn(2, 32, 64, dtype=torch.float64)
-    runs = {}
-    runs["fp64"], lr = train(base, x, target, torch.float64, "fp64", None)
-    for variant in ("eager", "plain", "pass"):
-        runs[variant], _ = train(base, x, target, torch.float32, variant, lr)
+    runs = _runs_against_fp64(base, x, target)
     rep = runs["pass"].report
     assert not rep.errors, rep.table()
     assert [(g.kind, g.sites, g.kernels) for g in rep.graph_records] == [("forward", 2, 1), ("backward", 2, 1)]
@@ -301,10 +315,7 @@ def test_learned_frequencies():
     assert table_grad["fp64"].abs().min() > 0
     err = {v: rel_err(table_grad[v], table_grad["fp64"]) for v in ("eager", "plain", "pass")}
     assert err["pass"] <= err["plain"] + eps, err
-    all_err = _errs(runs, "grad")
-    assert all_err["pass"] <= all_err["plain"] + eps, all_err
-    steps = _errs(runs, "delta")
-    assert steps["pass"] <= steps["plain"] + eps, steps
+    _as_accurate_as_plain(runs)
 
 
 class AxisBlocksRope(nn.Module):
@@ -340,17 +351,10 @@ def test_head_dim_in_axis_blocks_fuses_both_ways():
     torch.manual_seed(1)
     base, x = AxisBlocksRope(), {"x": torch.randn(2, 16, 64)}
     target = torch.randn(2, 16, 64, dtype=torch.float64)
-    runs = {}
-    runs["fp64"], lr = train(base, x, target, torch.float64, "fp64", None)
-    for variant in ("eager", "plain", "pass"):
-        runs[variant], _ = train(base, x, target, torch.float32, variant, lr)
+    runs = _runs_against_fp64(base, x, target)
     rep = runs["pass"].report
     assert not rep.errors, rep.table()
     assert [(g.kind, g.sites, g.kernels) for g in rep.graph_records] == [("forward", 2, 1), ("backward", 2, 1)], \
         rep.table()
     assert {s.blocks for s in rep.sites} == {2}, rep.table()
-    eps = torch.finfo(torch.float32).eps
-    all_err = _errs(runs, "grad")
-    assert all_err["pass"] <= all_err["plain"] + eps, all_err
-    steps = _errs(runs, "delta")
-    assert steps["pass"] <= steps["plain"] + eps, steps
+    _as_accurate_as_plain(runs)

@@ -142,32 +142,24 @@ def _same_address(node: fx.Node) -> fx.Node:
     address; the kernel reads it with the strides its launch planned), else the node itself."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return node
-    offset = val.storage_offset()
-    if not isinstance(offset, int):
-        return node
-    try:
-        storage = StorageWeakRef(val.untyped_storage())
-    except Exception:  # a fake tensor without storage
-        return node
-    cur = node
-    while cur.op == "call_function" and cur.target in _VIEWS and isinstance(cur.args[0], fx.Node):
-        parent = cur.args[0]
-        pv = parent.meta.get("val")
-        if not isinstance(pv, torch.Tensor) or pv.device != val.device:
-            break
-        p_offset = pv.storage_offset()
+    from ..passes.fx_util import chain_back
+
+    def address(n: fx.Node) -> tuple | None:
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not isinstance(val.storage_offset(), int):
+            return None
         try:
-            same = isinstance(p_offset, int) and p_offset == offset and \
-                StorageWeakRef(pv.untyped_storage()) == storage
-        except Exception:
-            same = False
-        if not same:
+            return StorageWeakRef(val.untyped_storage()), val.storage_offset(), val.device
+        except Exception:  # a fake tensor without storage
+            return None
+
+    mine = address(node)
+    best = node
+    for n in chain_back(node, _VIEWS)[1:]:
+        if mine is None or address(n) != mine:
             break
-        cur = parent
-    return cur
+        best = n
+    return best
 
 
 class _SymbolicPlan:

@@ -192,23 +192,22 @@ def _projection_input(x: fx.Node) -> Any:
     """The activation x is a projection of: back from x through ops of one tensor input (views, casts, a
     scale) to a matmul, then back through that input's ops of one tensor input; GRAPH_INPUT when x is (a view
     of) an input of the graph, there from the start; None otherwise."""
-    node = x
+    node = _back_through_single_inputs(x)
+    if node.op == "placeholder":
+        return GRAPH_INPUT
+    if node.op != "call_function" or node.target not in _MATMULS:
+        return None
+    return _back_through_single_inputs(node.args[_MATMULS[node.target]])
+
+
+def _back_through_single_inputs(node: fx.Node) -> fx.Node:
+    """Back from node while it is an op of one tensor input (a view, a cast, a scale), stopping at a matmul."""
     while node.op == "call_function" and node.target not in _MATMULS:
         tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         if len(tensors) != 1:
-            return None
-        node = tensors[0]
-    if node.op == "placeholder":
-        return GRAPH_INPUT
-    if node.op != "call_function":
-        return None
-    act = node.args[_MATMULS[node.target]]
-    while act.op == "call_function":
-        tensors = [a for a in act.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-        if len(tensors) != 1:
             break
-        act = tensors[0]
-    return act
+        node = tensors[0]
+    return node
 
 
 # The most rotated tensors one launch takes: q, k and v (CLVP rotates all three by the same tables).
