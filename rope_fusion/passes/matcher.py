@@ -121,25 +121,40 @@ def _affine(flats: list) -> tuple | None:
 
 
 # Lanes that `looks_like_rotation` reads: a rotation shows in the first head of a value (a pass-through part
-# and the rotated lanes of one head fit), and the wide values of a DiT (3072 lanes in Flux) are not rotations.
-SCAN_LANES = 2048
+# and the rotated lanes of one head fit: 576 lanes in MLA's latent cache), and the wide values of a DiT (3072
+# lanes in Flux) are not rotations.
+SCAN_LANES = 1024
 
 
 def looks_like_rotation(v: lanes.LaneValue) -> bool:
-    """Some lane adds two products that read different lanes of one tensor: worth a near-miss record."""
+    """Some lane adds two products that read different lanes of one tensor: worth a near-miss record.
+
+    Linear in the atoms of a lane: the atoms of one source seen so far, none two of them in different lanes
+    and different products, either all read one lane or all sit in one product, so two distinct lanes and two
+    distinct products per source decide whether a new atom makes such a pair (a lane summing thousands of
+    products of one lane, as a norm's statistics do, made a pairwise check take seconds)."""
     for e in v.entries[:SCAN_LANES]:
         if e is None or len(e) < 2:
             continue
         products = [m for m in e if len(m) > 1]
         if len(products) < 2:  # most lanes of a wide graph (a projection, a modulation): one product at most
             continue
-        seen: dict = {}  # source (name, k, as_real) -> [(lane, monomial)] of its atoms in products
+        seen: dict = {}  # source (name, k, as_real) -> (up to 2 distinct lanes, up to 2 distinct products)
         for i, m in enumerate(products):
             for a in m:
-                got = seen.setdefault(a[:3], [])
-                if any(f != a[3] and j != i for f, j in got):
+                got = seen.get(a[:3])
+                if got is None:
+                    seen[a[:3]] = ([a[3]], [i])
+                    continue
+                lanes_, prods = got
+                if len(lanes_) == 1 and a[3] != lanes_[0] and (len(prods) > 1 or prods[0] != i):
                     return True
-                got.append((a[3], i))
+                if len(prods) == 1 and i != prods[0] and (len(lanes_) > 1 or lanes_[0] != a[3]):
+                    return True
+                if len(lanes_) == 1 and a[3] != lanes_[0]:
+                    lanes_.append(a[3])
+                if len(prods) == 1 and i != prods[0]:
+                    prods.append(i)
     return False
 
 

@@ -22,8 +22,14 @@ def find_sites(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]],
     acc = Acceptor(interp)
     accepted: dict = {}
     rejected: dict = {}
+    screened: dict = {}  # id of a lane list -> looks like a rotation: views and casts of a value share its lanes
     for node, v in interp.values.items():
-        if not isinstance(v, LaneValue) or not looks_like_rotation(v):
+        if not isinstance(v, LaneValue):
+            continue
+        verdict = screened.get(id(v.entries))
+        if verdict is None:
+            verdict = screened[id(v.entries)] = looks_like_rotation(v)
+        if not verdict:
             continue
         r = acc.accept(node, v)
         if isinstance(r, Match):
