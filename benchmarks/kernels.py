@@ -467,6 +467,7 @@ def run_spellings(args: argparse.Namespace, device: str, result: dict, t_start: 
 # dynamic (vLLM), "all" torch.compile(dynamic=True))
 ROW_VARIANTS = {"compile": (None, ""), "pass": ("auto", ""), "pass-triton": ("triton", ""),
                 "pass-inductor": ("inductor", ""), "compile-dyn": (None, "mark"), "pass-dyn": ("auto", "mark"),
+                "pass-triton-dyn": ("triton", "mark"), "pass-inductor-dyn": ("inductor", "mark"),
                 "compile-dynall": (None, "all"), "pass-dynall": ("auto", "all")}
 FORCED = ("compile", "pass", "pass-triton", "pass-inductor")
 

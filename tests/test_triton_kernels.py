@@ -534,6 +534,78 @@ def test_norm_prologue(norm, interleaved, rotary_dim, weighted, head_dim, block_
         assert err <= 4 * torch.finfo(torch.bfloat16).eps * want.abs().max().item(), err
 
 
+# Builds the kernel's Triton IR for planned launches in a fresh interpreter: the IR is made before any target
+# code, so no GPU is needed, but not in a process where the Triton interpreter has run (it patches the
+# language's builtins). stdin: [[meta, scalars], ...]; stdout: for each, the count of fp64 tensor values.
+_TTIR_SCRIPT = """
+import json, re, sys
+from triton._C.libtriton import ir
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import JITFunction
+import rope_fusion.kernels.triton_rotary as tr
+
+fn = tr._rotary_kernel if isinstance(tr._rotary_kernel, JITFunction) else JITFunction(tr._rotary_kernel.fn)
+names = fn.arg_names
+target = GPUTarget("cuda", 90, 32)
+backend = make_backend(target)
+options = backend.parse_options({})
+counts = []
+for meta, scalars in json.load(sys.stdin):
+    meta = {k: v for k, v in meta.items() if k in names}
+    values = dict(zip([n for n in names if n not in meta and not n.endswith("_ptr")], scalars))
+    sig = {}
+    for n in names:
+        if n in meta:
+            sig[n] = "constexpr"
+        elif n.endswith("_ptr"):
+            sig[n] = "*fp32" if n[:4] in ("cos_", "sin_", "pos_") else "*bf16"
+        else:  # Inductor's launcher types a Python float as fp64
+            sig[n] = "fp64" if isinstance(values[n], float) else "i32"
+    src = ASTSource(fn, sig, {(names.index(n),): v for n, v in meta.items()})
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    text = str(src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                           ctx))
+    counts.append(len(re.findall(r"tensor<[^>]*xf64>", text)))
+print(json.dumps(counts))
+"""
+
+
+def test_norm_math_stays_fp32_when_eps_is_fp64():
+    """Inductor's launcher types a Python float argument as fp64 (Triton's own launch: fp32). The kernel's
+    math must stay in fp32 all the same: an fp64 eps once promoted the norm's scale and every product of the
+    tile, 1.4-1.6x the fp32 kernel's time in the graph. Checked on the kernel's Triton IR as Inductor types
+    it, for each norm form, with the fp64 math variant (fp64 inputs) as the control."""
+    import json
+    import subprocess
+
+    q = torch.randn(1, 4, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 4, 2, 64, dtype=torch.bfloat16)
+    cos, sin = tables((4, 1), 32)
+    jobs = []
+    for norm, interleaved, neox_row, block_h in (("rms", True, None, None), ("rms", False, True, None),
+                                                  ("rms", False, False, None), ("rms_across_heads", True, None, None),
+                                                  ("rms_across_heads", False, None, 1)):
+        params = RotaryParams(**opts(interleaved), norm=norm, norm_eps=1e-6)
+        weights = [torch.ones(64 if norm == "rms" else (h, 64)) for h in (4, 2)]
+        outs = [torch.empty_like(q), torch.empty_like(k)]
+        tabs = tr._Tables(cos, sin, None, weights)
+        [(_, _, scalars, meta)] = tr._make_launches([q, k], outs, tabs, params, block_h, None, None, neox_row)
+        assert not meta["MATH_FP64"] and any(isinstance(v, float) for v in scalars)
+        jobs += [[meta, scalars], [{**meta, "MATH_FP64": True}, scalars]]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _TTIR_SCRIPT], input=json.dumps(jobs), capture_output=True,
+                          text=True, env=env, cwd=root, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert counts[0::2] == [0] * 5, counts  # fp32 math: no fp64 value anywhere in the tile
+    assert all(c > 0 for c in counts[1::2]), counts  # the control: the IR shows fp64 math when asked
+
+
 def test_norm_prologue_with_deinterleaved_output():
     """A per-head norm on interleaved input written in NeoX order: the weight acts on the input lanes."""
     torch.manual_seed(5)
