@@ -12,16 +12,18 @@ model's own code one per tensor).
   compile and the op's lowering compute inside the rotation instead. An x that Inductor computes elementwise
   (a norm the op could not fold, a cat) fuses into the model's code and the lowering, but is written and
   read again around the Triton kernel.
-- A folded QK-norm changes every factor: Inductor fuses a per-head norm with a NeoX rotation well (1.45x at
-  D=128, 2.0x at D=80) and with an interleaved one badly (3.2-3.4x), a norm across heads worse (3.6-4.0x); the
-  kernel, as launched from Inductor's code, takes 1.6-1.75x with a per-head norm (2.2-2.3x at D=80) and
-  1.35-1.55x with a norm across heads.
+- A folded QK-norm changes every factor: Inductor fuses a per-head norm with a NeoX rotation well (1.4x at
+  D=128, 1.8-1.9x at D=80) and with an interleaved one badly (3.1-3.4x), a norm across heads worse (3.5-4.0x);
+  the kernel, as launched from Inductor's code, takes 1.09-1.11x with a per-head norm (1.33-1.38x at D=80) and
+  1.14-1.17x with a norm across heads (run E, after its norm math stopped being promoted to fp64 by the
+  launcher's fp64 eps; before, 1.6-1.75x and 1.35-1.55x).
 - The model's own code for vLLM's gathered `forward_native` measured 1.44-2.0x (NeoX) and 2.6-2.7x (GPT-J);
   Allegro's per-axis blocks (chunk, rotate_half per block with embedding-gathered tables, cat) 2.46x.
-- Sizes known only at run time (vLLM's dynamic token count) take the lowering with a folded norm (1.22x
-  against 1.73x for the model's code, Qwen3) and the Triton kernel otherwise: its user-kernel node takes the
-  token count as a graph value (kernels/triton_graph.py), and the model's own code compiled for a symbolic
-  count measured 1.41-3.08x (Llama NeoX) and 2.72x (GPT-J), the lowering 1.16-4.19x.
+- Sizes known only at run time (vLLM's dynamic token count) take the Triton kernel: its user-kernel node
+  takes the token count as a graph value (kernels/triton_graph.py). The model's own code compiled for a
+  symbolic count measured 1.41-3.08x (Llama NeoX) and 2.72x (GPT-J), the lowering 1.16-4.19x; with Qwen3's
+  folded norm the kernel 1.08x against the lowering's 1.26x and the model's 1.76x in CUDA-graph replay (in
+  do_bench, host-bound at 8192 tokens: 1.55x against 1.46x and 4.39x).
 - Training graphs are costed like any other: a Flux training step with the kernel in its forward and backward
   graphs ran at 0.98x plain compile's time (BENCHMARKS.md, Training).
 - A fused choice must beat the model's own code by `MARGIN`: the estimates are not better than that, and
@@ -36,8 +38,9 @@ MARGIN = 0.05
 LAUNCH_BYTES = 4 * 2**20  # one launch in CUDA-graph replay, ~1 us of H200 bandwidth
 
 # Measured multiples of the copy floor (benchmarks/kernels.py, H200, bf16), by the folded norm.
-TRITON_FACTOR = {"none": 1.05, "rms": 1.75, "rms_across_heads": 1.55}
-TRITON_PADDED_FACTOR = {"none": 1.3, "rms": 2.3, "rms_across_heads": 2.5}  # half or head dim not a power of 2
+TRITON_FACTOR = {"none": 1.05, "rms": 1.12, "rms_across_heads": 1.17}
+# half or head dim not a power of 2 (across heads: measured before the eps fix, not since)
+TRITON_PADDED_FACTOR = {"none": 1.3, "rms": 1.4, "rms_across_heads": 2.5}
 LOWERING_FACTOR = {("none", "neox"): 1.25, ("none", "interleaved"): 1.45,
                    ("rms", "neox"): 2.1, ("rms", "interleaved"): 1.9,
                    ("rms_across_heads", "neox"): 3.2, ("rms_across_heads", "interleaved"): 3.2}
@@ -46,6 +49,7 @@ LEFT_FACTOR = {"neox": 1.12, "interleaved": 1.47, "complex64": 5.2, "complex128"
 LEFT_GATHERED_FACTOR = {"neox": 1.45, "interleaved": 2.6}
 LEFT_NORM_FACTOR = {("rms", "neox"): 1.4, ("rms", "interleaved"): 2.9,
                     ("rms_across_heads", "neox"): 1.4, ("rms_across_heads", "interleaved"): 3.5}
+LEFT_NORM_PADDED_FACTOR = {"neox": 1.8, "interleaved": 2.8}  # a per-head norm at D=80
 # A per-head norm before vLLM's gathered forward_native (Qwen3, flat [T, H*D]): the lowering reads the cache
 # row per token and fuses the norm (1.16-1.23x), the model's code measured 1.74-1.82x (CUDA-graph replay).
 GATHERED_NORM_FACTOR = {"inductor": 1.2, "left": 1.8}
@@ -74,6 +78,8 @@ def _left_factor(c: SiteCost) -> float:
     spelled = "neox" if c.style.startswith("neox") else "interleaved"
     if c.norm == "rms" and c.gathered:
         return GATHERED_NORM_FACTOR["left"]
+    if c.norm == "rms" and c.padded and c.style in ("neox", "interleaved"):
+        return LEFT_NORM_PADDED_FACTOR[spelled]
     if c.norm != "none":
         return LEFT_NORM_FACTOR[c.norm, spelled] if c.style in ("neox", "interleaved") \
             else LEFT_FACTOR[c.style] + 0.5
@@ -100,8 +106,6 @@ def estimates(c: SiteCost) -> dict[str, float]:
 def cheapest(c: SiteCost) -> tuple[str, str]:
     """("triton" | "inductor" | "left", why) for a CUDA site under `auto`."""
     if c.x_bytes is None:  # no bytes to weigh: what was measured for a symbolic token count
-        if c.norm != "none":
-            return "inductor", "sizes known only at run time: the lowering (measured ahead with a folded norm)"
         return "triton", "sizes known only at run time: the kernel, its grid the token count"
     est = estimates(c)
     fused = min(("triton", "inductor"), key=est.get)
