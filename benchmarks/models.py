@@ -340,7 +340,7 @@ def _range(xs: list[float]) -> dict:
 
 
 def run_model(name: str, quick: bool, device: str, dtype: torch.dtype, backend: str, repeats: int, spread: bool,
-              profile: bool, target_s: float) -> dict:
+              profile: bool, target_s: float, max_calls: int = 30) -> dict:
     import rope_fusion
 
     rec: dict = {"model": name, "compile_s": {}, "second_call_s": {}, "err": {}, "ms": {}, "errors": {}}
@@ -391,7 +391,7 @@ def run_model(name: str, quick: bool, device: str, dtype: torch.dtype, backend: 
             rec["pass_table"] = p.report.table()[:6000]
             if "plain" in fns:
                 fns["plain#2"] = fns["plain"]  # the same compiled function, timed again: the spread
-            _time_model(rec, fns, device, repeats, spread, target_s)
+            _time_model(rec, fns, device, repeats, spread, target_s, max_calls)
             if profile and fns:
                 rec["profile"] = {v: _profile(fns[v], device) for v in ("plain", "pass") if v in fns}
     except Exception as e:  # anything else: the record keeps what was measured
@@ -408,7 +408,8 @@ def run_model(name: str, quick: bool, device: str, dtype: torch.dtype, backend: 
     return rec
 
 
-def _time_model(rec: dict, fns: dict, device: str, repeats: int, spread: bool, target_s: float) -> None:
+def _time_model(rec: dict, fns: dict, device: str, repeats: int, spread: bool, target_s: float,
+                max_calls: int = 30) -> None:
     if not fns:
         return
     est = {}
@@ -417,7 +418,7 @@ def _time_model(rec: dict, fns: dict, device: str, repeats: int, spread: bool, t
         fns[v]()
         _sync(device)
         est[v] = time.perf_counter() - t1
-    n = max(3, min(30, int(target_s / max(min(est.values()), 1e-4))))
+    n = max(3, min(max_calls, int(target_s / max(min(est.values()), 1e-4))))
     rec["calls_per_repeat"] = n
     graphs = _graphs()
     series: dict[str, list] = collections.defaultdict(list)
@@ -503,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="alternating repeats per variant (default 3)")
     ap.add_argument("--seconds-per-repeat", type=float, default=0.3,
                     help="calls per repeat: about this many seconds of each variant (3 to 30 calls)")
+    ap.add_argument("--max-calls", type=int, default=30, help="most calls per repeat (default 30)")
     ap.add_argument("--no-spread", action="store_true", help="do not time plain compile against itself")
     ap.add_argument("--profile", action="store_true", help="also the GPU kernels of one call of each variant")
     ap.add_argument("--backend", default="auto", help="RopeFusionPass backend for the pass variant")
@@ -524,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         print(f"[{time.perf_counter() - t_start:6.1f}s] {name} ...", flush=True)
         rec = run_model(name, args.quick, device, dtype, args.backend, args.repeats, not args.no_spread,
-                        args.profile, args.seconds_per_repeat)
+                        args.profile, args.seconds_per_repeat, args.max_calls)
         result["records"].append(rec)
         write_json(args.out, result, quiet=True)
         sp, ms = rec.get("speedup") or {}, rec.get("ms") or {}
