@@ -29,6 +29,11 @@ from .fx_util import SymbolicSizeError, as_int, concrete_ints, meta, norm_dim
 
 MAX_LANES = 4096
 WIDE = (torch.float64, torch.complex128)
+# A value whose last dim is wider than any head (MLA's 576 lanes included) and that only flows, through other
+# such values, into ops without a lane rule (a projection's matmul) can be neither a rotation, nor its x, nor
+# its tables: the interpreter skips it. These are a DiT block's modulation, gates and residual stream over
+# the hidden size, 80% of the pass's time on Flux before they were skipped.
+DEAD_END_LAST_DIM = 1024
 
 
 # -- the rule registry -----------------------------------------------------------------------------
@@ -196,13 +201,14 @@ class LaneInterpreter:
         if not RULES:
             raise RuntimeError("no lane transfer rules are registered: "
                                "import rope_fusion.passes.lane_rules to register the transfer rules")
+        skip = self._wide_dead_ends()
         for node in self.graph.nodes:
             self.nodes[node.name] = node
             self.order[node] = len(self.order)
             if node.op != "call_function":
                 continue
             rule = RULES.get(node.target)
-            if rule is None:
+            if rule is None or node in skip:
                 continue
             try:
                 value = rule(self, node)
@@ -212,6 +218,21 @@ class LaneInterpreter:
                 if isinstance(value, LaneValue):
                     value.wide = value.wide or _node_is_wide(node)
                 self.values[node] = value
+
+    def _wide_dead_ends(self) -> set:
+        """Nodes past DEAD_END_LAST_DIM lanes whose every use is an op without a lane rule or another such
+        node (never the graph's output: a returned value may be a rotation)."""
+        dead: set = set()
+        for node in reversed(self.graph.nodes):
+            if node.op != "call_function" or node.target not in RULES or not node.users:
+                continue
+            val = meta(node)
+            if not (isinstance(val, torch.Tensor) and val.dim() and isinstance(val.shape[-1], int)
+                    and val.shape[-1] > DEAD_END_LAST_DIM):
+                continue
+            if all(u.op == "call_function" and (u.target not in RULES or u in dead) for u in node.users):
+                dead.add(node)
+        return dead
 
     # -- values ---------------------------------------------------------------------------------
     def value(self, arg: Any, min_k: int = 1) -> LaneValue:
