@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma- or space-separated, of {list(MODELS)}, or 'all' (default: {DEFAULT_MODELS})")
     ap.add_argument("--repeats", type=int, default=3, help="alternating repeats per variant (default 3)")
     ap.add_argument("--seconds-per-repeat", type=float, default=0.3,
-                    help="calls per repeat: about this many seconds of each variant (3 to 30 calls)")
+                    help="calls per repeat: about this many seconds of each variant (3 to --max-calls calls)")
     ap.add_argument("--max-calls", type=int, default=30, help="most calls per repeat (default 30)")
     ap.add_argument("--no-spread", action="store_true", help="do not time plain compile against itself")
     ap.add_argument("--profile", action="store_true", help="also the GPU kernels of one call of each variant")

@@ -1,0 +1,121 @@
+"""What the analysis skips to keep the pass's compile-time cost small, and that skipping loses nothing.
+
+- The rotation screen (`matcher.looks_like_rotation`) answers, in one pass over a lane's atoms, the pairwise
+  question it is defined by: do two products of the lane read different lanes of one tensor?
+- The lane interpreter skips values wider than any head that only flow into ops without a lane rule (a DiT
+  block's modulation, gates and residual stream feeding projections); the rotations beside them still fuse,
+  with the same numerics. A wide value that the graph returns is still analysed: it may be a rotation.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+from conftest import check_numerics, compile_with_pass
+
+from rope_fusion.passes import lanes
+from rope_fusion.passes.matcher import SCAN_LANES, looks_like_rotation
+
+
+def _pairwise(entries) -> bool:
+    """The screen's definition, checked pair by pair."""
+    for e in entries[:SCAN_LANES]:
+        products = [m for m in (e or {}) if len(m) > 1]
+        atoms = [(a[:3], a[3], i) for i, m in enumerate(products) for a in m]
+        if len(products) >= 2 and any(s == t and f != g and i != j
+                                      for s, f, i in atoms for t, g, j in atoms):
+            return True
+    return False
+
+
+def test_rotation_screen_matches_its_pairwise_definition():
+    rng = random.Random(7)
+    agree = positives = 0
+    for _ in range(5000):
+        lane = {}
+        for _ in range(rng.randint(0, 6)):
+            mono = tuple(sorted((rng.choice("xyc"), 1, False, rng.randint(0, 3)) for _ in range(rng.randint(1, 3))))
+            lane[mono] = rng.choice((1.0, -1.0, 0.5))
+        value = lanes.LaneValue((4,), 1, [lane], False)
+        want = _pairwise(value.entries)
+        positives += want
+        agree += looks_like_rotation(value) == want
+    assert agree == 5000 and 500 < positives < 4500, (agree, positives)
+
+
+def _rms(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def _rope_neox(x, cos, sin):
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat((-x2, x1), -1) * sin
+
+
+def dit_block(h, emb, w_mod, wq, wk, wv, wo, nq, nk, cos, sin):
+    """A DiT block over a 1152-wide hidden state: adaptive-norm modulation from a 6-way chunk of the
+    conditioning, q/k/v projections, a per-head RMSNorm and NeoX RoPE on q and k, attention, a gated
+    residual. Everything over 1152 lanes only reaches projections."""
+    b, s, d = h.shape
+    shift, scale, gate, *_ = (emb @ w_mod).chunk(6, -1)
+    x = F.layer_norm(h, (d,)) * (1 + scale[:, None]) + shift[:, None]
+    q, k, v = ((x @ w).view(b, s, -1, 64).transpose(1, 2) for w in (wq, wk, wv))
+    q, k = _rope_neox(_rms(q, nq), cos, sin), _rope_neox(_rms(k, nk), cos, sin)
+    attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, d)
+    return h + gate[:, None] * (attn @ wo)
+
+
+def test_wide_values_that_only_feed_projections_are_skipped_and_the_site_still_fuses(monkeypatch):
+    skipped: list = []
+    real = lanes.LaneInterpreter._wide_dead_ends
+
+    def record(self):
+        found = real(self)
+        skipped.append({n.name: tuple(n.meta["val"].shape) for n in found})
+        return found
+
+    monkeypatch.setattr(lanes.LaneInterpreter, "_wide_dead_ends", record)
+    torch.manual_seed(0)
+    d, s = 1152, 8
+    ang = torch.rand(s, 32) * 6
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((ang.sin(), ang.sin()), -1)
+    args = (torch.randn(1, s, d), torch.randn(1, 64), torch.randn(64, 6 * d) / 8,
+            *(torch.randn(d, d) / 34 for _ in range(4)), 1 + 0.1 * torch.randn(64), 1 + 0.1 * torch.randn(64),
+            cos, sin)
+    out, p = compile_with_pass(dit_block, *args)
+    assert len(p.report.sites) == 2 and len(p.report.kernels) == 1, p.report.table()
+    assert [site.norm for site in p.report.sites] == ["rms folded"] * 2, p.report.table()
+    check_numerics(dit_block, args, out)
+    graph_skips, = skipped
+    assert graph_skips and all(shape[-1] > lanes.DEAD_END_LAST_DIM for shape in graph_skips.values())
+    # the modulated activation and the layer norm's arithmetic are among them; nothing of a head's width is
+    assert any(shape == (1, s, d) for shape in graph_skips.values()), graph_skips
+
+
+def flat_rope(q, k, cos, sin):
+    """vLLM's layout: q and k flat [T, H*D], 2048 lanes wide, rotated per head and returned flat."""
+    t = q.shape[0]
+    q = _rope_neox(q.view(t, -1, 128), cos[:, None], sin[:, None]).reshape(t, -1)
+    k = _rope_neox(k.view(t, -1, 128), cos[:, None], sin[:, None]).reshape(t, -1)
+    return q, k
+
+
+def test_a_wide_value_the_graph_returns_is_still_analysed(monkeypatch):
+    skipped: list = []
+    real = lanes.LaneInterpreter._wide_dead_ends
+
+    def record(self):
+        found = real(self)
+        skipped.append(found)
+        return found
+
+    monkeypatch.setattr(lanes.LaneInterpreter, "_wide_dead_ends", record)
+    ang = torch.rand(6, 64) * 6
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((ang.sin(), ang.sin()), -1)
+    args = (torch.randn(6, 16 * 128), torch.randn(6, 16 * 128), cos, sin)
+    out, p = compile_with_pass(flat_rope, *args)
+    assert len(p.report.sites) == 2 and len(p.report.kernels) == 1, p.report.table()
+    assert skipped == [set()]
+    check_numerics(flat_rope, args, out)
