@@ -184,6 +184,9 @@ class Acceptor:
         # pass take 20 s without this).
         self._lanes_memo: dict = {}
         self._tables_memo: dict = {}
+        # `_lanes_memo` keys hold `id`s of lane lists: `_pinned` keeps those lists alive (a demoted value's lanes
+        # are temporary), so an id cannot be reused by another list while it is a key.
+        self._pinned: list = []
 
     def depends_on(self, node: fx.Node, src: fx.Node) -> bool:
         """True when `src` is an ancestor of `node` (or the node itself)."""
@@ -402,6 +405,7 @@ class Acceptor:
             got = self._lanes_memo.get(key)
             if got is None:
                 got = self._lanes_memo[key] = self._lanes(style, entries, xl, head, rot, n, nblocks, is_copy)
+                self._pinned.append((entries, xl.entries))  # the ids in the key stay unique
             if not isinstance(got, Rejection):
                 break
             first = got if first is None or got.stage > first.stage else first
