@@ -79,6 +79,44 @@ def test_an_explicit_backend_is_not_second_guessed():
     assert [k.backend for k in p.report.kernels] == ["triton"], p.report.table()
 
 
+def rope_qk_lanes_strided(qt, kt, cos, sin):
+    """q and k stored [T, D, H] and read as [T, H, D]: lanes with stride H, which the kernel's user-kernel node
+    takes only by copying x first, and cannot plan so for a symbolic token count."""
+    return rope_qk(qt.transpose(1, 2), kt.transpose(1, 2), cos, sin)
+
+
+def test_a_symbolic_site_the_kernel_node_cannot_take_gets_the_lowering_not_the_opaque_op():
+    """Under `auto` a site whose user-kernel node cannot be planned is declined at emission and lowered, with
+    the reason in the report: the opaque Triton op would pay the dispatcher on every call (slower than plain
+    compile at decode sizes). Asked for by name, the Triton backend still emits that op."""
+    import copy
+
+    from torch._dynamo.source import ConstantSource
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    fm = FakeTensorMode(shape_env=ShapeEnv())
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    tokens = fm.from_tensor(torch.empty(64, 1, device="meta"), symbolic_context=ctx,
+                            source=ConstantSource("tokens")).shape[0]
+    with fm:
+        args = (torch.empty(tokens, 128, 8, device="cuda", dtype=bf16), torch.empty(tokens, 128, 2, device="cuda",
+                dtype=bf16), torch.empty(tokens, 1, 128, device="cuda"), torch.empty(tokens, 1, 128, device="cuda"))
+    gm = make_fx(rope_qk_lanes_strided, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+    ops = {}
+    for backend in ("auto", "triton"):
+        graph = copy.deepcopy(gm).graph
+        p = rope_fusion.RopeFusionPass(backend=backend)
+        p(graph)
+        assert len(p.report.sites) == 2 and not p.report.errors, p.report.table()
+        ops[backend] = ([k.backend for k in p.report.kernels], [str(n.target) for n in graph.nodes
+                                                                  if "rope_fusion" in str(n.target)])
+        if backend == "auto":
+            assert "user-kernel node cannot be planned" in p.report.kernels[0].fallback, p.report.table()
+    assert ops["auto"] == (["inductor"], ["rope_fusion.rotary_qk.default"])
+    assert ops["triton"] == (["triton"], ["rope_fusion.rotary_qk_triton.default"])
+
+
 def _cost(x_mib, table_mib=8, computed=False, users=2, style="neox", **kw):
     return SiteCost(x_bytes=x_mib << 20, table_bytes=table_mib << 20, tables_computed=computed, table_users=users,
                     style=style, **kw)

@@ -588,15 +588,20 @@ def supports(spec: SiteSpec) -> str | None:
     return None
 
 
-def _emit(emitter: Any, call: RotaryCall, like: Any) -> list:
-    """Inductor's own user-kernel node where the sizes are concrete (launched from generated code, no op
-    dispatch per call); the opaque op otherwise."""
+def _emit(emitter: Any, call: RotaryCall, like: Any) -> list | None:
+    """Inductor's own user-kernel node where the launch can be planned for the node's sizes (launched from
+    generated code, no op dispatch per call). Where it cannot (sizes symbolic beyond what the node takes),
+    `auto` declines the site, and the lowering takes it: the opaque op would pay the dispatcher on every call.
+    Asked for by name, the backend emits that opaque op."""
     from .triton_graph import emit_triton
 
     if emitter.fake_mode is not None:
         outs = emit_triton(emitter.graph, emitter.fake_mode, call, like)
         if outs is not None:
             return outs
+    if getattr(emitter, "requested", None) == "auto":
+        emitter.declined = "its user-kernel node cannot be planned for these symbolic sizes"
+        return None
     return emit_op_call(TRITON_OPS, emitter, call, like)
 
 

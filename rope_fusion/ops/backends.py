@@ -69,7 +69,9 @@ class SiteSpec:
 
 # emit(emitter, call, like) -> output nodes, one per x; `call` is a RotaryCall whose tensors are graph nodes.
 # The emitter (passes/emission.py) creates nodes with fake values: `emitter.call(target, args, kwargs, like=)`.
-Emit = Callable[[Any, RotaryCall, Any], list]
+# Under `auto` (`emitter.requested`) a backend may decline a site it cannot emit well: it sets
+# `emitter.declined` to the reason and returns None, and the lowering takes the site.
+Emit = Callable[[Any, RotaryCall, Any], "list | None"]
 
 
 @dataclasses.dataclass(frozen=True)

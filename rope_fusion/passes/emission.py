@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..ops.backends import Backend, SiteSpec
+from ..ops.backends import Backend, SiteSpec, get_backend
 from ..ops.schema import OP_NAMES, RotaryCall, RotaryParams
 from .fx_util import as_int
 from .gathers import gather_of
@@ -84,9 +84,13 @@ class Emitter:
     _SHARED = (aten.view_as_real.default, aten.reshape.default, aten.slice.Tensor, aten.unsqueeze.default,
                aten.sym_size.int)
 
-    def __init__(self, graph: fx.Graph):
+    def __init__(self, graph: fx.Graph, requested: str | None = None):
         self.graph = graph
         self.fake_mode = _graph_fake_mode(graph)
+        # the backend the pass was asked for: under "auto" a backend may decline a site at emission (its
+        # emit returns None) and the lowering takes it; a backend asked for by name emits what it can
+        self.requested = requested
+        self.declined = ""  # why the last backend that declined a site did
         self._made: dict = {}
 
     def call(self, target: Any, args: tuple, kwargs: dict | None = None, like: fx.Node | None = None) -> fx.Node:
@@ -362,7 +366,12 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
                              like=m0.node) for x in xs]
             xs = [em.call(aten.slice.Tensor, (x, -1, offset, n), like=m0.node) for x in xs]
         backend, fallback = choose(site_spec(xs, cos, sin, params, m0, positions))
-        outs = backend.emit(em, RotaryCall(xs, cos, sin, params, positions, weights), m0.node)
+        call = RotaryCall(xs, cos, sin, params, positions, weights)
+        outs = backend.emit(em, call, m0.node)
+        if outs is None:  # declined at emission (under auto only): the lowering, never a slower opaque call
+            fallback = f"{backend.name}: {em.declined or 'declined at emission'}; the lowering instead"
+            backend = get_backend("inductor")
+            outs = backend.emit(em, call, m0.node)
         if heads:
             outs = [em.call(aten.cat.default, ([h, o], -1), like=m0.node) for h, o in zip(heads, outs)]
         finals = [_unflatten(em, o, m) for o, m in zip(outs, group)]

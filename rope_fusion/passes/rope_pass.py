@@ -175,7 +175,7 @@ class RopeFusionPass(_PassBase):
             return []
         nodes, order = acc.interp.nodes, acc.order
         groups = pair_up(matches, acc) if self.fuse_qk else [(m,) for m in matches]
-        em = Emitter(graph)
+        em = Emitter(graph, requested=self.backend)
         planned = []
         for group in groups:
             anchor = emission.anchor_of(group, nodes, order)
