@@ -2,9 +2,10 @@
 
 - The rotation screen (`matcher.looks_like_rotation`) answers, in one pass over a lane's atoms, the pairwise
   question it is defined by: do two products of the lane read different lanes of one tensor?
-- The lane interpreter skips values wider than any head that only flow into ops without a lane rule (a DiT
-  block's modulation, gates and residual stream feeding projections); the rotations beside them still fuse,
-  with the same numerics. A wide value that the graph returns is still analysed: it may be a rotation.
+- The lane interpreter skips values wider than any head that only flow into projections, statistics and
+  elementwise math (a DiT block's modulation, gates and residual stream); the rotations beside them still
+  fuse, with the same numerics. A wide value that the graph returns, or that flows into anything else (a
+  cache write), is still analysed: it may be a rotation.
 """
 
 from __future__ import annotations
@@ -119,3 +120,25 @@ def test_a_wide_value_the_graph_returns_is_still_analysed(monkeypatch):
     assert len(p.report.sites) == 2 and len(p.report.kernels) == 1, p.report.table()
     assert skipped == [set()]
     check_numerics(flat_rope, args, out)
+
+
+def ltx_rope_into_caches(q, k, cos, sin, q_cache, k_cache, slots):
+    """LTX-Video's rotation, done on the flat [T, H*D] hidden (2048 lanes) with per-lane tables, then written
+    into caches (`index_copy`: no lane rule, no projection): the rotation's arithmetic is itself wide and ends
+    there, so it must still be analysed, and it fuses."""
+    def rope(x):
+        re_, im = x.unflatten(-1, (-1, 2)).unbind(-1)
+        rotated = torch.stack([-im, re_], -1).flatten(-2)
+        return x * cos + rotated * sin
+
+    return q_cache.index_copy(0, slots, rope(q)), k_cache.index_copy(0, slots, rope(k))
+
+
+def test_a_wide_rotation_that_flows_into_a_cache_write_is_still_analysed():
+    ang = torch.rand(6, 1024) * 6
+    cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    args = (torch.randn(6, 2048), torch.randn(6, 2048), cos, sin, torch.zeros(10, 2048), torch.zeros(10, 2048),
+            torch.tensor([7, 1, 3, 0, 9, 4]))
+    out, p = compile_with_pass(ltx_rope_into_caches, *args)
+    assert len(p.report.sites) == 2 and len(p.report.kernels) == 1, p.report.table()
+    check_numerics(ltx_rope_into_caches, args, out)

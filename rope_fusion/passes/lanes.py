@@ -30,10 +30,17 @@ from .fx_util import SymbolicSizeError, as_int, concrete_ints, meta, norm_dim
 MAX_LANES = 4096
 WIDE = (torch.float64, torch.complex128)
 # A value whose last dim is wider than any head (MLA's 576 lanes included) and that only flows, through other
-# such values, into ops without a lane rule (a projection's matmul) can be neither a rotation, nor its x, nor
-# its tables: the interpreter skips it. These are a DiT block's modulation, gates and residual stream over
+# such values, into projections, statistics or elementwise math can be neither a rotation, nor its x, nor its
+# tables: the interpreter skips it. These are a DiT block's modulation, gates and residual stream over
 # the hidden size, 80% of the pass's time on Flux before they were skipped.
 DEAD_END_LAST_DIM = 1024
+# What such a value may flow into: projections, statistics and elementwise math without a lane rule. A
+# rotation ends in attention, a cache write or the graph's output, never here, so a wide rotation that flows
+# straight into one of those (an attention op taking a flat [.., H*D] q) is still evaluated.
+DEAD_END_USERS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "native_layer_norm", "var_mean", "mean", "sum", "amax",
+    "amin", "exp", "log", "tanh", "sigmoid", "erf", "gelu", "silu", "relu", "abs", "sqrt", "rsqrt", "pow",
+    "where", "ge", "gt", "le", "lt", "eq", "ne", "_softmax"})
 
 
 # -- the rule registry -----------------------------------------------------------------------------
@@ -220,8 +227,13 @@ class LaneInterpreter:
                 self.values[node] = value
 
     def _wide_dead_ends(self) -> set:
-        """Nodes past DEAD_END_LAST_DIM lanes whose every use is an op without a lane rule or another such
-        node (never the graph's output: a returned value may be a rotation)."""
+        """Nodes past DEAD_END_LAST_DIM lanes whose every use is one of DEAD_END_USERS (without a lane rule) or
+        another such node."""
+
+        def ends_here(u: fx.Node) -> bool:
+            packet = getattr(u.target, "overloadpacket", None)
+            return u.target not in RULES and packet is not None and packet.__name__ in DEAD_END_USERS
+
         dead: set = set()
         for node in reversed(self.graph.nodes):
             if node.op != "call_function" or node.target not in RULES or not node.users:
@@ -230,7 +242,7 @@ class LaneInterpreter:
             if not (isinstance(val, torch.Tensor) and val.dim() and isinstance(val.shape[-1], int)
                     and val.shape[-1] > DEAD_END_LAST_DIM):
                 continue
-            if all(u.op == "call_function" and (u.target not in RULES or u in dead) for u in node.users):
+            if all(u.op == "call_function" and (u in dead or ends_here(u)) for u in node.users):
                 dead.add(node)
         return dead
 
