@@ -70,14 +70,14 @@ def dit_block(h, emb, w_mod, wq, wk, wv, wo, nq, nk, cos, sin):
 
 def test_wide_values_that_only_feed_projections_are_skipped_and_the_site_still_fuses(monkeypatch):
     skipped: list = []
-    real = lanes.LaneInterpreter._wide_dead_ends
+    real = lanes.LaneInterpreter._dead_ends
 
     def record(self):
         found = real(self)
         skipped.append({n.name: tuple(n.meta["val"].shape) for n in found})
         return found
 
-    monkeypatch.setattr(lanes.LaneInterpreter, "_wide_dead_ends", record)
+    monkeypatch.setattr(lanes.LaneInterpreter, "_dead_ends", record)
     torch.manual_seed(0)
     d, s = 1152, 8
     ang = torch.rand(s, 32) * 6
@@ -105,14 +105,14 @@ def flat_rope(q, k, cos, sin):
 
 def test_a_wide_value_the_graph_returns_is_still_analysed(monkeypatch):
     skipped: list = []
-    real = lanes.LaneInterpreter._wide_dead_ends
+    real = lanes.LaneInterpreter._dead_ends
 
     def record(self):
         found = real(self)
         skipped.append(found)
         return found
 
-    monkeypatch.setattr(lanes.LaneInterpreter, "_wide_dead_ends", record)
+    monkeypatch.setattr(lanes.LaneInterpreter, "_dead_ends", record)
     ang = torch.rand(6, 64) * 6
     cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((ang.sin(), ang.sin()), -1)
     args = (torch.randn(6, 16 * 128), torch.randn(6, 16 * 128), cos, sin)

@@ -283,6 +283,16 @@ def _runs_against_fp64(base: nn.Module, x: dict, target: torch.Tensor) -> dict:
     return runs
 
 
+def _fused_both_ways(runs: dict):
+    """The pass's report of the training runs: no errors, and q and k in one launch in the forward and in the
+    backward graph."""
+    rep = runs["pass"].report
+    assert not rep.errors, rep.table()
+    assert [(g.kind, g.sites, g.kernels) for g in rep.graph_records] == [("forward", 2, 1), ("backward", 2, 1)], \
+        rep.table()
+    return rep
+
+
 def _as_accurate_as_plain(runs: dict) -> None:
     """Gradients and the optimizer steps of the pass within one fp32 eps of plain compile's errors."""
     eps = torch.finfo(torch.float32).eps
@@ -301,9 +311,7 @@ def test_learned_frequencies():
     base, x = LearnedRope(), {"x": torch.randn(2, 32, 64)}
     target = torch.randn(2, 32, 64, dtype=torch.float64)
     runs = _runs_against_fp64(base, x, target)
-    rep = runs["pass"].report
-    assert not rep.errors, rep.table()
-    assert [(g.kind, g.sites, g.kernels) for g in rep.graph_records] == [("forward", 2, 1), ("backward", 2, 1)]
+    rep = _fused_both_ways(runs)
     assert [(k.op, rep.graph_records[k.graph].kind) for k in rep.kernels] == [
         ("rope_fusion.rotary_qk", "forward"), ("rope_fusion.rotary_qk", "backward")]
     assert [s.conjugate for s in rep.sites] == [False, False, True, True]
@@ -352,9 +360,6 @@ def test_head_dim_in_axis_blocks_fuses_both_ways():
     base, x = AxisBlocksRope(), {"x": torch.randn(2, 16, 64)}
     target = torch.randn(2, 16, 64, dtype=torch.float64)
     runs = _runs_against_fp64(base, x, target)
-    rep = runs["pass"].report
-    assert not rep.errors, rep.table()
-    assert [(g.kind, g.sites, g.kernels) for g in rep.graph_records] == [("forward", 2, 1), ("backward", 2, 1)], \
-        rep.table()
+    rep = _fused_both_ways(runs)
     assert {s.blocks for s in rep.sites} == {2}, rep.table()
     _as_accurate_as_plain(runs)

@@ -599,7 +599,7 @@ def _emit(emitter: Any, call: RotaryCall, like: Any) -> list | None:
         outs = emit_triton(emitter.graph, emitter.fake_mode, call, like)
         if outs is not None:
             return outs
-    if getattr(emitter, "requested", None) == "auto":
+    if emitter.requested == "auto":
         emitter.declined = "its user-kernel node cannot be planned for these symbolic sizes"
         return None
     return emit_op_call(TRITON_OPS, emitter, call, like)

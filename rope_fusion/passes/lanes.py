@@ -208,7 +208,7 @@ class LaneInterpreter:
         if not RULES:
             raise RuntimeError("no lane transfer rules are registered: "
                                "import rope_fusion.passes.lane_rules to register the transfer rules")
-        skip = self._wide_dead_ends()
+        skip = self._dead_ends()
         for node in self.graph.nodes:
             self.nodes[node.name] = node
             self.order[node] = len(self.order)
@@ -226,7 +226,7 @@ class LaneInterpreter:
                     value.wide = value.wide or _node_is_wide(node)
                 self.values[node] = value
 
-    def _wide_dead_ends(self) -> set:
+    def _dead_ends(self) -> set:
         """Nodes past DEAD_END_LAST_DIM lanes whose every use is one of DEAD_END_USERS (without a lane rule) or
         another such node."""
 
