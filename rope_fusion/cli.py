@@ -150,7 +150,7 @@ def print_report(report: Any, title: str, plain: bool = False, file: Any = None)
         for i, s in enumerate(report.sites):
             k = report.kernels[s.kernel] if 0 <= s.kernel < len(report.kernels) else None
             row(t, i, s.graph, s.role, s.style_label(),
-                f"{s.rotary_dim}/{s.head_dim}", s.table_form,
+                f"{s.rotated_lanes()}/{s.head_dim}", s.table_form,
                 f"{_dt(s.x_dtype)}/{_dt(s.table_dtype)}/{_dt(s.out_dtype)}",
                 f"{s.kernel} {k.op.split('.')[-1]} [{k.backend}]" if k else "?", short_source(s.source))
         console.print(t)

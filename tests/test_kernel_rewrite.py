@@ -303,6 +303,30 @@ def test_vllm_c_rotary_embedding(vllm_ops, case):  # noqa: F811
     assert_same(fargs, pargs)  # query and key updated in place: copy_(input, fused result)
 
 
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_vllm_c_rope_dim_offset(vllm_ops, is_neox):  # noqa: F811
+    """DeepSeek-V4's call: the rope part is the last 32 lanes of each 64-lane head (`rope_dim_offset=32`). The op
+    takes it as its rotary_offset: q and k in one rotary_qk, the other lanes copied, the same numbers."""
+    c_op, _ = vllm_ops
+    g = torch.Generator().manual_seed(6)
+    pos, cache = torch.randint(0, 32, (7,), generator=g), torch.randn(32, 32, generator=g)
+    q, k = torch.randn(7, 4 * 64, generator=g), torch.randn(7, 2, 64, generator=g)
+
+    def f(pos, q, k, cache):
+        c_op(pos, q, k, 64, cache, is_neox, 32)
+        return q * 2, k * 2
+
+    plain, pargs, fused, fargs, cap = plain_and_fused(f, pos, q, k, cache, v2=False)
+    rep = cap.p.report
+    assert rep.errors == [] and rep.misses == [] and cap.sites == []
+    assert [(s.origin, s.offset, s.rotary_dim) for s in rep.sites] == [("vllm._C.rotary_embedding", 32, 32)] * 2
+    assert [k.op for k in rep.kernels] == ["rope_fusion.rotary_qk"]
+    assert fused_call(cap).kwargs["rotary_offset"] == 32
+    assert_same(fused, plain)
+    assert_same(fargs, pargs)
+    assert not torch.equal(fused[0][:, 32:64], 2 * q[:, 32:64])  # the rotated lanes did change
+
+
 def test_vllm_c_batched_positions_and_dynamic_tokens(vllm_ops):  # noqa: F811
     """[B, S] positions with [B, S, H*D] / [B, S, H, D] x; then a token count that is symbolic (positions and x
     may carry different symbols: the op checks them)."""

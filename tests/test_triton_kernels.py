@@ -701,3 +701,72 @@ def test_three_tensors_in_one_launch(nsplit, block_h):
                                 norm_weight=w.double())
         err = (out.double() - want).abs().max().item()
         assert err <= 4 * torch.finfo(torch.bfloat16).eps * want.abs().max().item(), err
+
+
+@pytest.mark.parametrize("head_dim,offset,rot,style,norm", [
+    (192, 128, 64, "deinterleave", "none"),  # DeepSeek-V3's MLA head: rope after 128 nope lanes
+    (192, 128, 64, "neox", "rms"),
+    (96, 16, 64, "interleaved", "rms"),  # a head and a tail around the rotated lanes
+    (96, 16, 64, "neox", "none"),
+    (72, 8, 32, "deinterleave", "rms_across_heads"),
+])
+def test_pass_through_head(head_dim, offset, rot, style, norm):
+    """Lanes [offset, offset + rot) rotate and the lanes around them are copied, in one pass over each row;
+    a norm normalises the whole head, pass-through lanes included. Against the fp64 reference."""
+    torch.manual_seed(13)
+    q = torch.randn(2, 5, 4, head_dim, dtype=torch.bfloat16) * 2
+    k = torch.randn(2, 5, 1, head_dim, dtype=torch.bfloat16) * 2
+    cos, sin = tables((5, 1), rot)
+    params = RotaryParams(interleaved=style != "neox", rotary_dim=rot, full_tables=True, conjugate=False,
+                          out_dtype=torch.float32, deinterleave=style == "deinterleave", norm=norm,
+                          rotary_offset=offset)
+    weights = None if norm == "none" else \
+        [torch.randn(head_dim) if norm == "rms" else torch.randn(x.shape[-2], head_dim) for x in (q, k)]
+    with poisoned_outputs():
+        outs = tr.launch([q, k], cos, sin, params, None, weights, kernel=KERNEL)
+    for i, (out, x) in enumerate(zip(outs, (q, k))):
+        want = rotary_reference(x.double(), cos.double(), sin.double(),
+                                norm_weight=None if weights is None else weights[i].double(),
+                                **{**params.kwargs(), "out_dtype": torch.float64})
+        assert not out.isnan().any(), "some output elements were never written"
+        if norm == "none":
+            assert torch.equal(out[..., :offset], x[..., :offset].float())  # the head is copied exactly
+        err = (out.double() - want).abs().max().item()
+        assert err <= 1e-5 * want.abs().max().item(), err
+
+
+@pytest.mark.parametrize("norm", ["rms_across_heads", "rms"])
+def test_a_norm_the_kernel_loop_cannot_take_is_applied_first(norm):
+    """The kernel normalises the rows it loops over: the heads, the dim along which the tables are constant.
+    For x [B, H, S, D], a norm over its last two dims (S and D, not the heads) and a weight [S, D] that varies
+    over tokens are not that: they are applied before the rotation, and the result matches the reference."""
+    torch.manual_seed(14)
+    q, k = torch.randn(2, 3, 5, 32), torch.randn(2, 1, 5, 32)
+    cos, sin = tables((5,), 16)
+    weights = [torch.randn(5, 32), torch.randn(5, 32)] if norm == "rms" else None
+    params = RotaryParams(interleaved=False, rotary_dim=32, full_tables=False, conjugate=False,
+                          out_dtype=torch.float32, norm=norm)
+    with poisoned_outputs():
+        outs = tr.launch([q, k], cos, sin, params, None, weights, kernel=KERNEL)
+    for i, (out, x) in enumerate(zip(outs, (q, k))):
+        want = rotary_reference(x.double(), cos.double(), sin.double(),
+                                norm_weight=None if weights is None else weights[i].double(),
+                                **{**params.kwargs(), "out_dtype": torch.float64})
+        err = (out.double() - want).abs().max().item()
+        assert err <= 1e-5 * want.abs().max().item(), err
+
+
+@cuda
+@pytest.mark.parametrize("style", ["deinterleave", "neox", "interleaved"])
+def test_gpu_pass_through_head(style):
+    """DeepSeek-V3's MLA head on the GPU: the last 64 of 192 lanes rotate, the 128 before them are copied."""
+    torch.manual_seed(15)
+    q = torch.randn(1, 16, 1024, 192, dtype=torch.bfloat16, device="cuda")
+    cos, sin = (t.to("cuda") for t in tables((1024,), 64))
+    params = RotaryParams(interleaved=style != "neox", rotary_dim=64, full_tables=True, conjugate=False,
+                          out_dtype=torch.bfloat16, deinterleave=style == "deinterleave", rotary_offset=128)
+    (out,) = tr.launch([q], cos, sin, params)
+    want = rotary_reference(q.double(), cos.double(), sin.double(), **{**params.kwargs(), "out_dtype": torch.float64})
+    assert torch.equal(out[..., :128], q[..., :128])
+    err = (out.double() - want).abs().max().item()
+    assert err <= 2 * torch.finfo(torch.bfloat16).eps * want.abs().max().item(), err

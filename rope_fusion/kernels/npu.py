@@ -179,7 +179,8 @@ def rotary_qk_via_apply(q, k, cos, sin, *, layout, full_tables, conjugate):
 def _impl(call: RotaryCall) -> list | None:
     """q and k through one npu_apply_rotary_pos_emb where allowed, else npu_rotary_mul per tensor; None (the
     reference) for a tensor whose case the documented constraints exclude. Cache rows picked by positions
-    are gathered first and a norm prologue runs first (the NPU ops take plain tables and x)."""
+    are gathered first and a norm prologue runs first (the NPU ops take plain tables and x); a pass-through
+    head is split off and put back (the NPU ops rotate from lane 0)."""
     xs, cos, sin, params = call.xs, call.cos, call.sin, call.params
     if params.deinterleave or params.rotary_blocks > 1:  # pairs the NPU ops do not know: the reference serves
         return None
@@ -188,8 +189,19 @@ def _impl(call: RotaryCall) -> list | None:
     if params.norm != "none":
         xs = [rms_norm(x.float(), params.norm, params.norm_eps, call.weight(i)).to(x.dtype)
               for i, x in enumerate(xs)]
+    off = params.rotary_offset
+    if off:
+        heads = [x[..., :off].to(params.out_dtype) for x in xs]
+        outs = _rotated(RotaryCall([x[..., off:] for x in xs], cos, sin, params.replace(rotary_offset=0)))
+        return [torch.cat((h, o), -1) for h, o in zip(heads, outs)]
+    return _rotated(RotaryCall(xs, cos, sin, params))
+
+
+def _rotated(call: RotaryCall) -> list:
+    """The rotation of a call without positions, norm or pass-through head, through the NPU ops."""
+    xs, cos, sin, params = call.xs, call.cos, call.sin, call.params
     kw = {k: v for k, v in params.kwargs().items()
-          if k not in ("norm", "norm_eps", "deinterleave", "rotary_blocks")}
+          if k not in ("norm", "norm_eps", "deinterleave", "rotary_blocks", "rotary_offset")}
     if len(xs) == 2:
         layout = apply_layout(*xs, cos, sin, **{k: v for k, v in kw.items() if k != "conjugate"})
         if layout is not None:

@@ -178,7 +178,7 @@ class _SymbolicPlan:
 
     @classmethod
     def of(cls, call: RotaryCall, inputs: list, vals: list, fake_mode: Any) -> _SymbolicPlan | None:
-        from .triton_rotary import _make_launches, _Tables
+        from .triton_rotary import NORM_FIRST, _make_launches, _Tables
 
         if fake_mode is None or fake_mode.shape_env is None:
             return None
@@ -206,6 +206,8 @@ class _SymbolicPlan:
                                  by_node[call.positions] if call.positions is not None else None, weights)
                 plans.append(_make_launches(xs, outs, tables, call.params, None, None, None, None))
         launches, traced = plans
+        if NORM_FIRST in (launches, traced):
+            return None
         if not launches or not traced or len(launches) != len(traced):
             return None
         sizes = {d.node.expr for v in vals for d in v.shape if isinstance(d, torch.SymInt)}

@@ -47,6 +47,9 @@ MAX_HEAD_DIM = 1024  # beyond this one row no longer fits a program's registers 
 MAX_LOOP_HEADS = 512  # a broadcast dim longer than this is spread over the grid instead of looped over
 TILE_ELEMENTS = 2048  # target size of the register tile (heads x padded lanes) of one loop step
 NORM_TILE_ELEMENTS = 512  # the same with a per-head norm (its statistics need registers: norm sweep)
+# the same after a pass-through head (DeepSeek-V3's 128 + 64 lanes: 2 heads a step, one warp, 1.13x the copy
+# floor of q against 1.24x with the default tile; BENCHMARKS.md, coverage M8)
+HEAD_PASS_TILE_ELEMENTS = 512
 HEAD_PAD_WASTE = 1.25  # at most this many padded heads per real head across q and k
 # num_warps = tile / elements per warp: whole rows (interleaved, NeoX as rows) want few warps with many
 # elements each; NeoX read as two half tiles wants four times the warps (BENCHMARKS.md, tile sweep).
@@ -66,7 +69,7 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr, NSIDES: tl.constexpr, INTERLEAVED: tl.constexpr, FULL_TABLES: tl.constexpr,
     CONJ: tl.constexpr, MATH_FP64: tl.constexpr, NEOX_ROW: tl.constexpr, HAS_POS: tl.constexpr,
     NORM: tl.constexpr, HAS_W: tl.constexpr, HEAD_PAD: tl.constexpr, DEINTERLEAVE: tl.constexpr,
-    ONE_BLOCK: tl.constexpr, SCD: tl.constexpr, SSD: tl.constexpr, BH: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, SCD: tl.constexpr, SSD: tl.constexpr, BH: tl.constexpr, OFFSET: tl.constexpr,
 ):
     """Rotate the rows of one token of q (and k, and v): grid = (tokens, NSPLIT).
 
@@ -75,8 +78,17 @@ def _rotary_kernel(
     q and k in separate programs of the same launch). NORM 1 RMS-normalises each head row first, NORM 2 all
     heads of the token (from the tile itself when one block holds every head, ONE_BLOCK; else a first pass
     over the token's rows sums their squares), times the per-lane weight. NeoX pairs lie within blocks of
-    2 * BH lanes (BH = ROT / 2: one block, plain NeoX)."""
+    2 * BH lanes (BH = ROT / 2: one block, plain NeoX). The rotated lanes start at lane OFFSET; the others
+    (a pass-through head before them, a tail after them) form one pass-through tile of TAIL_PAD lanes."""
     HALF: tl.constexpr = ROT // 2
+    PASS: tl.constexpr = HEAD_DIM - ROT
+    # lane of x held by pass-through tile lane p: the head [0, OFFSET) first, then the tail after the rotation
+    if TAIL_PAD > 0:
+        plane = tl.arange(0, TAIL_PAD)[None, :]
+        if OFFSET == 0:
+            plane = ROT + plane
+        elif OFFSET < PASS:
+            plane = tl.where(plane < OFFSET, plane, plane + ROT)
     if MATH_FP64:
         cdt = tl.float64
     else:
@@ -182,8 +194,10 @@ def _rotary_kernel(
         for hb in range(first, nblocks, NSPLIT):
             heads = hb * BLOCK_H + hoffs
             hmask = (heads < nheads)[:, None]
-            xp = x_row + heads.to(tl.int64)[:, None] * sxh
-            op = o_row + heads.to(tl.int64)[:, None] * soh
+            xh = x_row + heads.to(tl.int64)[:, None] * sxh
+            oh = o_row + heads.to(tl.int64)[:, None] * soh
+            xp = xh + OFFSET  # the rotated lanes
+            op = oh + OFFSET
             # Rows forms hold the head rows as loaded, (BLOCK_H, 2 * HALF_PAD): the norm's statistics and its
             # weight act on that tile, and only then are the pairs split in registers (a reduction or a weight
             # on the split halves costs layout conversions through shared memory).
@@ -200,8 +214,8 @@ def _rotary_kernel(
                 a = tl.load(xp + lj, mask=m, other=0.0).to(cdt)
                 b = tl.load(xp + BH + lj, mask=m, other=0.0).to(cdt)
             if TAIL_PAD > 0:
-                tail = ROT + tl.arange(0, TAIL_PAD)[None, :]
-                t = tl.load(xp + tail, mask=hmask & (tail < HEAD_DIM), other=0.0).to(cdt)
+                pmask = hmask & (tl.arange(0, TAIL_PAD)[None, :] < PASS)
+                t = tl.load(xh + plane, mask=pmask, other=0.0).to(cdt)
             else:
                 t = tl.full((BLOCK_H, 1), 0.0, cdt)
             if NORM > 0:
@@ -222,15 +236,15 @@ def _rotary_kernel(
                     b = b * scale
                 t = t * scale
             if HAS_W:
-                wp = w_ptr + heads.to(tl.int64)[:, None] * swh
+                wh = w_ptr + heads.to(tl.int64)[:, None] * swh
+                wp = wh + OFFSET
                 if NEOX_ROW or INTERLEAVED:
                     v = v * tl.load(wp + row, mask=m, other=0.0).to(cdt)
                 else:
                     a = a * tl.load(wp + lj, mask=m, other=0.0).to(cdt)
                     b = b * tl.load(wp + (BH + lj), mask=m, other=0.0).to(cdt)
                 if TAIL_PAD > 0:
-                    tl_lanes = ROT + tl.arange(0, TAIL_PAD)[None, :]
-                    t = t * tl.load(wp + tl_lanes, mask=hmask & (tl_lanes < HEAD_DIM), other=0.0).to(cdt)
+                    t = t * tl.load(wh + plane, mask=pmask, other=0.0).to(cdt)
             if NEOX_ROW:
                 a, b = tl.split(tl.permute(tl.reshape(v, (BLOCK_H, 2, HALF_PAD)), (0, 2, 1)))
             elif INTERLEAVED:
@@ -251,8 +265,7 @@ def _rotary_kernel(
                 tl.store(op + lj, oa.to(op.dtype.element_ty), mask=m)
                 tl.store(op + BH + lj, ob.to(op.dtype.element_ty), mask=m)
             if TAIL_PAD > 0:
-                tail = ROT + tl.arange(0, TAIL_PAD)[None, :]
-                tl.store(op + tail, t.to(op.dtype.element_ty), mask=hmask & (tail < HEAD_DIM))
+                tl.store(oh + plane, t.to(oh.dtype.element_ty), mask=pmask)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -397,7 +410,9 @@ def default_neox_row(interleaved: bool, rotary_dim: int, head_dim: int) -> bool:
 
 
 def _num_warps(tile: int, form: str) -> int:
-    return max(1, min(8, tile // ELEMENTS_PER_WARP[form]))
+    """A power of two (Triton requires it; a pass-through tile makes rows like 64 + 128 lanes)."""
+    n = max(1, min(8, tile // ELEMENTS_PER_WARP[form]))
+    return 1 << (n.bit_length() - 1)
 
 
 def _prepare(x: torch.Tensor) -> torch.Tensor:
@@ -418,12 +433,9 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
     each x is RMS-normalised (and scaled by its weight, one per x, which may vary over heads and lanes only)
     in the same pass. The tuning options override the rules below (the benchmarks' sweeps use them)."""
     weights = list(weights) if weights is not None else [None] * len(xs)
+    tuning = dict(kernel=kernel, block_h=block_h, num_warps=num_warps, nsplit=nsplit, neox_row=neox_row)
     if params.norm != "none" and any(w is not None and not _per_lane(w, x) for w, x in zip(weights, xs)):
-        # a weight that varies over tokens: normalise first (correct, not fused; the pass never emits this)
-        from ..ops.reference import rms_norm
-
-        xs = [rms_norm(x.float(), params.norm, params.norm_eps, w) for x, w in zip(xs, weights)]
-        params, weights = params.replace(norm="none"), [None] * len(xs)
+        return _normed_first(xs, cos, sin, params, positions, weights, tuning)
     xs = [_prepare(x) for x in xs]
     weights = [w if w is None or _is_true(w.stride(-1) == 1) else w.contiguous() for w in weights]
     outs = [torch.empty(x.shape, dtype=params.out_dtype, device=x.device) for x in xs]
@@ -442,6 +454,8 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
             if len(_LAUNCH_CACHE) > 4096:
                 _LAUNCH_CACHE.clear()
             _LAUNCH_CACHE[key] = launches
+    if launches is NORM_FIRST:
+        return _normed_first(xs, cos, sin, params, positions, weights, tuning)
     if launches is not None:
         pos = positions if positions is not None else cos  # unused pointers stand in for absent tensors
         for group, grid, scalars, meta in launches:
@@ -450,6 +464,8 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
             fn[grid](*(xs[i] for i in sides), *(outs[i] for i in sides), cos, sin, pos, *ws, *scalars, **meta)
         return outs
     # More than 3 token dims that do not merge: materialize x and tables (rare, correct), one launch each.
+    if params.norm != "none":  # materialized tables no longer show which dim holds the heads
+        return _normed_first(xs, cos, sin, params, positions, weights, tuning)
     if positions is not None:
         cos, sin = cos[positions], sin[positions]
     for i, x in enumerate(xs):
@@ -468,14 +484,45 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
 
 
 def _per_lane(w: torch.Tensor, x: torch.Tensor) -> bool:
-    """A norm weight the kernel takes: it varies along the head and lane dims of x only."""
+    """A norm weight the kernel may take: at most [heads, lanes] (`_norm_fits` checks it against the plan)."""
     return w.dim() <= 2
 
 
-def _make_launches(xs: list, outs: list, tables: _Tables, *opts: Any) -> list | None:
-    """[(tensor indices, grid, scalar args, meta args)]: one entry for all tensors together when possible."""
+def _normed_first(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams, positions: Any,
+                  weights: list, tuning: dict) -> list:
+    """A norm the kernel's loop cannot apply (a weight that varies over tokens, heads that are not the dim the
+    kernel loops over): normalise first, then rotate. Correct, not fused; the pass never emits these."""
+    from ..ops.reference import rms_norm
+
+    xs = [rms_norm(x.float(), params.norm, params.norm_eps, w) for x, w in zip(xs, weights)]
+    return launch(xs, cos, sin, params.replace(norm="none"), positions, None, **tuning)
+
+
+NORM_FIRST = "normalise first"  # `_make_launches`: the kernel cannot apply this norm in its loop
+
+
+def _norm_fits(p: _Plan, xs: list, weights: list, params: RotaryParams) -> bool:
+    """The kernel normalises the rows it loops over: all heads of a token (x's dim -2) must be that loop for
+    a norm across heads, and a weight may vary along that loop's dim and the lanes only."""
+    if params.norm == "none":
+        return True
+    for x, w in zip(xs, weights):
+        n = x.dim() - 1
+        if params.norm == "rms_across_heads" and p.head != n - 1 and not _is_true(x.shape[-2] == 1):
+            return False
+        if w is not None:
+            ws = w.expand(x.shape).stride()
+            if not all(i == p.head or _is_true(ws[i] == 0) or _is_true(x.shape[i] == 1) for i in range(n)):
+                return False
+    return True
+
+
+def _make_launches(xs: list, outs: list, tables: _Tables, *opts: Any) -> list | str | None:
+    """[(tensor indices, grid, scalar args, meta args)]: one entry for all tensors together when possible;
+    NORM_FIRST when the norm does not fit the kernel's loop."""
     groups = [list(range(len(xs)))]
     plan = _plan(xs, outs, tables)
+    weights = tables.weights or [None] * len(xs)
     if plan is None and len(xs) > 1:
         groups = [[i] for i in range(len(xs))]
     launches = []
@@ -487,6 +534,8 @@ def _make_launches(xs: list, outs: list, tables: _Tables, *opts: Any) -> list | 
         p = _plan(gx, go, tables) if len(groups) > 1 else plan
         if p is None:
             return None
+        if not _norm_fits(p, gx, [weights[i] for i in group], opts[0]):
+            return NORM_FIRST
         launches.append((group, *_launch_args(p, gx, go, tables, group, *opts)))
     return launches
 
@@ -509,7 +558,9 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
     if neox_row is None:
         neox_row = default_neox_row(interleaved, rotary_dim, head_dim)
     neox_row = bool(neox_row) and not interleaved and params.rotary_blocks == 1
-    bh = block_h or _block_heads(p.heads, lanes_pad, NORM_TILE_ELEMENTS if params.norm == "rms" else TILE_ELEMENTS)
+    tile = NORM_TILE_ELEMENTS if params.norm == "rms" else \
+        HEAD_PASS_TILE_ELEMENTS if params.rotary_offset else TILE_ELEMENTS
+    bh = block_h or _block_heads(p.heads, lanes_pad, tile)
     # a norm across heads whose heads all fit one block takes its statistics from that tile (a larger block to
     # get there was slower in the norm sweep: 1.32x against 1.17x the floor at 12 heads x 128)
     one_block = params.norm == "rms_across_heads" and all(_is_true(h <= bh) for h in p.heads)
@@ -538,7 +589,7 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
                 MATH_FP64=wide, NEOX_ROW=neox_row, HAS_POS=tables.positions is not None,
                 NORM={"none": 0, "rms": 1, "rms_across_heads": 2}[params.norm],
                 HAS_W=any(w is not None for w in weights), HEAD_PAD=triton.next_power_of_2(head_dim),
-                DEINTERLEAVE=params.deinterleave, ONE_BLOCK=one_block,
+                DEINTERLEAVE=params.deinterleave, ONE_BLOCK=one_block, OFFSET=params.rotary_offset,
                 # the tables' lane strides are compile-time constants: Inductor launches the kernel with runtime
                 # scalars that Triton does not specialize, and a lane stride only known at run time turns the
                 # vector loads into gathers (the in-graph kernel ran at twice the time of a direct launch)

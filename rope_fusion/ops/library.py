@@ -89,7 +89,8 @@ def _backward(ctx: Any, *grads: Any) -> tuple:
     if ctx.tables_need_grad:
         gcos, gsin = table_grads(grads, call.xs, call.cos, call.sin, interleaved=p.interleaved,
                                  rotary_dim=p.rotary_dim, full_tables=p.full_tables, conjugate=p.conjugate,
-                                 positions=call.positions, rotary_blocks=p.rotary_blocks)
+                                 positions=call.positions, rotary_blocks=p.rotary_blocks,
+                                 rotary_offset=p.rotary_offset)
     return (*gx, gcos, gsin, *[None] * (n_inputs - len(gx) - 2))
 
 
@@ -153,7 +154,8 @@ def _call(xs: list, cos: torch.Tensor, sin: torch.Tensor, options: dict) -> Any:
         raise ValueError(f"q is {xs[0].dtype} and k is {xs[1].dtype}: pass out_dtype=, both are written in it")
     defaults = dict(interleaved=False, full_tables=False, conjugate=False)
     chosen = {k: v for k, v in options.items() if v is not None}
-    params = RotaryParams(**{**defaults, **chosen, "rotary_dim": options.get("rotary_dim") or xs[0].shape[-1],
+    rotary_dim = options.get("rotary_dim") or xs[0].shape[-1] - (options.get("rotary_offset") or 0)
+    params = RotaryParams(**{**defaults, **chosen, "rotary_dim": rotary_dim,
                              "out_dtype": options.get("out_dtype") or xs[0].dtype})
     if weights is not None and not isinstance(weights, (list, tuple)):
         weights = [weights] * len(xs)
@@ -167,7 +169,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inter
                  rotary_dim: int | None = None, full_tables: bool = False, conjugate: bool = False,
                  out_dtype: torch.dtype | None = None, positions: torch.Tensor | None = None,
                  norm: str = "none", norm_eps: float = 1e-6,
-                 norm_weight: torch.Tensor | None = None, rotary_blocks: int = 1) -> torch.Tensor:
+                 norm_weight: torch.Tensor | None = None, rotary_blocks: int = 1,
+                 rotary_offset: int = 0) -> torch.Tensor:
     """Rotate the last dim of x by the tables; differentiable (the gradient is the inverse rotation).
 
     Pairs are (2j, 2j+1) when `interleaved`, else NeoX (j, j + R/2), R = `rotary_dim` (default: the whole
@@ -180,10 +183,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inter
     `norm="rms"` (each head) or `"rms_across_heads"` (all heads of a token), x is first RMS-normalised with
     `norm_eps` and scaled by `norm_weight` (broadcast against x's lanes), in fp32. Raises ValueError naming the
     argument for bad shapes, dtypes or devices. `rotary_blocks` > 1 (NeoX only): the rotated lanes are that many
-    equal blocks, each with its own NeoX pairs (a head dim rotated per axis, as in Allegro)."""
+    equal blocks, each with its own NeoX pairs (a head dim rotated per axis, as in Allegro). `rotary_offset`:
+    the rotated lanes start there, the lanes before them pass through (DeepSeek-V3's rope lanes after the
+    nope lanes of one head)."""
     return _call([x], cos, sin, dict(interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full_tables,
                                      conjugate=conjugate, out_dtype=out_dtype, positions=positions, norm=norm,
-                                     norm_eps=norm_eps, norm_weight=norm_weight, rotary_blocks=rotary_blocks))
+                                     norm_eps=norm_eps, norm_weight=norm_weight, rotary_blocks=rotary_blocks,
+                                     rotary_offset=rotary_offset))
 
 
 def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -54,8 +54,14 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams, positions=None):
         out.append(lane)
         return out
 
+    off = p.rotary_offset
+    # the lane within the rotated part; with a pass-through head, taken modulo R so that the index arithmetic
+    # (and so every load) stays in bounds on the lanes outside it, whose value the final `where` discards
+    shift = (-off) % r
+
     def inner_fn(idx):
-        *lead, d = idx
+        *lead, d_out = idx
+        d = ModularIndexing(d_out + shift, 1, r) if off else d_out
         if p.deinterleave:  # out lane d: pair j = d mod R/2 of x, its first (d < R/2) or second element
             pair = ModularIndexing(d, 1, half)
             is_second = ModularIndexing(d, half, 2)
@@ -80,8 +86,8 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams, positions=None):
             is_second = ModularIndexing(d, half, 2)
             pair = ModularIndexing(d, 1, half)
         lane = ModularIndexing(d, 1, r) if full_tables else pair
-        xv = ops.to_dtype(x_load([*lead, lane_x]), cd)
-        xp = ops.to_dtype(x_load([*lead, partner]), cd)
+        xv = ops.to_dtype(x_load([*lead, off + lane_x]), cd)
+        xp = ops.to_dtype(x_load([*lead, off + partner]), cd)
         (cl, cs, co), (sl, ss, so) = tables
         c = ops.to_dtype(cl(table_index(cs, co, lead, lane)), cd)
         s = ops.to_dtype(sl(table_index(ss, so, lead, lane)), cd)
@@ -89,7 +95,12 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams, positions=None):
         sign_pos = ops.eq(second, ops.constant(0 if conjugate else 1, torch.int32))
         xs = ops.mul(xp, s)
         rot = ops.where(sign_pos, ops.add(ops.mul(xv, c), xs), ops.sub(ops.mul(xv, c), xs))
-        if not V.graph.sizevars.statically_known_equals(head, r):
+        if off:
+            lane = ops.index_expr(d_out, torch.int64)
+            in_rot = ops.and_(ops.ge(lane, ops.constant(off, torch.int64)),
+                              ops.lt(lane, ops.constant(off + r, torch.int64)))
+            rot = ops.where(in_rot, rot, ops.to_dtype(x_load([*lead, d_out]), cd))
+        elif not V.graph.sizevars.statically_known_equals(head, r):
             in_rot = ops.lt(ops.index_expr(d, torch.int64), ops.constant(r, torch.int64))
             rot = ops.where(in_rot, rot, xv if not p.deinterleave else ops.to_dtype(x_load([*lead, d]), cd))
         return ops.to_dtype(rot, out_dtype)

@@ -52,17 +52,19 @@ def rotary_reference(
     norm_weight: torch.Tensor | None = None,
     deinterleave: bool = False,
     rotary_blocks: int = 1,
+    rotary_offset: int = 0,
 ) -> torch.Tensor:
     """out[a]=x[a]C[a]-x[b]S[a], out[b]=x[b]C[b]+x[a]S[b] per pair (a,b); S negated when conjugate; with
     positions the tables are the rows cos[positions], sin[positions] of a cache; with a norm, x is first
-    normalised (RMS over each head, or over all heads of a token) and scaled by the weight."""
+    normalised (RMS over each head, or over all heads of a token) and scaled by the weight; lanes outside
+    [rotary_offset, rotary_offset + rotary_dim) pass through."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if positions is not None:
         cos, sin = cos[positions], sin[positions]
     cd = math_dtype([x], cos, sin, out_dtype)
     x = rms_norm(x.to(cd), norm, norm_eps, norm_weight) if norm != "none" else x
-    r = rotary_dim
-    a, b = split_pairs(x[..., :r].to(cd), interleaved, rotary_blocks)
+    r, off = rotary_dim, rotary_offset
+    a, b = split_pairs(x[..., off:off + r].to(cd), interleaved, rotary_blocks)
     table_layout = interleaved and not deinterleave  # a de-interleaved result indexes full tables by output lane
     ca, cb = (t.to(cd) for t in _lane_tables(cos, table_layout, full_tables, rotary_blocks))
     sa, sb = (t.to(cd) for t in _lane_tables(sin, table_layout, full_tables, rotary_blocks))
@@ -72,8 +74,8 @@ def rotary_reference(
     ob = b * cb + a * sb
     rot = join_pairs(oa, ob, table_layout, rotary_blocks)  # de-interleaved: the two NeoX halves
     rot = rot.to(out_dtype)
-    if r < x.shape[-1]:
-        rot = torch.cat((rot, x[..., r:].to(out_dtype)), dim=-1)
+    if off + r < x.shape[-1] or off:
+        rot = torch.cat((x[..., :off].to(out_dtype), rot, x[..., off + r:].to(out_dtype)), dim=-1)
     return rot
 
 
@@ -96,7 +98,7 @@ def partner_lanes(t: torch.Tensor, interleaved: bool, blocks: int = 1) -> torch.
 
 def table_grads(grads, xs, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, rotary_dim: int,
                 full_tables: bool, conjugate: bool, positions: torch.Tensor | None = None,
-                rotary_blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                rotary_blocks: int = 1, rotary_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of the tables, summed over every rotated tensor and reduced to each table's shape.
 
     With pairs (a, b): out[a] = x[a]C[a] - x[b]S[a] and out[b] = x[b]C[b] + x[a]S[b] (S negated when
@@ -105,18 +107,18 @@ def table_grads(grads, xs, cos: torch.Tensor, sin: torch.Tensor, *, interleaved:
     if positions is not None:  # the gradient of the gathered rows, accumulated into the cache's rows
         gc, gs = table_grads(grads, xs, cos[positions], sin[positions], interleaved=interleaved,
                              rotary_dim=rotary_dim, full_tables=full_tables, conjugate=conjugate,
-                             rotary_blocks=rotary_blocks)
+                             rotary_blocks=rotary_blocks, rotary_offset=rotary_offset)
         index = positions.reshape(-1)
         return (torch.zeros_like(cos).index_add_(0, index, gc.reshape(-1, cos.shape[-1])),
                 torch.zeros_like(sin).index_add_(0, index, gs.reshape(-1, sin.shape[-1])))
     cd = torch.float64 if torch.float64 in (cos.dtype, sin.dtype) else torch.float32
     sign = -1.0 if conjugate else 1.0
-    r = rotary_dim
+    lanes = slice(rotary_offset, rotary_offset + rotary_dim)
     gc = gs = None
     for g, x in zip(grads, xs):
         if g is None:
             continue
-        (ga, gb), (xa, xb) = (split_pairs(t[..., :r].to(cd), interleaved, rotary_blocks) for t in (g, x))
+        (ga, gb), (xa, xb) = (split_pairs(t[..., lanes].to(cd), interleaved, rotary_blocks) for t in (g, x))
         if full_tables:
             c = join_pairs(ga * xa, gb * xb, interleaved, rotary_blocks)
             s = join_pairs(-ga * xb, gb * xa, interleaved, rotary_blocks) * sign

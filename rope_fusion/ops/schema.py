@@ -34,7 +34,8 @@ class RotaryParams:
     """What a fused rotation does, besides its tensors: the keyword-only arguments of every op variant.
 
     interleaved: pairs (2j, 2j+1) when True, NeoX pairs (j, j + rotary_dim/2) when False.
-    rotary_dim: lanes [0, rotary_dim) rotate; the rest of the head dim passes through.
+    rotary_dim: lanes [rotary_offset, rotary_offset + rotary_dim) rotate; the rest of the head dim passes
+        through.
     full_tables: tables hold one entry per lane (width rotary_dim) instead of one per pair (rotary_dim/2).
     conjugate: rotate by minus the angle (sin negated).
     out_dtype: the dtype of the result (the math is fp32, fp64 when an input is fp64 and the output holds it).
@@ -48,6 +49,9 @@ class RotaryParams:
         W = rotary_dim / rotary_blocks pairs lane b*W + j with b*W + j + W/2 (a head dim split into per-axis
         blocks, each rotated on its own, as Allegro and Gemma 4's vision tower do); per-pair tables list block
         0's pairs, then block 1's; full tables are indexed by lane. 1 (plain NeoX) for interleaved pairs.
+    rotary_offset: the first rotated lane; the lanes before it pass through (a pass-through head: the rope part
+        at the end of DeepSeek-V3's MLA head, `cat((q_nope, rope(q_pe)), -1)`). Lane indices of the pairing and
+        of full tables count from it. A norm still normalises the whole head.
     """
 
     interleaved: bool
@@ -59,6 +63,7 @@ class RotaryParams:
     norm_eps: float = 1e-6
     deinterleave: bool = False
     rotary_blocks: int = 1
+    rotary_offset: int = 0
 
     def kwargs(self) -> dict[str, Any]:
         """The op's keyword arguments."""
@@ -196,17 +201,20 @@ def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
             raise ValueError(f"{name} has unsupported dtype {t.dtype}; expected one of {FLOAT_DTYPES}")
     if params.out_dtype not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype {params.out_dtype} is unsupported; expected one of {FLOAT_DTYPES}")
-    r = params.rotary_dim
+    r, off = params.rotary_dim, params.rotary_offset
     if r <= 0 or r % 2:
         raise ValueError(f"rotary_dim must be a positive even number, got {r}")
+    if off < 0:
+        raise ValueError(f"rotary_offset must be >= 0, got {off}")
     for name, x in zip(names[1:], xs[1:]):
         if x.shape[-1] != xs[0].shape[-1]:
             raise ValueError(f"q and {name} must share the head dim, got q {tuple(xs[0].shape)} and {name} "
                              f"{tuple(x.shape)}")
     width = params.table_width
     for name, x in zip(names, xs):
-        if r > x.shape[-1]:
-            raise ValueError(f"rotary_dim={r} exceeds the head dim of {name} (shape {tuple(x.shape)})")
+        if off + r > x.shape[-1]:
+            what = f"rotary_offset + rotary_dim = {off} + {r}" if off else f"rotary_dim={r}"
+            raise ValueError(f"{what} exceeds the head dim of {name} (shape {tuple(x.shape)})")
         for arg, t in (("cos", cos), ("sin", sin)):
             shape = gathered_shape(t, positions)
             what = f"{arg}[positions] of shape {shape}" if positions is not None else f"{arg} of shape {shape}"

@@ -276,7 +276,7 @@ def _unflatten(em: Emitter, out: fx.Node, m: Match) -> fx.Node:
 def params_of(m: Match) -> RotaryParams:
     return RotaryParams(interleaved=m.interleaved, rotary_dim=m.rotary_dim, full_tables=m.full_tables,
                         conjugate=m.conjugate, out_dtype=out_dtype(m), deinterleave=m.deinterleave,
-                        rotary_blocks=m.rotary_blocks)
+                        rotary_blocks=m.rotary_blocks, rotary_offset=m.offset)
 
 
 @dataclasses.dataclass
@@ -300,8 +300,6 @@ def fold_norms(group: tuple, nodes: dict, depends_on: Callable) -> tuple[list | 
     found = [norm_prologue(nodes[m.x_name], m.head_dim, m.blocks) for m in group]
     if all(f is None for f in found):
         return None, ""
-    if group[0].offset:
-        return None, f"the rotation starts at lane {group[0].offset}; the op normalises from lane 0 of the rotated x"
     if group[0].x_as_real:
         return None, "x is rotated as complex numbers; the op's norm reads real lanes"
     reasons = [f for f in found if isinstance(f, str)]
@@ -358,13 +356,6 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
             dts = {x.meta["val"].dtype for x in xs} | {cos.meta["val"].dtype, sin.meta["val"].dtype}
             if torch.float64 not in dts:  # the subgraph computed in fp64: so does the op
                 xs = [em.call(prims.convert_element_type.default, (x, torch.float64), like=m0.node) for x in xs]
-        heads = []
-        if m0.offset:  # rotate the lanes after the pass-through head, then put the head back in front
-            offset, n = m0.offset, m0.head_dim
-            heads = [em.call(prims.convert_element_type.default,
-                             (em.call(aten.slice.Tensor, (x, -1, 0, offset), like=m0.node), params.out_dtype),
-                             like=m0.node) for x in xs]
-            xs = [em.call(aten.slice.Tensor, (x, -1, offset, n), like=m0.node) for x in xs]
         backend, fallback = choose(site_spec(xs, cos, sin, params, m0, positions))
         call = RotaryCall(xs, cos, sin, params, positions, weights)
         outs = backend.emit(em, call, m0.node)
@@ -372,8 +363,6 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
             fallback = f"{backend.name}: {em.declined or 'declined at emission'}; the lowering instead"
             backend = get_backend("inductor")
             outs = backend.emit(em, call, m0.node)
-        if heads:
-            outs = [em.call(aten.cat.default, ([h, o], -1), like=m0.node) for h, o in zip(heads, outs)]
         finals = [_unflatten(em, o, m) for o, m in zip(outs, group)]
     op_name = f"rope_fusion.{OP_NAMES[len(group)]}"
     norm = f"{params.norm} folded" if norms is not None else (f"left in the graph: {norm_note}" if norm_note else "")

@@ -102,8 +102,8 @@ def kernel_match(site: KernelSite) -> Match:
         extra = site.positions
     return Match(node=site.node, value_k=1, blocks=blocks, x_name=site.x.name, x_k=1, x_as_real=False,
                  head_dim=site.head_dim, rotary_dim=r, interleaved=site.interleaved, full_tables=False,
-                 conjugate=site.conjugate, cos=cos, sin=sin, wide=False, offset=0, tables=tables, table_key=key,
-                 table_inputs=(extra,) if isinstance(extra, fx.Node) else (), origin=site.kind)
+                 conjugate=site.conjugate, cos=cos, sin=sin, wide=False, offset=site.rotary_offset, tables=tables,
+                 table_key=key, table_inputs=(extra,) if isinstance(extra, fx.Node) else (), origin=site.kind)
 
 
 # -- keys --------------------------------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ class KernelSite:
     # sites produced by ONE node (vLLM's in-place q+k op) share a group id; else unique
     group: int
     tail_from_x: bool                    # lanes >= rotary_dim of the result equal x's (verified from the graph)
+    rotary_offset: int = 0               # vLLM's rope_dim_offset: lanes [offset, offset + R) rotate, the rest copied
 
 
 class KernelMiss(Exception):

@@ -388,7 +388,7 @@ class Acceptor:
         half = rot // 2
         # the partner of the first rotated lane narrows the pairing; each candidate is then checked lane by lane
         e0, x0 = entries[head], xl.entry(head)
-        styles = [s for s in _pairings(half, head == 0 and rot == n)
+        styles = [s for s in _pairings(half)
                   if self._split(e0, x0, xl.entry(head + s.x_partner(0))) is not None]
         if not styles:
             for p0 in (half, 1):
@@ -586,10 +586,10 @@ class Pairing:
         return d - d % (2 * bh) + (d % (2 * bh) + bh) % (2 * bh)
 
 
-def _pairings(half: int, whole: bool) -> list:
-    """The pairings to try: NeoX, interleaved, de-interleaved (only when every lane rotates: no pass-through
-    lanes), then NeoX within 2, 3, ... equal blocks of at least 4 lanes (blocks of 2 are interleaved pairs)."""
-    names = ["neox", "interleaved"] + (["deinterleave"] if whole else [])
+def _pairings(half: int) -> list:
+    """The pairings to try: NeoX, interleaved, de-interleaved, then NeoX within 2, 3, ... equal blocks of at
+    least 4 lanes (blocks of 2 are interleaved pairs)."""
+    names = ["neox", "interleaved", "deinterleave"]
     blocks = [Pairing("neox", half, nb) for nb in range(2, half // 2 + 1) if half % nb == 0]
     return [Pairing(name, half) for name in names] + blocks
 

@@ -38,6 +38,11 @@ class Site:
     graph_kind: str = ""  # "inference", "forward" or "backward" (GraphRecord.kind)
     norm: str = ""  # the QK-norm before the rotation: "rms folded", or why it stayed in the graph
     blocks: int = 1  # NeoX pairs within this many equal blocks of the rotated lanes (a head dim rotated per axis)
+    offset: int = 0  # the first rotated lane (lanes before it pass through: DeepSeek's rope after its nope lanes)
+
+    def rotated_lanes(self) -> str:
+        """The rotary dim, or the rotated lane range when a pass-through head precedes it: "64" or "128:192"."""
+        return f"{self.offset}:{self.offset + self.rotary_dim}" if self.offset else str(self.rotary_dim)
 
     def style_label(self) -> str:
         """The pairing as a person reads it: "neox x3 blocks conjugate"."""
@@ -141,7 +146,7 @@ class Report:
             k = self.kernels[s.kernel] if 0 <= s.kernel < len(self.kernels) else None
             style = s.style_label()
             lines.append(
-                f"  site {i:3d} {s.role:1s} {style:21s} R={s.rotary_dim:<4d} D={s.head_dim:<4d} "
+                f"  site {i:3d} {s.role:1s} {style:21s} R={s.rotated_lanes():<4s} D={s.head_dim:<4d} "
                 f"{'[backward] ' if s.graph_kind == 'backward' else ''}"
                 f"tables {s.table_form} {s.table_dtype}, x {s.x_dtype} -> {s.out_dtype} "
                 f"{k.op if k else '?'}[{k.backend if k else '?'}]{' norm ' + s.norm if s.norm else ''} at {s.source}"

@@ -222,7 +222,7 @@ class RopeFusionPass(_PassBase):
                 table_dtype=dtype_name(p.cos.meta["val"].dtype), out_dtype=dtype_name(m.node.meta["val"].dtype),
                 shape=tuple(str(s) for s in m.node.meta["val"].shape), source=rotation_source(m.node),
                 kernel=kernel, role=role(m.node), graph_kind=self.report.graph_records[index].kind,
-                origin=m.origin, norm=p.norm, blocks=m.rotary_blocks))
+                origin=m.origin, norm=p.norm, blocks=m.rotary_blocks, offset=m.offset))
         self.report.kernels.append(Kernel(index, p.op_name, p.backend, ids, p.fallback))
 
     def _cache_tables(self, graph: fx.Graph, index: int, planned: list) -> None:

@@ -74,9 +74,10 @@ def site_spec(xs: list, cos: fx.Node, sin: fx.Node, params: RotaryParams, m: Mat
         upstream = sum(dataclasses.replace(spec, x_shapes=(shape,)).bytes_moved()
                        for x, shape in zip(xs, spec.x_shapes) if fused_producer(x))
     half, head = params.rotary_dim // 2, as_int(xv.shape[-1])
+    passed = head - params.rotary_dim if head is not None else None  # pass-through lanes: the kernel's other tile
     # rows the kernel pads, or rotates in halves too narrow for full-width loads (partial NeoX of 32 of 64
     # lanes, CLVP: 1.12x its launch's floor where Inductor's own kernel took 1.05x)
-    padded = half & (half - 1) != 0 or (head is not None and head & (head - 1) != 0) or \
+    padded = half & (half - 1) != 0 or (passed is not None and passed & (passed - 1) != 0) or \
         (half < 32 and not params.interleaved and params.rotary_dim != head)
     cost = SiteCost(x_bytes=x_bytes, table_bytes=table_bytes, tables_computed=computed, table_users=users,
                     style=style, x_fused_upstream_bytes=upstream or 0, norm=params.norm, padded=padded,

@@ -8,11 +8,14 @@ of their own computation, with the most specific reason.
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from . import lane_rules  # noqa: F401  (registers the transfer rules)
 from .lanes import LaneInterpreter, LaneValue
 from .matcher import Acceptor, Match, looks_like_rotation
+
+aten = torch.ops.aten
 
 
 def find_sites(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]], Acceptor]:
@@ -36,11 +39,7 @@ def find_sites(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]],
             accepted[node] = r
         else:
             rejected[node] = r
-    # A rotation after a pass-through head is emitted as cat(head, rotary(tail)); where the graph already
-    # holds the rotated tail (DeepSeek's cat(q_nope, rope(q_pe))), that smaller node is the better site:
-    # the cat stays either way, and the tail can share one launch with k.
-    for node in [n for n, m in accepted.items() if m.offset and any(a in accepted for a in n.all_input_nodes)]:
-        del accepted[node]
+    _keep_rotated_tails(accepted)
     last = {node for node in accepted if any(u not in accepted for u in node.users) or not node.users}
     # A rotation read twice, once as is and once through a view (`q * 2` and `q.expand(...)` for a matmul),
     # is replaced where it is computed: the view then reads the fused result instead of rotating again.
@@ -49,6 +48,26 @@ def find_sites(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]],
     chosen = _needed(chosen, acc)
     chosen.sort(key=lambda m: acc.order[m.node])
     return chosen, near_misses(acc, accepted, rejected), acc
+
+
+def _keep_rotated_tails(accepted: dict) -> None:
+    """Where the graph holds a rotated tail and then the whole head, choose the site.
+
+    A `cat` of the pass-through head and the rotated tail (transformers' DeepSeek: cat(q_nope, rope(q_pe))) is
+    a fresh tensor: replaced there, the op writes the head too (its rotary_offset) and the cat's copy of both
+    parts dies. Written into an existing tensor instead (vLLM's MLA: `q[..., nope:] = rope(q_pe)`, a
+    slice_scatter that Inductor does in place), only the tail is new: the tail stays the site (and can share
+    one launch with k), since the whole head would read and write every lane again."""
+    dropped = set()
+    for node, m in accepted.items():  # graph order: a view of a dropped head is dropped too
+        if not m.offset:
+            continue
+        inputs = [a for a in node.all_input_nodes if a in accepted]
+        if any(a in dropped for a in inputs) or (node.target is not aten.cat.default
+                                                 and any(not accepted[a].offset for a in inputs)):
+            dropped.add(node)
+    for node in dropped:
+        del accepted[node]
 
 
 def _needed(chosen: list[Match], acc: Acceptor) -> list[Match]:

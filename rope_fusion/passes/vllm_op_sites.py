@@ -20,8 +20,8 @@ cos = cache[p, :R/2], sin = cache[p, R/2:]; NeoX pairs (j, j+R/2) when is_neox e
 inverse; fp32 math, cast to query's dtype; other lanes untouched. The kernel addresses element (t, h, d) at
 t*stride_token + h*head_stride + d, with stride_token = x.stride(positions.dim()-1), head_stride =
 query.stride(-2) when query has a head dim, else head_size, and THE SAME head_stride for key; positions are
-read as contiguous int64. Verified before a site is claimed: rope_dim_offset == 0 (other offsets rotate lanes
-the fused op cannot express); R even, 0 < R <= head_size; cache 2-D contiguous, fp16/bf16/fp32; query and key
+read as contiguous int64. Verified before a site is claimed: R even, 0 < R <= head_size, rope_dim_offset + R <=
+head_size (the op's rotary_offset); cache 2-D contiguous, fp16/bf16/fp32; query and key
 fp16/bf16/fp32; positions int64 contiguous, 1-D with x [T, H*D] (layout "t(hd)") or [T, H, D] ("thd"), or 2-D
 [B, S] with x [B, S, H*D] ("bs(hd)") or
 [B, S, H, D] ("bshd"); x's token dims not provably different from positions' (the op checks them, so a
@@ -213,9 +213,6 @@ def vllm_sites(node: torch.fx.Node, kind: str, op: Any, v2: bool, group: int) ->
     is_neox = static_bool(arg("is_neox"), "is_neox")
     rope_dim_offset = static_int(arg("rope_dim_offset"), "rope_dim_offset")
     inverse = static_bool(arg("inverse"), "inverse")
-    if rope_dim_offset != 0:
-        raise KernelMiss(f"rope_dim_offset={rope_dim_offset}: the op rotates lanes [{rope_dim_offset}, "
-                         f"{rope_dim_offset}+rotary_dim) of each head; the fused op rotates the leading lanes")
     pos_node, cache_node = arg("positions"), arg("cos_sin_cache")
     pos, cache = tensor_of(pos_node, "positions"), tensor_of(cache_node, "cos_sin_cache")
     if cache.dim() != 2 or not contiguous_rows(cache):
@@ -224,6 +221,9 @@ def vllm_sites(node: torch.fx.Node, kind: str, op: Any, v2: bool, group: int) ->
     r = static_int(cache.shape[1], "cos_sin_cache's width (rotary_dim)")
     if r <= 0 or r % 2 or r > head_size:
         raise KernelMiss(f"rotary_dim={r} (cos_sin_cache width) must be even and in (0, head_size={head_size}]")
+    if rope_dim_offset < 0 or rope_dim_offset + r > head_size:
+        raise KernelMiss(f"rope_dim_offset={rope_dim_offset} with rotary_dim={r}: the rotated lanes pass the end of "
+                         f"the head (head_size={head_size})")
     if kind == "vllm.flashinfer_rotary_embedding":
         if cache.dtype != torch.float32:
             raise KernelMiss(f"cos_sin_cache is {cache.dtype}; flashinfer requires float32 (it raises otherwise)")
@@ -281,7 +281,8 @@ def vllm_sites(node: torch.fx.Node, kind: str, op: Any, v2: bool, group: int) ->
         sites.append(KernelSite(
             kind=kind, node=res[0], x=xn, layout=layout, head_dim=head_size, rotary_dim=r,
             interleaved=not is_neox, conjugate=inverse, cos=None, sin=None, seqlen_offset=0, cu_seqlens=None,
-            max_seqlen=None, cos_sin_cache=cache_node, positions=pos_node, group=group, tail_from_x=True))
+            max_seqlen=None, cos_sin_cache=cache_node, positions=pos_node, group=group, tail_from_x=True,
+            rotary_offset=rope_dim_offset))
     return sites
 
 
