@@ -770,3 +770,37 @@ def test_gpu_pass_through_head(style):
     assert torch.equal(out[..., :128], q[..., :128])
     err = (out.double() - want).abs().max().item()
     assert err <= 2 * torch.finfo(torch.bfloat16).eps * want.abs().max().item(), err
+
+
+@pytest.mark.parametrize("full,conjugate,gathered", [(False, False, False), (True, True, False), (False, False, True)],
+                         ids=["per-pair", "full-conj", "cache-rows"])
+def test_angle_tables(full, conjugate, gathered):
+    """Tables given as angles: the kernel takes cos and sin of each token's angle row once, for every head of
+    q and k; angles up to 500 rad (positions x frequencies) against fp64 cos and sin of the same fp32 angles.
+    With positions, the angles are cache rows."""
+    torch.manual_seed(16)
+    q = torch.randn(2, 5, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 5, 2, 64, dtype=torch.bfloat16)
+    width = 64 if full else 32
+    if gathered:
+        cache, pos = torch.rand(40, width) * 500, torch.randint(0, 40, (2, 5, 1))
+        ang = cache[pos]
+        args = (cache, cache, RotaryParams(**opts(False, 64, full, conjugate), angle_tables=True), pos)
+    else:
+        ang = torch.rand(5, 1, width) * 500
+        args = (ang, ang, RotaryParams(**opts(False, 64, full, conjugate), angle_tables=True))
+    with poisoned_outputs():
+        outs = tr.launch([q, k], *args, kernel=KERNEL)
+    for out, x in zip(outs, (q, k)):
+        check(out, x, ang.double().cos(), ang.double().sin(), **opts(False, 64, full, conjugate))
+
+
+@cuda
+def test_gpu_angle_tables():
+    """cos and sin of fp32 angles up to 8192 rad (8192 positions x frequency 1) on the GPU, against fp64."""
+    torch.manual_seed(17)
+    q = torch.randn(1, 8192, 8, 128, dtype=torch.bfloat16, device="cuda")
+    ang = (torch.arange(8192, device="cuda")[:, None] * torch.rand(64, device="cuda"))[:, None]  # [S, 1, 64]
+    params = RotaryParams(**opts(True, 128, False, False), angle_tables=True)
+    (out,) = tr.launch([q], ang, ang, params)
+    check(out, q, ang.double().cos(), ang.double().sin(), **opts(True, 128, False, False))

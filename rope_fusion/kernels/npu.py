@@ -186,6 +186,9 @@ def _impl(call: RotaryCall) -> list | None:
         return None
     if call.positions is not None:
         cos, sin = cos[call.positions], sin[call.positions]
+    if params.angle_tables:  # the NPU ops take tables: computed here, in fp32
+        cos, sin = cos.float().cos(), sin.float().sin()
+        params = params.replace(angle_tables=False)
     if params.norm != "none":
         xs = [rms_norm(x.float(), params.norm, params.norm_eps, call.weight(i)).to(x.dtype)
               for i, x in enumerate(xs)]
@@ -201,7 +204,7 @@ def _rotated(call: RotaryCall) -> list:
     """The rotation of a call without positions, norm or pass-through head, through the NPU ops."""
     xs, cos, sin, params = call.xs, call.cos, call.sin, call.params
     kw = {k: v for k, v in params.kwargs().items()
-          if k not in ("norm", "norm_eps", "deinterleave", "rotary_blocks", "rotary_offset")}
+          if k not in ("norm", "norm_eps", "deinterleave", "rotary_blocks", "rotary_offset", "angle_tables")}
     if len(xs) == 2:
         layout = apply_layout(*xs, cos, sin, **{k: v for k, v in kw.items() if k != "conjugate"})
         if layout is not None:

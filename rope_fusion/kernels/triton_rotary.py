@@ -70,6 +70,7 @@ def _rotary_kernel(
     CONJ: tl.constexpr, MATH_FP64: tl.constexpr, NEOX_ROW: tl.constexpr, HAS_POS: tl.constexpr,
     NORM: tl.constexpr, HAS_W: tl.constexpr, HEAD_PAD: tl.constexpr, DEINTERLEAVE: tl.constexpr,
     ONE_BLOCK: tl.constexpr, SCD: tl.constexpr, SSD: tl.constexpr, BH: tl.constexpr, OFFSET: tl.constexpr,
+    ANGLES: tl.constexpr,
 ):
     """Rotate the rows of one token of q (and k, and v): grid = (tokens, NSPLIT).
 
@@ -140,7 +141,13 @@ def _rotary_kernel(
     if FULL_TABLES:
         cb = tl.load(c_row + ib * SCD, mask=tmask, other=0.0).to(cdt)[None, :]
         sb = tl.load(s_row + ib * SSD, mask=tmask, other=0.0).to(cdt)[None, :]
-    else:
+    if ANGLES:  # the tables hold angles: their cos and sin, once per token for every head
+        ca = tl.cos(ca)
+        sa = tl.sin(sa)
+        if FULL_TABLES:
+            cb = tl.cos(cb)
+            sb = tl.sin(sb)
+    if not FULL_TABLES:
         cb = ca
         sb = sa
     if CONJ:
@@ -590,6 +597,7 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
                 NORM={"none": 0, "rms": 1, "rms_across_heads": 2}[params.norm],
                 HAS_W=any(w is not None for w in weights), HEAD_PAD=triton.next_power_of_2(head_dim),
                 DEINTERLEAVE=params.deinterleave, ONE_BLOCK=one_block, OFFSET=params.rotary_offset,
+                ANGLES=params.angle_tables,
                 # the tables' lane strides are compile-time constants: Inductor launches the kernel with runtime
                 # scalars that Triton does not specialize, and a lane stride only known at run time turns the
                 # vector loads into gathers (the in-graph kernel ran at twice the time of a direct launch)

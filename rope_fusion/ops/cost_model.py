@@ -9,9 +9,10 @@ model's own code one per tensor).
 
 - The Triton kernel reads its tables from memory: a table that the graph computes (Llama's cos/sin of
   positions x frequencies, LTX's per-head tables) must first be written by another kernel, which plain
-  compile and the op's lowering compute inside the rotation instead. An x that Inductor computes elementwise
-  (a norm the op could not fold, a cat) fuses into the model's code and the lowering, but is written and
-  read again around the Triton kernel.
+  compile and the op's lowering compute inside the rotation instead. Tables that are cos and sin of one angle
+  tensor reach the op as that tensor (angle_tables): only the angles count, written once if computed. An x
+  that Inductor computes elementwise (a norm the op could not fold, a cat) fuses into the model's code and
+  the lowering, but is written and read again around the Triton kernel.
 - A folded QK-norm changes every factor: Inductor fuses a per-head norm with a NeoX rotation well (1.4x at
   D=128, 1.8-1.9x at D=80) and with an interleaved one badly (3.1-3.4x), a norm across heads worse (3.5-4.0x);
   the kernel, as launched from Inductor's code, takes 1.09-1.11x with a per-head norm (1.33-1.38x at D=80) and

@@ -91,6 +91,8 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams, positions=None):
         (cl, cs, co), (sl, ss, so) = tables
         c = ops.to_dtype(cl(table_index(cs, co, lead, lane)), cd)
         s = ops.to_dtype(sl(table_index(ss, so, lead, lane)), cd)
+        if p.angle_tables:
+            c, s = ops.cos(c), ops.sin(s)
         second = ops.index_expr(is_second, torch.int32)
         sign_pos = ops.eq(second, ops.constant(0 if conjugate else 1, torch.int32))
         xs = ops.mul(xp, s)

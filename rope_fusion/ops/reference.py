@@ -53,15 +53,19 @@ def rotary_reference(
     deinterleave: bool = False,
     rotary_blocks: int = 1,
     rotary_offset: int = 0,
+    angle_tables: bool = False,
 ) -> torch.Tensor:
     """out[a]=x[a]C[a]-x[b]S[a], out[b]=x[b]C[b]+x[a]S[b] per pair (a,b); S negated when conjugate; with
     positions the tables are the rows cos[positions], sin[positions] of a cache; with a norm, x is first
     normalised (RMS over each head, or over all heads of a token) and scaled by the weight; lanes outside
-    [rotary_offset, rotary_offset + rotary_dim) pass through."""
+    [rotary_offset, rotary_offset + rotary_dim) pass through; with angle_tables the tables are angles, and
+    their cos and sin rotate."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if positions is not None:
         cos, sin = cos[positions], sin[positions]
     cd = math_dtype([x], cos, sin, out_dtype)
+    if angle_tables:
+        cos, sin = cos.to(cd).cos(), sin.to(cd).sin()
     x = rms_norm(x.to(cd), norm, norm_eps, norm_weight) if norm != "none" else x
     r, off = rotary_dim, rotary_offset
     a, b = split_pairs(x[..., off:off + r].to(cd), interleaved, rotary_blocks)

@@ -52,6 +52,9 @@ class RotaryParams:
     rotary_offset: the first rotated lane; the lanes before it pass through (a pass-through head: the rope part
         at the end of DeepSeek-V3's MLA head, `cat((q_nope, rope(q_pe)), -1)`). Lane indices of the pairing and
         of full tables count from it. A norm still normalises the whole head.
+    angle_tables: cos and sin hold angles: the op rotates by cos(cos) and sin(sin), computed in its math dtype
+        (tables that the model computes as cos and sin of one angle tensor, HiDream's, are then never written:
+        the op reads the angles once per token instead of two tables).
     """
 
     interleaved: bool
@@ -64,6 +67,7 @@ class RotaryParams:
     deinterleave: bool = False
     rotary_blocks: int = 1
     rotary_offset: int = 0
+    angle_tables: bool = False
 
     def kwargs(self) -> dict[str, Any]:
         """The op's keyword arguments."""

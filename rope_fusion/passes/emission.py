@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from ..ops.backends import Backend, SiteSpec, get_backend
 from ..ops.schema import OP_NAMES, RotaryCall, RotaryParams
-from .fx_util import as_int
+from .fx_util import as_int, chain_back
 from .gathers import gather_of
 from .grouping import out_dtype
 from .matcher import Match, TableRef
@@ -198,6 +198,50 @@ def table_view(em: Emitter, nodes: dict, t: TableRef, blocks: tuple, like: fx.No
     return view
 
 
+@dataclasses.dataclass
+class AngleSource:
+    """Tables that the graph computes as cos(angle) and sin(angle) of one tensor, then views (and casts) of
+    both alike: the op can read the angle through the same views (angle_tables) and compute cos and sin per
+    token itself, so the two tables are never written and read back (HiDream's rotation matrices, Llama's
+    tables from positions x frequencies)."""
+
+    angle: fx.Node
+    views: list  # the view nodes from the cos node to the table, nearest the angle first
+
+
+def angle_source(nodes: dict, cos: TableRef, sin: TableRef) -> AngleSource | None:
+    if cos.pieces or sin.pieces or cos.partner or sin.partner or cos.as_real or sin.as_real:
+        return None
+    if (cos.k, cos.start, cos.step, cos.width) != (sin.k, sin.start, sin.step, sin.width):
+        return None
+    chains = [chain_back(nodes[t.name], _ANGLE_CARRIERS) for t in (cos, sin)]
+    (c, s) = (ch[-1] for ch in chains)
+    if c.target is not aten.cos.default or s.target is not aten.sin.default or c.args[0] is not s.args[0]:
+        return None
+    views = [[n for n in ch[:-1] if n.target not in _CASTS] for ch in chains]
+    if [(n.target, n.args[1:], n.kwargs) for n in views[0]] != [(n.target, n.args[1:], n.kwargs) for n in views[1]]:
+        return None  # cos and sin reach the rotation through different views
+    a = c.args[0]
+    if not isinstance(a, fx.Node) or not a.meta["val"].is_floating_point() or a.meta["val"].is_complex():
+        return None
+    return AngleSource(a, list(reversed(views[0])))
+
+
+def angle_view(em: Emitter, nodes: dict, src: AngleSource, t: TableRef, m: Match) -> fx.Node:
+    """The angle through the tables' views, as the op reads it (one node for cos and sin)."""
+    node = src.angle
+    for v in src.views:  # views commute with the elementwise cos and sin
+        node = em.call(v.target, (node, *v.args[1:]), dict(v.kwargs), like=m.node)
+    ref = dataclasses.replace(t, name=node.name)
+    return table_view(em, {**nodes, node.name: node}, ref, m.blocks, m.node, m.interleaved, m.rotary_blocks)
+
+
+_CASTS = (prims.convert_element_type.default, aten._to_copy.default)
+_ANGLE_CARRIERS = _CASTS + (aten.unsqueeze.default, aten.squeeze.dim, aten.view.default, aten.reshape.default,
+                            aten.expand.default, aten.slice.Tensor, aten.permute.default, aten.transpose.int,
+                            aten.select.int, aten.alias.default)
+
+
 def _dim_of(em: Emitter, views: list, dim: int, like: fx.Node) -> Any:
     """Size `dim` (negative, counted before the lanes) of the broadcast of `views`: from a view where it is
     not 1."""
@@ -291,6 +335,7 @@ class PlannedGroup:
     sin: fx.Node
     anchor: fx.Node
     norm: str = ""  # what happened to a QK-norm before the rotation
+    angle_tables: bool = False  # the op computes cos and sin of one angle tensor
 
 
 def fold_norms(group: tuple, nodes: dict, depends_on: Callable) -> tuple[list | None, str]:
@@ -346,10 +391,15 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
         gathered = m0.tables(em) if m0.tables is not None else gathered_tables(em, nodes, m0, m0.node)
         if gathered is not None:
             cos, sin, positions = gathered
-        else:
-            cos = table_view(em, nodes, m0.cos, m0.blocks, m0.node, m0.interleaved, m0.rotary_blocks)
-            sin = table_view(em, nodes, m0.sin, m0.blocks, m0.node, m0.interleaved, m0.rotary_blocks)
         params = params_of(m0)
+        if gathered is None:
+            angles = angle_source(nodes, m0.cos, m0.sin)
+            if angles is not None:  # one view of the angles serves as both
+                params = params.replace(angle_tables=True)
+                cos = sin = angle_view(em, nodes, angles, m0.cos, m0)
+            else:
+                cos, sin = (table_view(em, nodes, t, m0.blocks, m0.node, m0.interleaved, m0.rotary_blocks)
+                            for t in (m0.cos, m0.sin))
         if norms is not None:
             params = params.replace(norm=norms[0].kind, norm_eps=norms[0].eps)
         if m0.wide and params.out_dtype in (torch.float32, torch.float64):
@@ -366,7 +416,8 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
         finals = [_unflatten(em, o, m) for o, m in zip(outs, group)]
     op_name = f"rope_fusion.{OP_NAMES[len(group)]}"
     norm = f"{params.norm} folded" if norms is not None else (f"left in the graph: {norm_note}" if norm_note else "")
-    return PlannedGroup(group, inputs, finals, op_name, backend.name, fallback, cos, sin, anchor, norm)
+    return PlannedGroup(group, inputs, finals, op_name, backend.name, fallback, cos, sin, anchor, norm,
+                        params.angle_tables)
 
 
 def anchor_of(group: tuple, nodes: dict, order: dict) -> fx.Node:

@@ -39,6 +39,7 @@ class Site:
     norm: str = ""  # the QK-norm before the rotation: "rms folded", or why it stayed in the graph
     blocks: int = 1  # NeoX pairs within this many equal blocks of the rotated lanes (a head dim rotated per axis)
     offset: int = 0  # the first rotated lane (lanes before it pass through: DeepSeek's rope after its nope lanes)
+    angles: bool = False  # the op reads the angles that the graph took cos and sin of, and computes both itself
 
     def rotated_lanes(self) -> str:
         """The rotary dim, or the rotated lane range when a pass-through head precedes it: "64" or "128:192"."""
@@ -148,7 +149,7 @@ class Report:
             lines.append(
                 f"  site {i:3d} {s.role:1s} {style:21s} R={s.rotated_lanes():<4s} D={s.head_dim:<4d} "
                 f"{'[backward] ' if s.graph_kind == 'backward' else ''}"
-                f"tables {s.table_form} {s.table_dtype}, x {s.x_dtype} -> {s.out_dtype} "
+                f"tables {s.table_form} {s.table_dtype}{' angles' if s.angles else ''}, x {s.x_dtype} -> {s.out_dtype} "
                 f"{k.op if k else '?'}[{k.backend if k else '?'}]{' norm ' + s.norm if s.norm else ''} at {s.source}"
             )
         for k in self.kernels:

@@ -222,12 +222,12 @@ class RopeFusionPass(_PassBase):
                 table_dtype=dtype_name(p.cos.meta["val"].dtype), out_dtype=dtype_name(m.node.meta["val"].dtype),
                 shape=tuple(str(s) for s in m.node.meta["val"].shape), source=rotation_source(m.node),
                 kernel=kernel, role=role(m.node), graph_kind=self.report.graph_records[index].kind,
-                origin=m.origin, norm=p.norm, blocks=m.rotary_blocks, offset=m.offset))
+                origin=m.origin, norm=p.norm, blocks=m.rotary_blocks, offset=m.offset, angles=p.angle_tables))
         self.report.kernels.append(Kernel(index, p.op_name, p.backend, ids, p.fallback))
 
     def _cache_tables(self, graph: fx.Graph, index: int, planned: list) -> None:
         """Host tables of fused sites: cached device copies (their own transaction: a failure keeps the sites)."""
-        tables = [t for p in planned for t in (p.cos, p.sin)]
+        tables = list(dict.fromkeys(t for p in planned for t in (p.cos, p.sin)))  # angle tables: one node for both
         if not (self.cache_host_tables and tables):
             return
         from .host_tables import cache_host_tables

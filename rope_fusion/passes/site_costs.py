@@ -57,7 +57,7 @@ def site_spec(xs: list, cos: fx.Node, sin: fx.Node, params: RotaryParams, m: Mat
                                                                 for x in xs),
                     x_dtype=xv.dtype, table_dtype=cos.meta["val"].dtype, params=params)
     table_bytes = 0
-    for t in (cos, sin):
+    for t in dict.fromkeys((cos, sin)):  # angle tables: one tensor for both
         val = t.meta["val"]
         rows = tuple(positions.meta["val"].shape) if positions is not None else tuple(val.shape[:-1])
         numel = math.prod(as_int(d) or 1 for d in (*rows, val.shape[-1]))
