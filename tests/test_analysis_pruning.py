@@ -2,6 +2,8 @@
 
 - The rotation screen (`matcher.looks_like_rotation`) answers, in one pass over a lane's atoms, the pairwise
   question it is defined by: do two products of the lane read different lanes of one tensor?
+- The acceptor splits each rotated lane into its two products by reading the monomials
+  (`matcher._split_products`) where the lane has the common form; it answers as the general search does.
 - The lane interpreter skips values wider than any head that only flow into projections, statistics and
   elementwise math (a DiT block's modulation, gates and residual stream); the rotations beside them still
   fuse, with the same numerics. A wide value that the graph returns, or that flows into anything else (a
@@ -16,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from conftest import check_numerics, compile_with_pass
 
-from rope_fusion.passes import lanes
-from rope_fusion.passes.matcher import SCAN_LANES, looks_like_rotation
+from rope_fusion.passes import lanes, matcher
+from rope_fusion.passes.matcher import SCAN_LANES, Acceptor, looks_like_rotation
 
 
 def _pairwise(entries) -> bool:
@@ -29,6 +31,37 @@ def _pairwise(entries) -> bool:
                                       for s, f, i in atoms for t, g, j in atoms):
             return True
     return False
+
+
+def test_quick_split_agrees_with_the_general_search(monkeypatch):
+    """Random x lanes (source lanes, or products such as a normed lane x * rsqrt * weight) and lanes built as
+    c1 * t1 * xd + c2 * t2 * xp, some disturbed (a third product, one table for both, a table atom that is an
+    x atom, xd == xp, another coefficient): wherever the quick split answers, the general search gives the
+    same answer, and it answers for the undisturbed lanes."""
+    rng = random.Random(11)
+    pool = [(n, 1, False, i) for n in "xrwct" for i in range(3)]
+
+    def mono(k):
+        return tuple(sorted(rng.choice(pool) for _ in range(k)))
+
+    answered = 0
+    for _ in range(4000):
+        md, mp = mono(rng.randint(1, 3)), mono(rng.randint(1, 3))
+        xd, xp = {md: rng.choice([1.0, 2.0])}, {mp: 1.0}
+        t1, t2 = rng.choice(pool), rng.choice(pool)
+        e = {tuple(sorted(md + (t1,))): rng.choice([1.0, -0.5])}
+        m2 = tuple(sorted(mp + (t2,)))
+        e[m2] = e.get(m2, 0.0) + rng.choice([1.0, -1.0, 3.0])
+        if rng.random() < 0.2:
+            e[mono(2)] = 1.0
+        quick = matcher._split_products(e, xd, xp)
+        with monkeypatch.context() as m:
+            m.setattr(matcher, "_split_products", lambda *a: None)
+            general = Acceptor._split(None, e, xd, xp)
+        if quick is not None:
+            answered += 1
+            assert quick == general, (e, xd, xp, quick, general)
+    assert answered > 1000, answered
 
 
 def test_rotation_screen_matches_its_pairwise_definition():
