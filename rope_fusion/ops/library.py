@@ -61,9 +61,9 @@ def _setup_context(arity: int) -> Callable[..., None]:
         ctx.x_dtypes = [x.dtype for x in call.xs]
         ctx.tables_need_grad = call.cos.requires_grad or call.sin.requires_grad
         # backward through the reference: a norm, a de-interleaved output, tables given as angles
-        ctx.normed = call.params.norm != "none" or call.params.deinterleave or call.params.angle_tables
+        ctx.via_reference = call.params.norm != "none" or call.params.deinterleave or call.params.angle_tables
         # x is needed only for the tables' gradients or a norm's; saving it otherwise costs activation memory
-        keep_x = ctx.tables_need_grad or ctx.normed
+        keep_x = ctx.tables_need_grad or ctx.via_reference
         ctx.save_for_backward(*(call.tensors() if keep_x else
                                 (None,) * arity + (call.cos, call.sin, call.positions)))
     return setup
@@ -72,11 +72,12 @@ def _setup_context(arity: int) -> Callable[..., None]:
 def _backward(ctx: Any, *grads: Any) -> tuple:
     """The gradient of a rotation is the conjugate rotation (with the sin entry of the partner lane when the
     tables hold one entry per lane); tables that require grad get the sums of reference.table_grads. With a
-    norm, the gradient comes from autograd through the reference, recomputed here."""
+    norm, a de-interleaved output or angle tables, the gradient comes from autograd through the reference,
+    recomputed here."""
     saved = ctx.saved_tensors
     call = RotaryCall.parse(saved, ctx.params.kwargs(), ctx.arity)
     n_inputs = len(call.xs) + 3 + len(call.xs)  # xs, cos, sin, positions, one norm weight per x
-    if ctx.normed:
+    if ctx.via_reference:
         return _recomputed_grads(call, grads, n_inputs)
     p = ctx.params
     back_sin = partner_lanes(call.sin, p.interleaved, p.rotary_blocks) if p.full_tables else call.sin

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from ..ops.backends import Backend, SiteSpec, get_backend
 from ..ops.schema import OP_NAMES, RotaryCall, RotaryParams
-from .fx_util import as_int, chain_back
+from .fx_util import CASTS, as_int, chain_back
 from .gathers import gather_of
 from .grouping import out_dtype
 from .matcher import Match, TableRef
@@ -218,7 +218,7 @@ def angle_source(nodes: dict, cos: TableRef, sin: TableRef) -> AngleSource | Non
     (c, s) = (ch[-1] for ch in chains)
     if c.target is not aten.cos.default or s.target is not aten.sin.default or c.args[0] is not s.args[0]:
         return None
-    views = [[n for n in ch[:-1] if n.target not in _CASTS] for ch in chains]
+    views = [[n for n in ch[:-1] if n.target not in CASTS] for ch in chains]
     if [(n.target, n.args[1:], n.kwargs) for n in views[0]] != [(n.target, n.args[1:], n.kwargs) for n in views[1]]:
         return None  # cos and sin reach the rotation through different views
     a = c.args[0]
@@ -229,15 +229,12 @@ def angle_source(nodes: dict, cos: TableRef, sin: TableRef) -> AngleSource | Non
 
 def angle_view(em: Emitter, nodes: dict, src: AngleSource, t: TableRef, m: Match) -> fx.Node:
     """The angle through the tables' views, as the op reads it (one node for cos and sin)."""
-    node = src.angle
-    for v in src.views:  # views commute with the elementwise cos and sin
-        node = em.call(v.target, (node, *v.args[1:]), dict(v.kwargs), like=m.node)
+    node = _replay(em, src.angle, src.views, m.node)  # views commute with the elementwise cos and sin
     ref = dataclasses.replace(t, name=node.name)
     return table_view(em, {**nodes, node.name: node}, ref, m.blocks, m.node, m.interleaved, m.rotary_blocks)
 
 
-_CASTS = (prims.convert_element_type.default, aten._to_copy.default)
-_ANGLE_CARRIERS = _CASTS + (aten.unsqueeze.default, aten.squeeze.dim, aten.view.default, aten.reshape.default,
+_ANGLE_CARRIERS = CASTS + (aten.unsqueeze.default, aten.squeeze.dim, aten.view.default, aten.reshape.default,
                             aten.expand.default, aten.slice.Tensor, aten.permute.default, aten.transpose.int,
                             aten.select.int, aten.alias.default)
 
@@ -359,8 +356,12 @@ def fold_norms(group: tuple, nodes: dict, depends_on: Callable) -> tuple[list | 
 
 def _raw_x(em: Emitter, norm: NormPrologue, like: fx.Node) -> fx.Node:
     """The norm's input with the layout ops between the norm and the rotation applied to it."""
-    x = norm.raw
-    for view in norm.views:
+    return _replay(em, norm.raw, norm.views, like)
+
+
+def _replay(em: Emitter, x: fx.Node, views, like: fx.Node) -> fx.Node:
+    """`views` (single-input layout ops, in order) applied to x instead of their own input."""
+    for view in views:
         x = em.call(view.target, (x, *view.args[1:]), dict(view.kwargs), like=like)
     return x
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guard_int, is_concrete_int, statically_known_true
+
+# dtype casts, as the post-grad graph spells them
+CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 
 
 class SymbolicSizeError(ValueError):

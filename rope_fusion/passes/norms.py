@@ -19,12 +19,11 @@ import math
 import torch
 import torch.fx as fx
 
-from .fx_util import as_int
+from .fx_util import CASTS, as_int
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_CASTS = (prims.convert_element_type.default, aten._to_copy.default)
 # Layout ops between the norm and the rotation (attention processors transpose q to [B, H, S, D], Wan
 # unflattens [B, S, H*D] to heads): replayed on the raw tensor when the norm is folded.
 _VIEWS = (aten.permute.default, aten.transpose.int, aten.view.default, aten.reshape.default,
@@ -43,7 +42,7 @@ class NormPrologue:
 
 
 def _strip(node, seen: set | None = None):
-    while isinstance(node, fx.Node) and node.target in _CASTS and node.args:
+    while isinstance(node, fx.Node) and node.target in CASTS and node.args:
         if seen is not None:
             seen.add(node)
         node = node.args[0]
