@@ -8,6 +8,10 @@
   elementwise math (a DiT block's modulation, gates and residual stream); the rotations beside them still
   fuse, with the same numerics. A wide value that the graph returns, or that flows into anything else (a
   cache write), is still analysed: it may be a rotation.
+- Three shortcuts leave every answer as it was, sites and near-miss reasons: a reshape of a
+  wide projection into heads is rejected before the projection's lanes are built, the acceptor drops an x
+  candidate that lane 0 never reads, and a grouping whose rows are heads of one table is tried after the
+  one-head grouping.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import random
 import torch
 import torch.nn.functional as F
 from conftest import check_numerics, compile_with_pass
+from torch.fx.experimental.proxy_tensor import make_fx
 
-from rope_fusion.passes import lanes, matcher
+from rope_fusion.passes import lanes, matcher, sites
 from rope_fusion.passes.matcher import SCAN_LANES, Acceptor, looks_like_rotation
 
 
@@ -175,3 +180,48 @@ def test_a_wide_rotation_that_flows_into_a_cache_write_is_still_analysed():
     out, p = compile_with_pass(ltx_rope_into_caches, *args)
     assert len(p.report.sites) == 2 and len(p.report.kernels) == 1, p.report.table()
     check_numerics(ltx_rope_into_caches, args, out)
+
+
+
+def _answers(graph) -> tuple:
+    matches, misses, _ = sites.find_sites(graph)
+    return [repr(m) for m in matches], [(n.name, str(r)) for n, r in misses]
+
+
+def _wide_projection_into_heads(h, w, cos, sin):
+    """Flux's form: a 1024-wide projection viewed as 8 heads of 128 (rejected as a source before its lanes are
+    built), then NeoX per head."""
+    q = (h @ w).view(1, 4, 8, 128)
+    return q * cos + torch.cat([-q[..., 64:], q[..., :64]], -1) * sin
+
+
+def _norm_across_heads(x, weight, cos, sin):
+    """Wan's form: an RMSNorm over all 4 x 32 lanes of a token, then the heads' interleaved pairs rotated by
+    tables shared by every head (a 2-dim lane grid whose rows share tables)."""
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    x1, x2 = x.view(1, 6, 4, 16, 2).unbind(-1)
+    return torch.cat([(x1 * cos - x2 * sin)[..., None], (x1 * sin + x2 * cos)[..., None]], -1).flatten(3)
+
+
+def test_the_analysis_shortcuts_leave_every_answer_unchanged(monkeypatch):
+    """Every catalogue spelling, variation and near miss, traced to aten, with Flux's and Wan's forms at
+    widths where the shortcuts act: the sites found (every field of each match) and the near-miss reasons are
+    the same with the shortcuts switched off. Among them: complex pairs inside a head (where the wider
+    grouping is the head), strided slices, pass-through heads, 2x2 matrices, norms per head and across heads."""
+    from spellings import ALL
+
+    calls = [(case.id, case.fn, case.make(case.dtypes[0])) for case in ALL.values()]
+    calls.append(("wide projection", _wide_projection_into_heads,
+                  (torch.randn(1, 4, 64), torch.randn(64, 1024), torch.randn(4, 1, 128), torch.randn(4, 1, 128))))
+    calls.append(("norm across heads", _norm_across_heads,
+                  (torch.randn(1, 6, 128), torch.randn(128), torch.randn(6, 1, 16), torch.randn(6, 1, 16))))
+    graphs, fast = [], []
+    for _, fn, args in calls:
+        graphs.append(make_fx(fn, tracing_mode="fake")(*args).graph)
+        fast.append(_answers(graphs[-1]))
+    assert fast[-2][0] and fast[-1][0]  # both forms are found
+    monkeypatch.setattr(lanes.LaneInterpreter, "is_source", lambda self, arg: False)
+    monkeypatch.setattr(matcher, "_reads_lane", lambda e, xd: True)
+    monkeypatch.setattr(Acceptor, "_rows_share_tables", staticmethod(lambda v, m: False))
+    for (name, _, _), graph, f in zip(calls, graphs, fast):
+        assert _answers(graph) == f, name

@@ -161,3 +161,18 @@ def test_signature_drops_grid_ranks():
     assert poly.signature({(X0,): 1.0}) != poly.signature({(X0,): 2.0})
     # hashable: used as a dict key by the matcher
     assert {poly.signature(plain): 1}[poly.signature(promoted)] == 1
+
+
+def test_mul_of_single_terms_on_random_monomials():
+    """A product of two one-term polynomials (the common case, which mul takes without its accumulation loop):
+    the two monomials' atoms joined and sorted, the coefficients multiplied, None past MAX_DEGREE."""
+    import random
+
+    rng = random.Random(5)
+    pool = [("x", 1, False, i) for i in range(4)] + [("t", 2, False, i) for i in range(3)]
+    for _ in range(3000):
+        ml = tuple(sorted(rng.choice(pool) for _ in range(rng.randint(0, 4))))
+        mr = tuple(sorted(rng.choice(pool) for _ in range(rng.randint(0, 4))))
+        cl, cr = rng.choice([1.0, -2.0, 0.5]), rng.choice([1.0, -1.0, 3.0])
+        want = {tuple(sorted(ml + mr)): cl * cr} if len(ml) + len(mr) <= poly.MAX_DEGREE else None
+        assert poly.mul({ml: cl}, {mr: cr}) == want, (ml, mr)

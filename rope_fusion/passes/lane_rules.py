@@ -109,7 +109,7 @@ def _pointwise_values(interp, node, values, fn, is_complex=False):
     shape, k, operand_entries = _align(interp, node, values)
     out = []
     for lane in zip(*operand_entries):
-        if any(entry is None for entry in lane):
+        if None in lane:  # (entries are dicts: `in` compares them to None by identity first, then ==)
             out.append(None)
             continue
         result = fn(*lane)
@@ -290,19 +290,34 @@ def rule_reshape(interp, node):
     """A reshape that splits or merges lane dims regroups the same lanes in row-major order; leading dims
     join the grid when merged into it. view(x [2, 8], [2, 2, 4]): grid (2, 4), lanes x0..x7 in order.
     A reshape of leading dims only makes a new source."""
-    value = interp.value(node.args[0])
+    arg, new = node.args[0], _out_shape(node)
+    if interp.is_source(arg):  # decided on the source's geometry before its lanes are built
+        shape, k, is_complex = interp.raw_geometry(arg)
+        if not is_complex:
+            _reshape_tail(interp, shape, k, shape[len(shape) - k:], True, new)
+    value = interp.value(arg)
     if value.is_complex:
         raise Unsupported("complex reshape")
-    new = _out_shape(node)
     old = value.shape
-    if len(new) >= value.k and tuple(as_int(d) for d in new[len(new) - value.k:]) == tuple(value.grid):
+    tail = _reshape_tail(interp, old, value.k, value.grid, _is_gather(value), new)
+    if tail is None:
+        return LaneValue(new, value.k, value.entries, False, value.wide)
+    pos, new_tail = tail
+    promoted = interp.promote(value, len(old) - pos)
+    return LaneValue(new[:pos] + tuple(new_tail), len(new) - pos, promoted.entries, False, value.wide)
+
+
+def _reshape_tail(interp, old: tuple, k: int, grid: tuple, gather: bool, new: tuple) -> tuple | None:
+    """(pos, new tail): the reshape regroups the dims from `pos` on, which become the new grid; None for the
+    same shape; raises Unsupported where the result is a new source (a value of shape `old`, grid of k dims)."""
+    if len(new) >= k and tuple(as_int(d) for d in new[len(new) - k:]) == tuple(grid):
         if len(new) == len(old) and all(same_dim(a, b) for a, b in zip(old, new)):
-            return LaneValue(new, value.k, value.entries, False, value.wide)
+            return None
         raise Unsupported("reshape of leading dims only: the result is a new source")
     pos = 0
     while pos < min(len(old), len(new)) and same_dim(old[pos], new[pos]):
         pos += 1
-    pos = min(pos, len(old) - value.k)
+    pos = min(pos, len(old) - k)
     while pos >= 0:
         old_tail = [as_int(d) for d in old[pos:]]
         if None in old_tail:
@@ -311,10 +326,9 @@ def rule_reshape(interp, node):
         if None not in new_tail and math.prod(old_tail) == math.prod(new_tail):
             if math.prod(new_tail) > interp.max_lanes:
                 raise Unsupported("too many lanes")
-            if _splits_into_heads(value, new_tail):
+            if _splits_into_heads(k, grid, gather, new_tail):
                 raise Unsupported("a projection split into heads: each head's lanes are a new source")
-            promoted = interp.promote(value, len(old) - pos)
-            return LaneValue(new[:pos] + tuple(new_tail), len(new) - pos, promoted.entries, False, value.wide)
+            return pos, new_tail
         pos -= 1
     raise Unsupported("reshape across symbolic dims")
 
@@ -323,15 +337,15 @@ HEAD_SPLIT_MIN_LANES = 1024  # a plain tensor's grid at least this wide, split i
 HEAD_SPLIT_MIN_HEAD = 32  # ... when the split's last dim (the head dim) is at least this wide
 
 
-def _splits_into_heads(value: LaneValue, new_tail: list) -> bool:
+def _splits_into_heads(k: int, grid: tuple, gather: bool, new_tail: list) -> bool:
     """A plain tensor (a projection's output: every lane one source lane) whose wide grid is viewed as heads of
     a head dim, [.., H*D] -> [.., H, D]. Its lanes are then taken afresh per head (a new source, D lanes): the
     rotation acts within a head, and carrying all H*D lanes through every later op made the analysis of a
     3072-lane Flux projection take most of the pass's time. Splits of computed values keep their lanes (a norm
     across all heads before the split, as in Wan, is seen through them), and so do small or pair splits
     (`reshape(..., -1, 2)`, NeoX's (2, D/2)), which are rotations' own spellings."""
-    return (len(new_tail) > value.k and math.prod(value.grid) >= HEAD_SPLIT_MIN_LANES
-            and new_tail[-1] >= HEAD_SPLIT_MIN_HEAD and _is_gather(value))
+    return (len(new_tail) > k and math.prod(grid) >= HEAD_SPLIT_MIN_LANES
+            and new_tail[-1] >= HEAD_SPLIT_MIN_HEAD and gather)
 
 
 @lane_rule(aten.unsqueeze.default)

@@ -258,12 +258,13 @@ class LaneInterpreter:
             return LaneValue((), 0, [poly.const(arg)])
         raise Unsupported(f"argument {arg!r}")
 
-    def raw(self, node: fx.Node, k: int = 1) -> LaneValue:
-        """The node as a source: each lane is an atom of (the first node structurally equal to) itself."""
-        node = self.structure.canonical(node)
-        key = (node, k)
-        if key in self._raw:
-            return self._raw[key]
+    def is_source(self, arg: Any) -> bool:
+        """Whether `value(arg)` would take the node as a source (`raw`): no rule computed its lanes."""
+        return isinstance(arg, fx.Node) and not isinstance(self.values.get(arg), LaneValue)
+
+    def raw_geometry(self, node: fx.Node, k: int = 1) -> tuple:
+        """(shape, grid rank, is_complex) of `raw(node, k)`, without building its lanes (a rule that may reject
+        a source asks this first: a wide projection's lanes cost more than the rule's decision)."""
         val = meta(node)
         if not isinstance(val, torch.Tensor):
             raise Unsupported("no tensor meta")
@@ -275,10 +276,18 @@ class LaneInterpreter:
         shape = tuple(val.shape) + ((2,) if is_complex else ())
         grid_rank = min(k + (1 if is_complex else 0), len(shape))
         grid = lane_dims(shape[len(shape) - grid_rank:], specialize=(grid_rank <= (2 if is_complex else 1)))
-        count = math.prod(grid)
-        if count > self.max_lanes:
+        if math.prod(grid) > self.max_lanes:
             raise Unsupported("too many lanes")
-        shape = shape[: len(shape) - grid_rank] + tuple(grid)
+        return shape[: len(shape) - grid_rank] + tuple(grid), grid_rank, is_complex
+
+    def raw(self, node: fx.Node, k: int = 1) -> LaneValue:
+        """The node as a source: each lane is an atom of (the first node structurally equal to) itself."""
+        node = self.structure.canonical(node)
+        key = (node, k)
+        if key in self._raw:
+            return self._raw[key]
+        shape, grid_rank, is_complex = self.raw_geometry(node, k)
+        count = math.prod(shape[len(shape) - grid_rank:])
         name = node.name  # poly.atom, inlined: a wide graph creates hundreds of thousands of source lanes
         entries = [{((name, grid_rank, is_complex, flat),): 1.0} for flat in range(count)]
         result = LaneValue(shape, grid_rank, entries, is_complex)

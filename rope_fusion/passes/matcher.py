@@ -221,14 +221,35 @@ class Acceptor:
                 return Rejection(FORM, f"lane {d} is never written")
             if v.is_complex:
                 return Rejection(FORM, "complex result")
-            for m in range(v.k, 0, -1):
+            # The widest grouping first, except one whose rows look like heads of the same tables: it is tried
+            # after the narrower ones, which then match with one head's tables (it could only match by reading
+            # them again per head, and ruling it out cost as much as the match on Wan's 12 x 128 lanes).
+            widths = list(range(v.k, 0, -1))
+            later = [m for m in widths if self._rows_share_tables(v, m)]
+            misses = {}
+            for m in [m for m in widths if m not in later] + later:
                 r = self._accept_blocks(node, v, m)
                 if isinstance(r, Match):
                     return r
-                if r.stage > best.stage:
-                    best = r
+                misses[m] = r
+            for m in widths:  # the widest grouping's reason first, as if tried in that order
+                if misses[m].stage > best.stage:
+                    best = misses[m]
             v = lanes.demote(self.interp, v)
         return best
+
+    @staticmethod
+    def _rows_share_tables(v: lanes.LaneValue, m: int) -> bool:
+        """Whether lane 0 and the first lane of the next row of an m-dim grouping share two or more atoms
+        (a cos and a sin entry: the rows are heads of one table). Only an order of trial: any answer is safe."""
+        if m < 2:
+            return False
+        n = math.prod(v.grid[v.k - m:])
+        rows = v.grid[v.k - m]
+        if rows < 2:
+            return False
+        first, second = v.entries[0], v.entries[n // rows]
+        return bool(first) and bool(second) and len(poly.atoms_of(first) & poly.atoms_of(second)) >= 2
 
     # -- x candidates ------------------------------------------------------------------------------
     def _x_candidates(self, p1: dict, v: lanes.LaneValue, total: int) -> list:
@@ -369,9 +390,23 @@ class Acceptor:
 
     def _accept_x(self, node, v, m, n, nblocks, xl: _XLanes) -> Match | Rejection:
         entries = v.entries
+        if xl.entries is None:  # a source x: lane i copies it when the entry is the one atom of lane i
+            src = (xl.name, xl.k, xl.as_real)
 
-        def is_copy(i):
-            return _close(entries[i], xl.entry(i))
+            def is_copy(i):
+                e = entries[i]
+                if e is None or len(e) != 1:
+                    return False
+                (mono, coef), = e.items()
+                return len(mono) == 1 and mono[0][3] == i and mono[0][:3] == src and abs(coef - 1.0) <= 1e-12
+            if not is_copy(0) and not _reads_lane(entries[0], xl.entry(0)):
+                # lane 0 is rotated but never reads x[0]: no pairing nor shared table can fit, whatever the
+                # rotated range (not scanning it saves most of the time spent on the wrong candidates)
+                return Rejection(PAIRING, "lane 0 pairs with neither lane 0+R/2 (NeoX) nor lane 1 (interleaved) "
+                                          "of x")
+        else:
+            def is_copy(i):
+                return _close(entries[i], xl.entries[i])
 
         # lanes [0, head) copied, [head, head + rot) rotated, the rest copied (head > 0: the rotated part comes
         # after a pass-through head, as in LTX's padded tables or DeepSeek-V4's rope at the end)
@@ -618,6 +653,14 @@ def _split_products(e: dict, xd: dict, xp: dict):
     if ca[0] == cb[0] or ca[0] in md or ca[0] in mp or cb[0] in md or cb[0] in mp:
         return None
     return ca, cb
+
+
+def _reads_lane(e: dict | None, xd: dict) -> bool:
+    """Whether some monomial of e is a monomial of the x lane xd times one more atom: `_split` and
+    `_shared_factor` both need it of a lane that combines x lanes (a source's lanes are distinct atoms)."""
+    if not e:
+        return False
+    return any(_one_more(mono, md) is not None for mono in e for md in xd)
 
 
 def _one_more(mono: tuple, sub: tuple):

@@ -49,6 +49,18 @@ def scale(poly: Poly, factor: float) -> Poly:
 
 def mul(left: Poly, right: Poly) -> Poly | None:
     """Product, or None when it grows past the degree/term caps (the value becomes opaque)."""
+    if len(left) == 1 and len(right) == 1:  # the common case (a lane times a table entry): no accumulation
+        ((mono_l, coef_l),), ((mono_r, coef_r),) = left.items(), right.items()
+        if not mono_l or not mono_r:
+            mono = mono_l or mono_r
+        elif len(mono_l) == 1 and len(mono_r) == 1:
+            mono = mono_l + mono_r if mono_l[0] <= mono_r[0] else mono_r + mono_l
+        else:
+            mono = tuple(sorted(mono_l + mono_r))
+            if len(mono) > MAX_DEGREE:
+                return None
+        coef = coef_l * coef_r
+        return {mono: coef} if coef != 0.0 else {}
     out: Poly = {}
     for mono_l, coef_l in left.items():
         for mono_r, coef_r in right.items():
