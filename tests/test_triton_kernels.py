@@ -506,13 +506,15 @@ def test_cache_rows_picked_by_positions(interleaved, rotary_dim):
 @pytest.mark.parametrize("norm,interleaved,rotary_dim,weighted,head_dim,block_h", [
     ("rms", False, 64, True, 64, None), ("rms", True, 64, False, 64, None), ("rms", False, 32, True, 64, None),
     ("rms", True, 80, True, 80, None), ("rms", False, 80, True, 80, None),  # padded rows (D=80)
+    ("rms", False, 32, True, 72, None), ("rms", True, 48, True, 72, None),  # a padded tail: the weight as a row
     ("rms_across_heads", True, 64, True, 64, None), ("rms_across_heads", False, 48, False, 64, None),
     ("rms_across_heads", False, 64, True, 64, 1),  # heads over several blocks: the first pass sums them
     ("rms_across_heads", True, 80, True, 80, None),
 ])
 def test_norm_prologue(norm, interleaved, rotary_dim, weighted, head_dim, block_h):
     """The QK-norm folded into the kernel: each head (or every head of a token) RMS-normalised, times the
-    per-lane weight (per head and lane across heads), then rotated; against the reference's fp64 result.
+    per-lane weight (per head and lane across heads), then rotated; against the reference's fp64 result. A
+    weight shared by every head is loaded once per tensor, as a tile (rows without padded lanes) or as a row.
     The statistics come from the tile being rotated, or, for a norm across heads whose heads span several
     tiles, from a first pass."""
     torch.manual_seed(4)

@@ -70,7 +70,7 @@ def _rotary_kernel(
     CONJ: tl.constexpr, MATH_FP64: tl.constexpr, NEOX_ROW: tl.constexpr, HAS_POS: tl.constexpr,
     NORM: tl.constexpr, HAS_W: tl.constexpr, HEAD_PAD: tl.constexpr, DEINTERLEAVE: tl.constexpr,
     ONE_BLOCK: tl.constexpr, SCD: tl.constexpr, SSD: tl.constexpr, BH: tl.constexpr, OFFSET: tl.constexpr,
-    ANGLES: tl.constexpr,
+    ANGLES: tl.constexpr, W_HEADS: tl.constexpr, W_TILE: tl.constexpr,
 ):
     """Rotate the rows of one token of q (and k, and v): grid = (tokens, NSPLIT).
 
@@ -189,6 +189,24 @@ def _rotary_kernel(
             swh = swvh
             first = (split + NSPLIT - (nbq + nbk) % NSPLIT) % NSPLIT
         nblocks = (nheads + BLOCK_H - 1) // BLOCK_H
+        if HAS_W and not W_HEADS:
+            # One weight row for every head, loaded once per side instead of once per head block. Held as a whole
+            # (BLOCK_H, lanes) tile when the rows have no padded lanes, else as one (1, lanes) row that the loop
+            # broadcasts (each the faster of the two in the norm sweep: BENCHMARKS.md, Tile choice).
+            if W_TILE:
+                wz = tl.full((BLOCK_H, 1), 0, tl.int32)
+            else:
+                wz = tl.full((1, 1), 0, tl.int32)
+            if NEOX_ROW:
+                w_row = tl.load(w_ptr + OFFSET + (row_off + wz), mask=row_mask & (wz == 0), other=0.0).to(cdt)
+            elif INTERLEAVED:
+                w_row = tl.load(w_ptr + OFFSET + (lanes + wz), mask=(lanes < ROT) & (wz == 0), other=0.0).to(cdt)
+            else:
+                w_a = tl.load(w_ptr + OFFSET + (lj + wz), mask=(j < HALF) & (wz == 0), other=0.0).to(cdt)
+                w_b = tl.load(w_ptr + OFFSET + (BH + lj + wz), mask=(j < HALF) & (wz == 0), other=0.0).to(cdt)
+            if TAIL_PAD > 0:
+                w_t = tl.load(w_ptr + (plane + wz), mask=(tl.arange(0, TAIL_PAD)[None, :] < PASS) & (wz == 0),
+                              other=0.0).to(cdt)
         if NORM == 2 and not ONE_BLOCK:  # one scale for every head of the token: a first pass sums the squares
             total = tl.full((BLOCK_H,), 0.0, cdt)
             whole = tl.arange(0, HEAD_PAD)[None, :]
@@ -242,7 +260,15 @@ def _rotary_kernel(
                     a = a * scale
                     b = b * scale
                 t = t * scale
-            if HAS_W:
+            if HAS_W and not W_HEADS:
+                if NEOX_ROW or INTERLEAVED:
+                    v = v * w_row
+                else:
+                    a = a * w_a
+                    b = b * w_b
+                if TAIL_PAD > 0:
+                    t = t * w_t
+            elif HAS_W:
                 wh = w_ptr + heads.to(tl.int64)[:, None] * swh
                 wp = wh + OFFSET
                 if NEOX_ROW or INTERLEAVED:
@@ -596,6 +622,8 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
                 MATH_FP64=wide, NEOX_ROW=neox_row, HAS_POS=tables.positions is not None,
                 NORM={"none": 0, "rms": 1, "rms_across_heads": 2}[params.norm],
                 HAS_W=any(w is not None for w in weights), HEAD_PAD=triton.next_power_of_2(head_dim),
+                # a weight that varies over heads is loaded per head block; one shared by every head, once
+                W_HEADS=not all(_is_true(sw == 0) for sw in (wq, wk, wv)), W_TILE=lanes_pad == head_dim,
                 DEINTERLEAVE=params.deinterleave, ONE_BLOCK=one_block, OFFSET=params.rotary_offset,
                 ANGLES=params.angle_tables,
                 # the tables' lane strides are compile-time constants: Inductor launches the kernel with runtime
