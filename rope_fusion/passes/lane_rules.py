@@ -291,15 +291,18 @@ def rule_reshape(interp, node):
     join the grid when merged into it. view(x [2, 8], [2, 2, 4]): grid (2, 4), lanes x0..x7 in order.
     A reshape of leading dims only makes a new source."""
     arg, new = node.args[0], _out_shape(node)
-    if interp.is_source(arg):  # decided on the source's geometry before its lanes are built
-        shape, k, is_complex = interp.raw_geometry(arg)
-        if not is_complex:
-            _reshape_tail(interp, shape, k, shape[len(shape) - k:], True, new)
-    value = interp.value(arg)
-    if value.is_complex:
+    value = None
+    if interp.is_source(arg):  # decided on the source's geometry: its lanes are built only when they are kept
+        old, k, is_complex = interp.raw_geometry(arg)
+        grid = old[len(old) - k:]
+    else:
+        value = interp.value(arg)
+        old, k, is_complex, grid = value.shape, value.k, value.is_complex, value.grid
+    if is_complex:
         raise Unsupported("complex reshape")
-    old = value.shape
-    tail = _reshape_tail(interp, old, value.k, value.grid, _is_gather(value), new)
+    tail = _reshape_tail(interp, old, k, grid, value, new)
+    if value is None:
+        value = interp.value(arg)
     if tail is None:
         return LaneValue(new, value.k, value.entries, False, value.wide)
     pos, new_tail = tail
@@ -307,9 +310,10 @@ def rule_reshape(interp, node):
     return LaneValue(new[:pos] + tuple(new_tail), len(new) - pos, promoted.entries, False, value.wide)
 
 
-def _reshape_tail(interp, old: tuple, k: int, grid: tuple, gather: bool, new: tuple) -> tuple | None:
+def _reshape_tail(interp, old: tuple, k: int, grid: tuple, value: LaneValue | None, new: tuple) -> tuple | None:
     """(pos, new tail): the reshape regroups the dims from `pos` on, which become the new grid; None for the
-    same shape; raises Unsupported where the result is a new source (a value of shape `old`, grid of k dims)."""
+    same shape; raises Unsupported where the result is a new source (a value of shape `old`, grid of k dims;
+    None for a source, whose lanes are not built yet)."""
     if len(new) >= k and tuple(as_int(d) for d in new[len(new) - k:]) == tuple(grid):
         if len(new) == len(old) and all(same_dim(a, b) for a, b in zip(old, new)):
             return None
@@ -326,7 +330,7 @@ def _reshape_tail(interp, old: tuple, k: int, grid: tuple, gather: bool, new: tu
         if None not in new_tail and math.prod(old_tail) == math.prod(new_tail):
             if math.prod(new_tail) > interp.max_lanes:
                 raise Unsupported("too many lanes")
-            if _splits_into_heads(k, grid, gather, new_tail):
+            if _splits_into_heads(k, grid, value, new_tail):
                 raise Unsupported("a projection split into heads: each head's lanes are a new source")
             return pos, new_tail
         pos -= 1
@@ -337,7 +341,7 @@ HEAD_SPLIT_MIN_LANES = 1024  # a plain tensor's grid at least this wide, split i
 HEAD_SPLIT_MIN_HEAD = 32  # ... when the split's last dim (the head dim) is at least this wide
 
 
-def _splits_into_heads(k: int, grid: tuple, gather: bool, new_tail: list) -> bool:
+def _splits_into_heads(k: int, grid: tuple, value: LaneValue | None, new_tail: list) -> bool:
     """A plain tensor (a projection's output: every lane one source lane) whose wide grid is viewed as heads of
     a head dim, [.., H*D] -> [.., H, D]. Its lanes are then taken afresh per head (a new source, D lanes): the
     rotation acts within a head, and carrying all H*D lanes through every later op made the analysis of a
@@ -345,7 +349,7 @@ def _splits_into_heads(k: int, grid: tuple, gather: bool, new_tail: list) -> boo
     across all heads before the split, as in Wan, is seen through them), and so do small or pair splits
     (`reshape(..., -1, 2)`, NeoX's (2, D/2)), which are rotations' own spellings."""
     return (len(new_tail) > k and math.prod(grid) >= HEAD_SPLIT_MIN_LANES
-            and new_tail[-1] >= HEAD_SPLIT_MIN_HEAD and gather)
+            and new_tail[-1] >= HEAD_SPLIT_MIN_HEAD and (value is None or _is_gather(value)))
 
 
 @lane_rule(aten.unsqueeze.default)
