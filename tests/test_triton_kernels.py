@@ -536,6 +536,56 @@ def test_norm_prologue(norm, interleaved, rotary_dim, weighted, head_dim, block_
         assert err <= 4 * torch.finfo(torch.bfloat16).eps * want.abs().max().item(), err
 
 
+@pytest.mark.parametrize("norm,interleaved,head_dim", [("rms", True, 80), ("rms", False, 80), ("rms", False, 64),
+                                                    ("rms_across_heads", True, 64)])
+def test_norm_prologue_in_fp64(norm, interleaved, head_dim):
+    """fp64 inputs take the kernel's fp64 math, where the norm's scale is 1 / sqrt (fp32 takes rsqrt, which
+    is an approximation in fp64 too) and a weight row folded into the tables: within a few fp64 ulps of the
+    reference."""
+    torch.manual_seed(9)
+    q = torch.randn(2, 5, 4, head_dim, dtype=torch.float64)
+    k = torch.randn(2, 5, 2, head_dim, dtype=torch.float64)
+    cos, sin = tables((5, 1), head_dim // 2, dtype=torch.float64)
+    wq, wk = (torch.randn(head_dim if norm == "rms" else (h, head_dim), dtype=torch.float64) for h in (4, 2))
+    kw = opts(interleaved, head_dim, out_dtype=torch.float64)
+    with poisoned_outputs():
+        qo, ko = tr.launch([q, k], cos, sin, RotaryParams(**kw, norm=norm, norm_eps=1e-5), None, [wq, wk],
+                           kernel=KERNEL)
+    for out, x, w in ((qo, q, wq), (ko, k, wk)):
+        want = rotary_reference(x, cos, sin, norm=norm, norm_eps=1e-5, norm_weight=w, **kw)
+        assert (out - want).abs().max().item() <= 1e-12 * want.abs().max().item()
+
+
+def test_head_offsets_take_64_bits_only_where_32_could_overflow(monkeypatch):
+    """The loop's head offsets are 32-bit where every one provably fits (the planner's rule, on meta tensors
+    with a head stride that would overflow), and the 64-bit code computes the same outputs."""
+    params = RotaryParams(**opts(True, 64), norm="rms", norm_eps=1e-6)
+    cos, sin = tables((8, 1), 32)
+
+    def head_i64(xs: list) -> bool:
+        outs = [torch.empty_like(x) for x in xs]
+        [(_, _, _, meta)] = tr._make_launches(xs, outs, tr._Tables(cos, sin, None, [None] * len(xs)), params,
+                                              None, None, None, None)
+        return meta["HEAD_I64"]
+
+    small = torch.empty_strided((1, 8, 16, 64), (8 * 16 * 64, 64, 8 * 64, 1), device="meta")  # [B, S, H, D]
+    wide = torch.empty_strided((1, 8, 16, 64), (16 * 2**22 * 64, 64, 2**22 * 64, 1), device="meta")  # [B, H, S, D]
+    assert head_i64([small, small]) is False
+    assert head_i64([small, wide]) is True
+
+    torch.manual_seed(10)
+    q = torch.randn(2, 8, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 8, 2, 64, dtype=torch.bfloat16)
+    w = torch.randn(64)
+    with poisoned_outputs():
+        narrow = tr.launch([q, k], cos, sin, params, None, [w, w], kernel=KERNEL)
+        monkeypatch.setattr(tr, "_LAUNCH_CACHE", {})
+        monkeypatch.setattr(tr, "_heads_fit_int32", lambda *a: False)
+        wide_out = tr.launch([q, k], cos, sin, params, None, [w, w], kernel=KERNEL)
+    for a, b in zip(narrow, wide_out):
+        assert torch.equal(a, b)
+
+
 # Builds the kernel's Triton IR for planned launches in a fresh interpreter: the IR is made before any target
 # code, so no GPU is needed, but not in a process where the Triton interpreter has run (it patches the
 # language's builtins). stdin: [[meta, scalars], ...]; stdout: for each, the count of fp64 tensor values.

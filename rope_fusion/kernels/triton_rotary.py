@@ -70,7 +70,7 @@ def _rotary_kernel(
     CONJ: tl.constexpr, MATH_FP64: tl.constexpr, NEOX_ROW: tl.constexpr, HAS_POS: tl.constexpr,
     NORM: tl.constexpr, HAS_W: tl.constexpr, HEAD_PAD: tl.constexpr, DEINTERLEAVE: tl.constexpr,
     ONE_BLOCK: tl.constexpr, SCD: tl.constexpr, SSD: tl.constexpr, BH: tl.constexpr, OFFSET: tl.constexpr,
-    ANGLES: tl.constexpr, W_HEADS: tl.constexpr, W_TILE: tl.constexpr,
+    ANGLES: tl.constexpr, W_HEADS: tl.constexpr, W_TILE: tl.constexpr, HEAD_I64: tl.constexpr,
 ):
     """Rotate the rows of one token of q (and k, and v): grid = (tokens, NSPLIT).
 
@@ -207,20 +207,57 @@ def _rotary_kernel(
             if TAIL_PAD > 0:
                 w_t = tl.load(w_ptr + (plane + wz), mask=(tl.arange(0, TAIL_PAD)[None, :] < PASS) & (wz == 0),
                               other=0.0).to(cdt)
+            # A weight row broadcast over the heads (padded lanes: W_TILE off) is folded into this side's table
+            # rows, once per program: x * w then the rotation is (x_a * w_a) * c_a - (x_b * w_b) * s_a =
+            # x_a * (w_a * c_a) - x_b * (w_b * s_a), a multiply an element fewer in the loop (D=80: 1.26-1.34x ->
+            # 1.20-1.31x the floor). A weight tile stays a multiply in the loop: folded, the four tables become
+            # whole tiles too, and the registers they take cost more (D=128 NeoX 1.10 -> 1.18x; BENCHMARKS.md).
+            if not W_TILE:
+                if NEOX_ROW:
+                    wa, wb = tl.split(tl.permute(tl.reshape(w_row, (1, 2, HALF_PAD)), (0, 2, 1)))
+                elif INTERLEAVED:
+                    wa, wb = tl.split(tl.reshape(w_row, (1, HALF_PAD, 2)))
+                else:
+                    wa = w_a
+                    wb = w_b
+                ca_w = ca * wa
+                sa_w = sa * wb
+                cb_w = cb * wb
+                sb_w = sb * wa
+            else:
+                ca_w = ca
+                sa_w = sa
+                cb_w = cb
+                sb_w = sb
+        else:
+            ca_w = ca
+            sa_w = sa
+            cb_w = cb
+            sb_w = sb
         if NORM == 2 and not ONE_BLOCK:  # one scale for every head of the token: a first pass sums the squares
             total = tl.full((BLOCK_H,), 0.0, cdt)
             whole = tl.arange(0, HEAD_PAD)[None, :]
             for hb in range(0, nblocks):
                 heads = hb * BLOCK_H + hoffs
-                xp = x_row + heads.to(tl.int64)[:, None] * sxh
+                if HEAD_I64:
+                    xp = x_row + heads.to(tl.int64)[:, None] * sxh
+                else:
+                    xp = x_row + heads[:, None] * sxh
                 v = tl.load(xp + whole, mask=(heads < nheads)[:, None] & (whole < HEAD_DIM), other=0.0).to(cdt)
                 total += tl.sum(v * v, axis=1)
-            token_scale = 1.0 / tl.sqrt(tl.sum(total, axis=0) / (nheads * HEAD_DIM) + eps)
+            if MATH_FP64:  # rsqrt is an approximation in fp64 too (rsqrt.approx.f64)
+                token_scale = 1.0 / tl.sqrt(tl.sum(total, axis=0) / (nheads * HEAD_DIM) + eps)
+            else:
+                token_scale = tl.math.rsqrt(tl.sum(total, axis=0) / (nheads * HEAD_DIM) + eps)
         for hb in range(first, nblocks, NSPLIT):
             heads = hb * BLOCK_H + hoffs
             hmask = (heads < nheads)[:, None]
-            xh = x_row + heads.to(tl.int64)[:, None] * sxh
-            oh = o_row + heads.to(tl.int64)[:, None] * soh
+            if HEAD_I64:
+                xh = x_row + heads.to(tl.int64)[:, None] * sxh
+                oh = o_row + heads.to(tl.int64)[:, None] * soh
+            else:  # every head's offset in a token's rows fits 32 bits: a third of the address arithmetic
+                xh = x_row + heads[:, None] * sxh
+                oh = o_row + heads[:, None] * soh
             xp = xh + OFFSET  # the rotated lanes
             op = oh + OFFSET
             # Rows forms hold the head rows as loaded, (BLOCK_H, 2 * HALF_PAD): the norm's statistics and its
@@ -249,27 +286,37 @@ def _rotary_kernel(
                 else:
                     ss = tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1) + tl.sum(t * t, axis=1)
                 if NORM == 1:
-                    scale = (1.0 / tl.sqrt(ss / HEAD_DIM + eps))[:, None]
+                    ms = ss / HEAD_DIM + eps
                 elif ONE_BLOCK:  # every head of the token is in this tile: no first pass
-                    scale = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / (nheads * HEAD_DIM) + eps)
-                else:
+                    ms = tl.sum(ss, axis=0) / (nheads * HEAD_DIM) + eps
+                if NORM == 2 and not ONE_BLOCK:
                     scale = token_scale
+                elif MATH_FP64:
+                    scale = 1.0 / tl.sqrt(ms)
+                else:  # one instruction where 1 / sqrt takes two and their range fix-ups (eps keeps ms normal)
+                    scale = tl.math.rsqrt(ms)
+                if NORM == 1:
+                    scale = scale[:, None]
                 if NEOX_ROW or INTERLEAVED:
                     v = v * scale
                 else:
                     a = a * scale
                     b = b * scale
                 t = t * scale
-            if HAS_W and not W_HEADS:
-                if NEOX_ROW or INTERLEAVED:
-                    v = v * w_row
-                else:
-                    a = a * w_a
-                    b = b * w_b
+            if HAS_W and not W_HEADS:  # a weight row is in the tables (above), a weight tile is applied here
+                if W_TILE:
+                    if NEOX_ROW or INTERLEAVED:
+                        v = v * w_row
+                    else:
+                        a = a * w_a
+                        b = b * w_b
                 if TAIL_PAD > 0:
                     t = t * w_t
             elif HAS_W:
-                wh = w_ptr + heads.to(tl.int64)[:, None] * swh
+                if HEAD_I64:
+                    wh = w_ptr + heads.to(tl.int64)[:, None] * swh
+                else:
+                    wh = w_ptr + heads[:, None] * swh
                 wp = wh + OFFSET
                 if NEOX_ROW or INTERLEAVED:
                     v = v * tl.load(wp + row, mask=m, other=0.0).to(cdt)
@@ -282,8 +329,8 @@ def _rotary_kernel(
                 a, b = tl.split(tl.permute(tl.reshape(v, (BLOCK_H, 2, HALF_PAD)), (0, 2, 1)))
             elif INTERLEAVED:
                 a, b = tl.split(tl.reshape(v, (BLOCK_H, HALF_PAD, 2)))
-            oa = a * ca - b * sa
-            ob = b * cb + a * sb
+            oa = a * ca_w - b * sa_w
+            ob = b * cb_w + a * sb_w
             if DEINTERLEAVE:  # pairs read interleaved, written as the two NeoX halves
                 mo = hmask & (j < HALF)
                 tl.store(op + j, oa.to(op.dtype.element_ty), mask=mo)
@@ -580,6 +627,24 @@ def _weight_head_stride(w: Any, x: torch.Tensor, head: int | None) -> int:
     return w.expand(x.shape).stride(head)
 
 
+INT32_MAX = 2**31 - 1
+
+
+def _heads_fit_int32(p: _Plan, block_h: int, weights: list, xs: list) -> bool:
+    """Whether every head offset the loop computes (head index, padded to whole blocks, times the head stride of
+    x, its output or a per-head weight) is known to fit 32 bits; symbolic strides that might not keep 64."""
+    reach = []
+    for i, h in enumerate(p.heads):
+        if not isinstance(h, int):
+            return False
+        top = -(-h // block_h) * block_h  # past the last head of the last (padded) block
+        strides = [p.x_strides[i][3], p.o_strides[i][3]]
+        if i < len(weights) and weights[i] is not None:
+            strides.append(_weight_head_stride(weights[i], xs[i], p.head))
+        reach += [top * abs(st) for st in strides]
+    return all(isinstance(r, int) and r <= INT32_MAX for r in reach)
+
+
 def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, params: RotaryParams,
                  block_h: int | None, num_warps: int | None, nsplit: int | None,
                  neox_row: bool | None) -> tuple:
@@ -624,6 +689,7 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
                 HAS_W=any(w is not None for w in weights), HEAD_PAD=triton.next_power_of_2(head_dim),
                 # a weight that varies over heads is loaded per head block; one shared by every head, once
                 W_HEADS=not all(_is_true(sw == 0) for sw in (wq, wk, wv)), W_TILE=lanes_pad == head_dim,
+                HEAD_I64=not _heads_fit_int32(p, bh, weights, xs),
                 DEINTERLEAVE=params.deinterleave, ONE_BLOCK=one_block, OFFSET=params.rotary_offset,
                 ANGLES=params.angle_tables,
                 # the tables' lane strides are compile-time constants: Inductor launches the kernel with runtime
