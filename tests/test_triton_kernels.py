@@ -387,6 +387,42 @@ def test_gpu_realistic(interleaved, shape, heads_k, rotary_dim, full_tables):
 
 
 @cuda
+@pytest.mark.parametrize("norm,interleaved,head_dim,dtype", [
+    ("rms", True, 80, torch.bfloat16), ("rms", False, 80, torch.bfloat16), ("rms", True, 128, torch.bfloat16),
+    ("rms", False, 128, torch.bfloat16), ("rms_across_heads", True, 128, torch.bfloat16),
+    ("rms", True, 80, torch.float64), ("rms_across_heads", False, 128, torch.float64),
+])
+@pytest.mark.parametrize("head_i64", [False, True], ids=["i32", "i64"])
+def test_gpu_norm_prologue(norm, interleaved, head_dim, dtype, head_i64, monkeypatch):
+    """The compiled kernel's norm loop (not only the interpreter's): a weight row folded into the tables (padded
+    rows), a weight tile applied in the loop, rsqrt in fp32 math and 1 / sqrt in fp64, with 32-bit head
+    offsets and with 64-bit ones; against the fp64 reference."""
+    torch.manual_seed(11)
+    q = torch.randn(2, 512, 16, head_dim, dtype=dtype, device="cuda") * 3
+    k = torch.randn(2, 512, 4, head_dim, dtype=dtype, device="cuda") * 3
+    cos, sin = tables((512, 1), head_dim // 2, dtype=dtype, device="cuda")
+    wq, wk = (torch.randn(head_dim if norm == "rms" else (h, head_dim), dtype=dtype, device="cuda") for h in (16, 4))
+    kw = opts(interleaved, head_dim, out_dtype=dtype)
+    if head_i64:
+        monkeypatch.setattr(tr, "_LAUNCH_CACHE", {})
+        monkeypatch.setattr(tr, "_heads_fit_int32", lambda *a: False)
+    real_empty = torch.empty  # outputs start as NaN (poisoned_outputs would swap in the interpreter's tl.sum)
+
+    def nan_empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    qo, ko = tr.launch([q, k], cos, sin, RotaryParams(**kw, norm=norm, norm_eps=1e-5), None, [wq, wk])
+    monkeypatch.setattr(torch, "empty", real_empty)
+    for out, x, w in ((qo, q, wq), (ko, k, wk)):
+        want = rotary_reference(x.double(), cos.double(), sin.double(), norm=norm, norm_eps=1e-5,
+                                norm_weight=w.double(), **{**kw, "out_dtype": torch.float64})
+        tol = 1e-12 if dtype == torch.float64 else 4 * torch.finfo(dtype).eps
+        assert (out.double() - want).abs().max().item() <= tol * want.abs().max().item()
+
+
+@cuda
 def test_gpu_strided_tables_and_dtypes():
     S, D = 2048, 128
     x = torch.randn(2, S, 8, D, dtype=torch.float16, device="cuda")
