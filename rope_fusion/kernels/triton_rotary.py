@@ -255,7 +255,7 @@ def _rotary_kernel(
             if HEAD_I64:
                 xh = x_row + heads.to(tl.int64)[:, None] * sxh
                 oh = o_row + heads.to(tl.int64)[:, None] * soh
-            else:  # every head's offset in a token's rows fits 32 bits: a third of the address arithmetic
+            else:  # every head's offset in a token's rows fits 32 bits: 32-bit multiplies, not 64-bit ones
                 xh = x_row + heads[:, None] * sxh
                 oh = o_row + heads[:, None] * soh
             xp = xh + OFFSET  # the rotated lanes
@@ -633,16 +633,16 @@ INT32_MAX = 2**31 - 1
 def _heads_fit_int32(p: _Plan, block_h: int, weights: list, xs: list) -> bool:
     """Whether every head offset the loop computes (head index, padded to whole blocks, times the head stride of
     x, its output or a per-head weight) is known to fit 32 bits; symbolic strides that might not keep 64."""
-    reach = []
     for i, h in enumerate(p.heads):
-        if not isinstance(h, int):
-            return False
-        top = -(-h // block_h) * block_h  # past the last head of the last (padded) block
         strides = [p.x_strides[i][3], p.o_strides[i][3]]
         if i < len(weights) and weights[i] is not None:
             strides.append(_weight_head_stride(weights[i], xs[i], p.head))
-        reach += [top * abs(st) for st in strides]
-    return all(isinstance(r, int) and r <= INT32_MAX for r in reach)
+        if not all(isinstance(v, int) for v in (h, *strides)):
+            return False
+        top = -(-h // block_h) * block_h  # past the last head of the last (padded) block
+        if any(top * abs(st) > INT32_MAX for st in strides):
+            return False
+    return True
 
 
 def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, params: RotaryParams,
