@@ -694,19 +694,21 @@ def test_norm_math_stays_fp32_when_eps_is_fp64():
     assert all(c > 0 for c in counts[1::2]), counts  # the control: the IR shows fp64 math when asked
 
 
-def test_norm_prologue_with_deinterleaved_output():
-    """A per-head norm on interleaved input written in NeoX order: the weight acts on the input lanes."""
+@pytest.mark.parametrize("head_dim", [64, 80], ids=["weight-tile", "weight-row-folded"])
+def test_norm_prologue_with_deinterleaved_output(head_dim):
+    """A per-head norm on interleaved input written in NeoX order: the weight acts on the input lanes (also
+    where it is folded into the tables: padded rows)."""
     torch.manual_seed(5)
-    q = torch.randn(3, 6, 4, 64, dtype=torch.bfloat16) * 2
-    k = torch.randn(3, 6, 1, 64, dtype=torch.bfloat16) * 2
-    cos, sin = tables((6, 1), 32)
-    wq, wk = torch.randn(64), torch.randn(64)
-    params = RotaryParams(interleaved=True, rotary_dim=64, full_tables=False, conjugate=False,
+    q = torch.randn(3, 6, 4, head_dim, dtype=torch.bfloat16) * 2
+    k = torch.randn(3, 6, 1, head_dim, dtype=torch.bfloat16) * 2
+    cos, sin = tables((6, 1), head_dim // 2)
+    wq, wk = torch.randn(head_dim), torch.randn(head_dim)
+    params = RotaryParams(interleaved=True, rotary_dim=head_dim, full_tables=False, conjugate=False,
                           out_dtype=torch.bfloat16, deinterleave=True, norm="rms", norm_eps=1e-6)
     with poisoned_outputs():
         qo, ko = tr.launch([q, k], cos, sin, params, None, [wq, wk], kernel=KERNEL)
     for out, x, w in ((qo, q, wq), (ko, k, wk)):
-        want = rotary_reference(x.double(), cos.double(), sin.double(), interleaved=True, rotary_dim=64,
+        want = rotary_reference(x.double(), cos.double(), sin.double(), interleaved=True, rotary_dim=head_dim,
                                 full_tables=False, conjugate=False, out_dtype=torch.float64, deinterleave=True,
                                 norm="rms", norm_eps=1e-6, norm_weight=w.double())
         err = (out.double() - want).abs().max().item()
