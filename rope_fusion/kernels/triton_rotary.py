@@ -189,6 +189,10 @@ def _rotary_kernel(
             swh = swvh
             first = (split + NSPLIT - (nbq + nbk) % NSPLIT) % NSPLIT
         nblocks = (nheads + BLOCK_H - 1) // BLOCK_H
+        ca_w = ca  # this side's table rows, with its weight row folded in where one is (below)
+        sa_w = sa
+        cb_w = cb
+        sb_w = sb
         if HAS_W and not W_HEADS:
             # One weight row for every head, loaded once per side instead of once per head block. Held as a whole
             # (BLOCK_H, lanes) tile when the rows have no padded lanes, else as one (1, lanes) row that the loop
@@ -224,16 +228,6 @@ def _rotary_kernel(
                 sa_w = sa * wb
                 cb_w = cb * wb
                 sb_w = sb * wa
-            else:
-                ca_w = ca
-                sa_w = sa
-                cb_w = cb
-                sb_w = sb
-        else:
-            ca_w = ca
-            sa_w = sa
-            cb_w = cb
-            sb_w = sb
         if NORM == 2 and not ONE_BLOCK:  # one scale for every head of the token: a first pass sums the squares
             total = tl.full((BLOCK_H,), 0.0, cdt)
             whole = tl.arange(0, HEAD_PAD)[None, :]
