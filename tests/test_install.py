@@ -206,4 +206,55 @@ def test_chain_after_a_plain_function_has_a_stable_cache_key(fresh):
     assert inductor_config.post_grad_custom_post_pass is _plain_pass
 
 
+# Inductor takes a list of post-grad passes where it has this helper (newer torch); torch 2.9 takes one pass
+lists = pytest.mark.skipif(not hasattr(torch._inductor.custom_graph_pass, "get_custom_graph_passes"),
+                           reason="this torch's Inductor takes one post-grad pass, not a list")
+
+
+@lists
+def test_install_joins_a_configured_list_of_passes(fresh):
+    """A list of passes configured before install() gets ours at its end (a chain around the list would call
+    the list and break every compile); uninstall() gives back the list as it was."""
+    spy = Spy()
+    x, cos, sin = _inputs()
+    inductor_config.post_grad_custom_post_pass = [spy]
+    p = rope_fusion.install()
+    try:
+        assert inductor_config.post_grad_custom_post_pass == [spy, p]
+        assert rope_fusion.install() is p and inductor_config.post_grad_custom_post_pass == [spy, p]
+        model = Model(n=1).eval()
+        with torch.no_grad():
+            want = model(x, cos, sin)
+            got = compile_repeated_blocks(model)(x, cos, sin)
+    finally:
+        rope_fusion.uninstall()
+    assert inductor_config.post_grad_custom_post_pass == [spy]
+    assert spy.fused() == [False] and len(p.report.kernels) == 1, p.report.table()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@lists
+@pytest.mark.parametrize("with_ours", [False, True], ids=["other-pass", "ours-listed"])
+def test_explicit_list_of_passes_in_options_while_installed(fresh, with_ours):
+    """torch.compile(options={"post_grad_custom_post_pass": [...]}) while installed: the installed pass joins
+    the end of the list, unless the list already holds a RopeFusionPass; each pass runs once."""
+    spy = Spy()
+    x, cos, sin = _inputs()
+    p = rope_fusion.install()
+    listed = rope_fusion.RopeFusionPass()
+    try:
+        block = Block().eval()
+        with torch.no_grad():
+            passes = [spy, listed] if with_ours else [spy]
+            out = torch.compile(block, options={"post_grad_custom_post_pass": passes})(x, cos, sin)
+            want = block(x, cos, sin)
+    finally:
+        rope_fusion.uninstall()
+    ran = listed if with_ours else p
+    idle = p if with_ours else listed
+    assert spy.fused() == [False] and len(ran.report.kernels) == 1, ran.report.table()
+    assert idle.report.kernels == [] and idle.report.sites == []
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 _ORIGINAL_COMPILE = torch.compile

@@ -2,7 +2,8 @@
 torch.compile itself (vllm-omni compiles repeated blocks with no options).
 
 `install()` sets Inductor's global `post_grad_custom_post_pass`, after any pass already configured there
-(both run, in that order). It is idempotent: a second call returns the pass already installed.
+(both run, in that order; where that setting is a list of passes, which newer torch takes, ours joins the end of
+the list). It is idempotent: a second call returns the pass already installed.
 `uninstall()` takes out exactly what `install()` put in and nothing that was configured around it.
 
 A compile that passes its own `options={"post_grad_custom_post_pass": p}` replaces the global setting for
@@ -77,19 +78,29 @@ class ChainedPass(CustomGraphPass):
 
 
 def _with(previous: Any, ours: RopeFusionPass) -> Any:
-    return ours if previous is None else ChainedPass(previous, ours)
+    """Ours after what was configured. A list (or tuple) of passes, which Inductor runs one after another, gets
+    ours at its end; a chain around it would call the list itself and fail every compile."""
+    if previous is None:
+        return ours
+    if isinstance(previous, (list, tuple)):
+        return type(previous)((*previous, ours))
+    return ChainedPass(previous, ours)
 
 
 def contains(configured: Any, p: RopeFusionPass) -> bool:
     if configured is p:
         return True
+    if isinstance(configured, (list, tuple)):
+        return any(contains(c, p) for c in configured)
     return isinstance(configured, ChainedPass) and (configured.second is p or contains(configured.first, p))
 
 
 def has_rope_pass(configured: Any) -> bool:
-    """Whether a configured pass is, or chains, a RopeFusionPass."""
+    """Whether a configured pass is, chains or lists a RopeFusionPass."""
     if isinstance(configured, RopeFusionPass):
         return True
+    if isinstance(configured, (list, tuple)):
+        return any(has_rope_pass(c) for c in configured)
     return isinstance(configured, ChainedPass) and (has_rope_pass(configured.first) or
                                                     has_rope_pass(configured.second))
 
@@ -98,6 +109,8 @@ def _without(configured: Any, p: RopeFusionPass) -> Any:
     """The configuration with our pass taken out (whatever was set around it stays)."""
     if configured is p:
         return None
+    if isinstance(configured, (list, tuple)):
+        return type(configured)(c for c in (_without(c, p) for c in configured) if c is not None)
     if isinstance(configured, ChainedPass):
         if configured.second is p:
             return configured.first
@@ -167,7 +180,7 @@ def _wrap_compile() -> None:
             if not has_rope_pass(explicit):
                 log.info("rope_fusion: torch.compile(options=...) sets its own post_grad_custom_post_pass; "
                          "the installed pass runs after it")
-                kwargs["options"] = {**options, "post_grad_custom_post_pass": ChainedPass(explicit, p)}
+                kwargs["options"] = {**options, "post_grad_custom_post_pass": _with(explicit, p)}
         return original(*args, **kwargs)
 
     torch.compile = compile_with_installed_pass
