@@ -11,7 +11,7 @@ import re
 import torch
 
 import rope_fusion
-from tests.zoo.harness import Capture, GraphRecord, probe_passes
+from tests.zoo.harness import Capture, GraphRecord, InOrder, probe_passes
 
 # Argument names of the spellings that hold tables (their post-grad placeholders carry Dynamo's `L_<name>_`).
 TABLE_ARGS = r"cos|sin|c|s|cq|sq|ck|sk|c_\w+|s_\w+|freqs\w*|cos_sin_cache"
@@ -56,7 +56,7 @@ def compile_with_pass(fn, *args, dynamic=False, **pass_kw):
     def inductor(gm, example_inputs):
         capture.graphs.append(GraphRecord([n.name for n in gm.graph.nodes if n.op == "placeholder"]))
         return compile_fx(gm, example_inputs,
-                          config_patches={"post_grad_custom_post_pass": probe_passes(p, capture, tables)})
+                          config_patches={"post_grad_custom_post_pass": InOrder(probe_passes(p, capture, tables))})
 
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):

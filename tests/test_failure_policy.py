@@ -19,6 +19,7 @@ from conftest import check_numerics
 import rope_fusion
 from rope_fusion.ops import backends as B
 from rope_fusion.passes import emission, host_tables, rope_pass
+from tests.zoo.harness import InOrder
 
 
 def rotate_half(x):
@@ -53,7 +54,7 @@ def compile_three(p):
     before, after = GraphText(), GraphText()
     args = _inputs()
     torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False, post_grad_custom_post_pass=[before, p, after]), \
+    with torch._inductor.config.patch(fx_graph_cache=False, post_grad_custom_post_pass=InOrder([before, p, after])), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         out = torch.compile(three_ropes, fullgraph=True)(*args)
     torch._dynamo.reset()

@@ -34,6 +34,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import rope_fusion
 from tests.zoo.entries import by_name
+from tests.zoo.harness import InOrder
 
 QK = "rope_fusion.rotary_qk.default"
 
@@ -146,7 +147,7 @@ def train(base: nn.Module, inputs: dict, target: torch.Tensor, dtype: torch.dtyp
         fn = torch.compile(model)
     elif variant == "pass":
         p, probe = rope_fusion.RopeFusionPass(), Probe()
-        fn = torch.compile(model, options={"post_grad_custom_post_pass": [p, probe]})
+        fn = torch.compile(model, options={"post_grad_custom_post_pass": InOrder([p, probe])})
     p0 = _flat(model, grads=False)
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):

@@ -29,7 +29,7 @@ from conftest import rel_err
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import rope_fusion
-from tests.zoo.harness import Capture, GraphRecord, probe_passes
+from tests.zoo.harness import Capture, GraphRecord, InOrder, probe_passes
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -138,7 +138,7 @@ def _compile(fn, args, dynamic: bool):
 
     def inductor(gm, example_inputs):
         capture.graphs.append(GraphRecord([n.name for n in gm.graph.nodes if n.op == "placeholder"]))
-        passes = [text] + probe_passes(p, capture, TABLES)
+        passes = InOrder([text] + probe_passes(p, capture, TABLES))
         return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": passes})
 
     if dynamic:

@@ -234,6 +234,33 @@ def probe_passes(pass_, capture: Capture, table_re: str) -> list:
     return ps
 
 
+try:  # torch passes `is_inference` to such passes; torch 2.9 has no such class
+    from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass as _InferenceAware
+    _PassBase: type = _InferenceAware
+except ImportError:
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
+    _InferenceAware = ()  # isinstance(p, ()) is never true
+
+
+class InOrder(_PassBase):
+    """Post-grad passes run one after another as one pass. Newer torch also takes a list of passes for
+    `post_grad_custom_post_pass`; torch 2.9 takes one, and the tests run on both. No cache key: the probes have
+    none, and the tests compile afresh anyway."""
+
+    def __init__(self, passes: list) -> None:
+        self.passes = list(passes)
+
+    def __call__(self, graph: torch.fx.Graph, is_inference: bool | None = None) -> None:
+        for p in self.passes:
+            if is_inference is not None and isinstance(p, _InferenceAware):
+                p(graph, is_inference=is_inference)
+            else:
+                p(graph)
+
+    def uuid(self) -> None:
+        return None
+
+
 def graph_level_backend(pass_, capture: Capture, table_re: str = TABLE_NAME_RE) -> Callable:
     """A torch.compile backend: Inductor's front half and post-grad passes, then eager execution."""
     from torch._functorch.aot_autograd import make_boxed_func
@@ -260,7 +287,7 @@ def graph_level_backend(pass_, capture: Capture, table_re: str = TABLE_NAME_RE) 
 
 
 def _config_patches(pass_, capture, table_re) -> dict:
-    return {"post_grad_custom_post_pass": probe_passes(pass_, capture, table_re), "fx_graph_cache": False,
+    return {"post_grad_custom_post_pass": InOrder(probe_passes(pass_, capture, table_re)), "fx_graph_cache": False,
             "fx_graph_remote_cache": False}
 
 
