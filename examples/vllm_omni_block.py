@@ -141,8 +141,10 @@ def cpu_triton_tracing(ttir: bool = True):
     from torch._dynamo.variables import ctx_manager
 
     drv = triton.runtime.driver
-    saved = (tu.has_triton, torch.cuda._get_device_index, ctx_manager.CUDADeviceVariable._get_device_index_fn,
-             drv._active)
+    # Dynamo's CUDADeviceVariable holds its own reference to the index function in newer torch; torch 2.9 calls
+    # torch.cuda._get_device_index, which the patch below covers
+    dyn = ctx_manager.CUDADeviceVariable
+    saved = (tu.has_triton, torch.cuda._get_device_index, getattr(dyn, "_get_device_index_fn", None), drv._active)
     real_index = torch.cuda._get_device_index
 
     def device_index(device, optional=False, allow_cpu=False):
@@ -151,7 +153,8 @@ def cpu_triton_tracing(ttir: bool = True):
 
     tu.has_triton = lambda: True
     torch.cuda._get_device_index = device_index
-    ctx_manager.CUDADeviceVariable._get_device_index_fn = staticmethod(device_index)
+    if saved[2] is not None:
+        dyn._get_device_index_fn = staticmethod(device_index)
     if ttir:
         try:
             _ = drv.active
@@ -163,7 +166,8 @@ def cpu_triton_tracing(ttir: bool = True):
         yield
     finally:
         tu.has_triton, torch.cuda._get_device_index = saved[0], saved[1]
-        ctx_manager.CUDADeviceVariable._get_device_index_fn = staticmethod(saved[2])
+        if saved[2] is not None:
+            dyn._get_device_index_fn = staticmethod(saved[2])
         drv._active = saved[3]
 
 

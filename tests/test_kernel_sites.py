@@ -11,9 +11,10 @@ How the real flash-attn Triton kernel gets into a CPU post-grad graph (no GPU, C
 - `cpu_triton_tracing()` (examples/vllm_omni_block.py) patches, for the duration of a compile:
   `torch.utils._triton.has_triton` -> True (it is False without a GPU, and Dynamo then inlines
   `JITFunction.run`, failing on `triton._C.libtriton.getenv_bool`);
-  `torch.cuda._get_device_index` and Dynamo's `CUDADeviceVariable._get_device_index_fn` map None to -1, so the
-  wrapper's `with torch.cuda.device(x.device.index)` is the no-op its docs promise (a CPU torch build raises
-  `TypeError: '<' not supported between NoneType and int`); and, when no Triton driver is active, a driver that
+  `torch.cuda._get_device_index` and (where torch has it) Dynamo's `CUDADeviceVariable._get_device_index_fn`
+  map None to -1, so the wrapper's `with torch.cuda.device(x.device.index)` is the no-op its docs promise (a CPU
+  torch build raises `TypeError: '<' not supported between NoneType and int`); and, when no Triton driver is
+  active, a driver that
   reports a CUDA sm_90 target, so torch's TTIR analysis of which arguments the kernel writes runs as on a GPU
   (`tensors_to_clone=["OUT"]`). Without it torch logs a warning and assumes every input is mutated (the graph
   then also has getitem(launch, "X"/"COS"/"SIN") nodes); `test_fallback_without_ttir_analysis` covers that form.
