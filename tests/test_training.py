@@ -37,6 +37,10 @@ from tests.zoo.entries import by_name
 from tests.zoo.harness import InOrder
 
 QK = "rope_fusion.rotary_qk.default"
+# the pass's name for a training forward graph: torch that tells a post-grad pass whether a graph is for
+# inference names it "forward"; torch 2.11 does not tell, and the report then says "forward or inference"
+FORWARD = "forward" if hasattr(torch._inductor.custom_graph_pass, "CustomInferenceAwareGraphPass") \
+    else "forward or inference"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,9 +198,9 @@ def test_fuses_forward_and_backward(case):
     rep = run_case(case)["pass"].report
     assert not rep.errors and not rep.misses, rep.table()
     assert [(g.kind, g.outcome, g.sites, g.kernels) for g in rep.graph_records] == [
-        ("forward", "fused", entry.sites, entry.kernels), ("backward", "fused", entry.sites, entry.kernels)
+        (FORWARD, "fused", entry.sites, entry.kernels), ("backward", "fused", entry.sites, entry.kernels)
     ], rep.table()
-    for kind, conjugate in (("forward", False), ("backward", True)):
+    for kind, conjugate in ((FORWARD, False), ("backward", True)):
         sites = [s for s in rep.sites if s.graph_kind == kind]
         assert len(sites) == entry.sites, rep.table()
         for s in sites:
@@ -213,8 +217,9 @@ def test_fuses_forward_and_backward(case):
             assert len(a.shape) == len(b.shape) and int(a.shape[-1]) == int(b.shape[-1]) == case.head_dim
     # independently of the report: the graphs Inductor compiled during forward and during loss.backward()
     probe = run_case(case)["pass"].probe
-    assert probe.graphs == [("forward", collections.Counter({QK: entry.qk})),
-                            ("backward", collections.Counter({QK: entry.qk}))]
+    assert [ops for _, ops in probe.graphs] == [collections.Counter({QK: entry.qk})] * 2
+    if FORWARD == "forward":  # torch 2.11 may compile the backward graph during the forward call already
+        assert [phase for phase, _ in probe.graphs] == ["forward", "backward"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
@@ -289,7 +294,7 @@ def _fused_both_ways(runs: dict):
     backward graph."""
     rep = runs["pass"].report
     assert not rep.errors, rep.table()
-    assert [(g.kind, g.sites, g.kernels) for g in rep.graph_records] == [("forward", 2, 1), ("backward", 2, 1)], \
+    assert [(g.kind, g.sites, g.kernels) for g in rep.graph_records] == [(FORWARD, 2, 1), ("backward", 2, 1)], \
         rep.table()
     return rep
 
@@ -314,7 +319,7 @@ def test_learned_frequencies():
     runs = _runs_against_fp64(base, x, target)
     rep = _fused_both_ways(runs)
     assert [(k.op, rep.graph_records[k.graph].kind) for k in rep.kernels] == [
-        ("rope_fusion.rotary_qk", "forward"), ("rope_fusion.rotary_qk", "backward")]
+        ("rope_fusion.rotary_qk", FORWARD), ("rope_fusion.rotary_qk", "backward")]
     assert [s.conjugate for s in rep.sites] == [False, False, True, True]
     eps = torch.finfo(torch.float32).eps
     names = [name for name, _ in base.named_parameters()]
