@@ -141,7 +141,7 @@ def cpu_triton_tracing(ttir: bool = True):
     from torch._dynamo.variables import ctx_manager
 
     drv = triton.runtime.driver
-    # Dynamo's CUDADeviceVariable holds its own reference to the index function in newer torch; torch 2.9 calls
+    # Dynamo's CUDADeviceVariable holds its own reference to the index function in newer torch; torch 2.11 calls
     # torch.cuda._get_device_index, which the patch below covers
     dyn = ctx_manager.CUDADeviceVariable
     saved = (tu.has_triton, torch.cuda._get_device_index, getattr(dyn, "_get_device_index_fn", None), drv._active)

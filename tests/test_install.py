@@ -206,7 +206,7 @@ def test_chain_after_a_plain_function_has_a_stable_cache_key(fresh):
     assert inductor_config.post_grad_custom_post_pass is _plain_pass
 
 
-# Inductor takes a list of post-grad passes where it has this helper (newer torch); torch 2.9 takes one pass
+# Inductor takes a list of post-grad passes where it has this helper (newer torch); torch 2.11 takes one pass
 lists = pytest.mark.skipif(not hasattr(torch._inductor.custom_graph_pass, "get_custom_graph_passes"),
                            reason="this torch's Inductor takes one post-grad pass, not a list")
 

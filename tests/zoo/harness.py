@@ -234,7 +234,7 @@ def probe_passes(pass_, capture: Capture, table_re: str) -> list:
     return ps
 
 
-try:  # torch passes `is_inference` to such passes; torch 2.9 has no such class
+try:  # torch passes `is_inference` to such passes; torch 2.11 has no such class
     from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass as _InferenceAware
     _PassBase: type = _InferenceAware
 except ImportError:
@@ -244,7 +244,7 @@ except ImportError:
 
 class InOrder(_PassBase):
     """Post-grad passes run one after another as one pass. Newer torch also takes a list of passes for
-    `post_grad_custom_post_pass`; torch 2.9 takes one, and the tests run on both. No cache key: the probes have
+    `post_grad_custom_post_pass`; torch 2.11 takes one, and the tests run on both. No cache key: the probes have
     none, and the tests compile afresh anyway."""
 
     def __init__(self, passes: list) -> None:
