@@ -234,9 +234,10 @@ def _rotary_kernel(
             for hb in range(0, nblocks):
                 heads = hb * BLOCK_H + hoffs
                 if HEAD_I64:
-                    xp = x_row + heads.to(tl.int64)[:, None] * sxh
+                    hcol = heads.to(tl.int64)[:, None]
                 else:
-                    xp = x_row + heads[:, None] * sxh
+                    hcol = heads[:, None]
+                xp = x_row + hcol * sxh
                 v = tl.load(xp + whole, mask=(heads < nheads)[:, None] & (whole < HEAD_DIM), other=0.0).to(cdt)
                 total += tl.sum(v * v, axis=1)
             if MATH_FP64:  # rsqrt is an approximation in fp64 too (rsqrt.approx.f64)
@@ -247,11 +248,11 @@ def _rotary_kernel(
             heads = hb * BLOCK_H + hoffs
             hmask = (heads < nheads)[:, None]
             if HEAD_I64:
-                xh = x_row + heads.to(tl.int64)[:, None] * sxh
-                oh = o_row + heads.to(tl.int64)[:, None] * soh
+                hcol = heads.to(tl.int64)[:, None]
             else:  # every head's offset in a token's rows fits 32 bits: 32-bit multiplies, not 64-bit ones
-                xh = x_row + heads[:, None] * sxh
-                oh = o_row + heads[:, None] * soh
+                hcol = heads[:, None]
+            xh = x_row + hcol * sxh
+            oh = o_row + hcol * soh
             xp = xh + OFFSET  # the rotated lanes
             op = oh + OFFSET
             # Rows forms hold the head rows as loaded, (BLOCK_H, 2 * HALF_PAD): the norm's statistics and its
@@ -307,10 +308,7 @@ def _rotary_kernel(
                 if TAIL_PAD > 0:
                     t = t * w_t
             elif HAS_W:
-                if HEAD_I64:
-                    wh = w_ptr + heads.to(tl.int64)[:, None] * swh
-                else:
-                    wh = w_ptr + heads[:, None] * swh
+                wh = w_ptr + hcol * swh
                 wp = wh + OFFSET
                 if NEOX_ROW or INTERLEAVED:
                     v = v * tl.load(wp + row, mask=m, other=0.0).to(cdt)
@@ -624,13 +622,11 @@ def _weight_head_stride(w: Any, x: torch.Tensor, head: int | None) -> int:
 INT32_MAX = 2**31 - 1
 
 
-def _heads_fit_int32(p: _Plan, block_h: int, weights: list, xs: list) -> bool:
+def _heads_fit_int32(p: _Plan, block_h: int, weight_strides: Sequence) -> bool:
     """Whether every head offset the loop computes (head index, padded to whole blocks, times the head stride of
     x, its output or a per-head weight) is known to fit 32 bits; symbolic strides that might not keep 64."""
     for i, h in enumerate(p.heads):
-        strides = [p.x_strides[i][3], p.o_strides[i][3]]
-        if i < len(weights) and weights[i] is not None:
-            strides.append(_weight_head_stride(weights[i], xs[i], p.head))
+        strides = [p.x_strides[i][3], p.o_strides[i][3], weight_strides[i]]
         if not all(isinstance(v, int) for v in (h, *strides)):
             return False
         top = -(-h // block_h) * block_h  # past the last head of the last (padded) block
@@ -683,7 +679,7 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
                 HAS_W=any(w is not None for w in weights), HEAD_PAD=triton.next_power_of_2(head_dim),
                 # a weight that varies over heads is loaded per head block; one shared by every head, once
                 W_HEADS=not all(_is_true(sw == 0) for sw in (wq, wk, wv)), W_TILE=lanes_pad == head_dim,
-                HEAD_I64=not _heads_fit_int32(p, bh, weights, xs),
+                HEAD_I64=not _heads_fit_int32(p, bh, (wq, wk, wv)),
                 DEINTERLEAVE=params.deinterleave, ONE_BLOCK=one_block, OFFSET=params.rotary_offset,
                 ANGLES=params.angle_tables,
                 # the tables' lane strides are compile-time constants: Inductor launches the kernel with runtime
