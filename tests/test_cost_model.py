@@ -5,6 +5,8 @@ tensors, which needs no GPU: the pass decides from shapes, dtypes and where the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -34,11 +36,11 @@ def _fake(*shapes_dtypes):
         return [torch.empty(*s, device="cuda", dtype=d) for s, d in shapes_dtypes]
 
 
-def _run(fn, args):
+def _run(fn, args, **options):
     from torch._inductor.decomposition import select_decomp_table
 
     gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
-    p = rope_fusion.RopeFusionPass()
+    p = rope_fusion.RopeFusionPass(**options)
     p(gm.graph)
     assert not p.report.errors, p.report.table()
     return p, gm.graph
@@ -55,11 +57,46 @@ def test_large_site_with_input_tables_takes_the_triton_kernel():
     assert any("triton_kernel_wrapper_functional" in str(n.target) for n in graph.nodes)
 
 
-def test_decode_site_takes_one_launch():
-    """At decode sizes launches decide: the kernel takes q and k in one, the lowering one per tensor."""
-    args = _fake(((1, 32, 16, 128), bf16), ((1, 8, 16, 128), bf16), ((1, 1, 16, 128), f32),
-                 ((1, 1, 16, 128), f32))
-    p, _ = _run(rope_qk, args)
+_DECODE = (((1, 32, 16, 128), bf16), ((1, 8, 16, 128), bf16), ((1, 1, 16, 128), f32), ((1, 1, 16, 128), f32))
+
+
+def _decode_args():
+    return _fake(*_DECODE)
+
+
+def test_decode_site_in_cuda_graphs_takes_one_launch():
+    """At decode sizes launches decide. Replayed in CUDA graphs a launch costs the GPU about a microsecond:
+    the kernel takes q and k in one, the lowering and the model's code one per tensor. Inductor's own CUDA
+    graphs (`mode="reduce-overhead"`) say so as well as the option."""
+    p, _ = _run(rope_qk, _decode_args(), cuda_graphs=True)
+    assert [k.backend for k in p.report.kernels] == ["triton"], p.report.table()
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):
+        p, _ = _run(rope_qk, _decode_args())
+    assert [k.backend for k in p.report.kernels] == ["triton"], p.report.table()
+
+
+def test_decode_site_without_cuda_graphs_is_left_to_plain_compile():
+    """Without CUDA graphs a graph this small waits on the host, and the kernel's one launch (some fifty
+    arguments) costs the host more than plain compile's two kernels: the site is left, and the report says
+    that launches were costed as host time."""
+    for options in ({}, {"cuda_graphs": False}):
+        p, graph = _run(rope_qk, _decode_args(), **options)
+        assert p.report.kernels == [] and len(p.report.misses) == 2, p.report.table()
+        assert all("left to Inductor" in m.reason and "host time (a host-bound graph" in m.reason
+                   for m in p.report.misses), p.report.table()
+        assert not any("rope_fusion" in str(n.target) for n in graph.nodes)
+
+
+def rope_qk_in_a_model(q, k, cos, sin, h, w):
+    """The same decode-sized site in a graph that also reads a large weight (a layer's projection): the GPU's
+    work outlasts the host's launches, so launches are not host time and the one launch wins."""
+    qo, ko = rope_qk(q, k, cos, sin)
+    return qo, ko, h @ w
+
+
+def test_decode_site_in_a_gpu_bound_graph_takes_one_launch():
+    args = _fake(*_DECODE, ((16, 8192), bf16), ((8192, 28672), bf16))
+    p, _ = _run(rope_qk_in_a_model, args)
     assert [k.backend for k in p.report.kernels] == ["triton"], p.report.table()
 
 
@@ -156,6 +193,26 @@ def _cost(x_mib, table_mib=8, computed=False, users=2, style="neox", **kw):
 def test_estimates_pick_the_cheapest(cost, expected):
     best, why = cheapest(cost)
     assert best == expected, (why, estimates(cost) if cost.x_bytes else None)
+
+
+# In a host-bound graph (no CUDA graphs, few bytes) each choice costs the longer of its GPU time and its
+# launches' host time (the kernel's node 0-3 us more host time than plain compile's two kernels at 1-256
+# tokens, benchmarks/host.py).
+@pytest.mark.parametrize("cost,expected", [
+    (_cost(1, 0, gathered=True), "left"),  # vLLM Llama decode, static: host-bound, plain compile's kernels
+    (_cost(5, 0, gathered=True), "left"),  # 256 tokens: still host-bound
+    (_cost(168, gathered=True), "triton"),  # 8192 tokens: the GPU's time decides, as in CUDA graphs
+    (_cost(168), "triton"),  # a large NeoX site with input tables
+    (_cost(168, norm="rms", gathered=True), "triton"),  # Qwen3 prefill with its norm folded
+    (_cost(1, 0, norm="rms", tensors=1), "left"),  # one small tensor: the node's launch is two of Inductor's
+    (SiteCost(x_bytes=None, table_bytes=0, tables_computed=False, table_users=1, style="neox"), "triton"),
+])
+def test_in_a_host_bound_graph_launches_cost_host_time(cost, expected):
+    cost = dataclasses.replace(cost, host_bound=True)
+    best, why = cheapest(cost)
+    assert best == expected, (why, estimates(cost) if cost.x_bytes else None)
+    if cost.x_bytes is not None:
+        assert why.endswith("launches costed as host time (a host-bound graph, no CUDA graphs)"), why
 
 
 def _rms(x, w):

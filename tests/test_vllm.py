@@ -254,3 +254,51 @@ def test_fuses_vllm_native_rope(InductorPass, neox, rotary_dim):
     eq, ek = rope(positions, q, k)
     torch.testing.assert_close(qo, eq, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ko, ek, rtol=1e-5, atol=1e-5)
+
+
+# -- what a launch costs under vLLM ------------------------------------------------------------------------
+
+def _decode_graph():
+    """A NeoX q/k rotation at a decode size (16 tokens, 32/8 heads x 128) traced on fake CUDA tensors: no GPU
+    is needed, the pass decides from shapes and dtypes. (vLLM's gathered cache is not traced here: fake
+    CUDA tensors on a CPU-only torch cannot index.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def rotate(q, k, cos, sin):
+        def rot(x):
+            a, b = x.chunk(2, dim=-1)
+            return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+        return rot(q), rot(k)
+    with FakeTensorMode():
+        args = (torch.empty(16, 32, 128, dtype=torch.bfloat16, device="cuda"),
+                torch.empty(16, 8, 128, dtype=torch.bfloat16, device="cuda"),
+                torch.empty(16, 1, 64, dtype=torch.bfloat16, device="cuda"),
+                torch.empty(16, 1, 64, dtype=torch.bfloat16, device="cuda"))
+    return make_fx(rotate, tracing_mode="fake")(*args).graph
+
+
+@pytest.mark.parametrize("mode,expected", [("FULL_AND_PIECEWISE", ["triton"]), ("PIECEWISE", ["triton"]),
+                                           ("NONE", [])])
+def test_vllm_cudagraph_mode_decides_what_a_launch_costs(InductorPass, mode, expected):
+    """vLLM records compiled graphs in CUDA graphs itself, so its cudagraph mode, not Inductor's config, says
+    whether a decode site's launch costs the GPU a microsecond (one launch for q and k wins: the kernel) or the
+    host its launch time (plain compile's kernels are cheaper to launch: left, and reported so)."""
+    cfg = _import_or_skip("vllm.config")
+    from vllm.config.compilation import CUDAGraphMode
+
+    vllm_config = cfg.VllmConfig(device_config=cfg.DeviceConfig(device="cpu"))
+    vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode[mode]
+    p = copy.deepcopy(rope_fusion.vllm_pass)
+    graph = _decode_graph()
+    with cfg.set_current_vllm_config(vllm_config):
+        assert integ.vllm_cudagraph_mode() == mode
+        p(graph)
+    assert [k.backend for k in p.report.kernels] == expected, p.report.table()
+    if not expected:
+        assert len(p.report.misses) == 2 and all("host time (a host-bound graph" in m.reason
+                                                 for m in p.report.misses), p.report.table()
+    forced = integ.pass_class(InductorPass)(cuda_graphs=True)  # the option overrides vLLM's mode
+    with cfg.set_current_vllm_config(vllm_config):
+        forced(_decode_graph())
+    assert [k.backend for k in forced.report.kernels] == ["triton"], forced.report.table()

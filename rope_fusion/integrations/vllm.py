@@ -52,6 +52,15 @@ class VllmRopeFusionPass(RopeFusionPass):
         """vLLM's InductorPass API: the pass applies to every compile range."""
         return True
 
+    def replayed_in_cuda_graphs(self) -> bool:
+        """vLLM records its compiled graphs in CUDA graphs itself (its cudagraph mode, not Inductor's config):
+        under vLLM that mode decides, unless the `cuda_graphs` option does."""
+        if self.cuda_graphs is None:
+            mode = vllm_cudagraph_mode()
+            if mode is not None:
+                return mode != "NONE"
+        return super().replayed_in_cuda_graphs()
+
 
 _classes: dict = {}
 
@@ -70,6 +79,16 @@ def pass_class(base: Any = None) -> type:
 
 def _restore(state: dict) -> VllmRopeFusionPass:
     return pass_class(vllm_inductor_pass())(**state)
+
+
+def vllm_cudagraph_mode() -> str | None:
+    """The name of the current vLLM config's cudagraph mode ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE", ...),
+    or None outside a vLLM compile (never imports vLLM)."""
+    module = sys.modules.get("vllm.config")
+    current = getattr(module, "get_current_vllm_config_or_none", None)
+    config = current() if current is not None else None
+    mode = getattr(getattr(config, "compilation_config", None), "cudagraph_mode", None)
+    return getattr(mode, "name", None)
 
 
 def vllm_inductor_pass() -> Any:

@@ -7,6 +7,18 @@ of bytes per kernel (under CUDA graphs, as vLLM runs decode, a launch costs abou
 sizes that, not the bytes, decides: the Triton kernel takes q and k in one launch, the lowering and the
 model's own code one per tensor).
 
+Without CUDA graphs a launch costs host time instead, and there the kernel's one launch is the dearer: its
+user-kernel node passes some fifty arguments (every stride of q, k, v and the tables), Inductor's own kernels a
+handful each (`python -m benchmarks.host`: the node took 0-3 us more host time than plain compile's two
+kernels at 1-256 tokens). That matters only where the call waits on the host: a compiled graph whose inputs
+and outputs are too few bytes to keep the GPU busy for a small call's host time (`HOST_BOUND_BYTES`), such as
+one decode-sized RoPE. A model's forward keeps the GPU busy while the host launches ahead (Qwen-Image's took
+2.8 ms of host time against 4.8 ms on the GPU), and there the GPU's time decides as under CUDA graphs. So for
+a host-bound graph each choice costs the longer of its GPU time and its launches' host time, and a site too
+small to pay for the node's launch is left to plain compile's code. Whether the graph is replayed in CUDA
+graphs is the pass's `cuda_graphs` (by default Inductor's own `triton.cudagraphs`, set by
+`mode="reduce-overhead"`; under vLLM its cudagraph mode).
+
 - The Triton kernel reads its tables from memory: a table that the graph computes (Llama's cos/sin of
   positions x frequencies, LTX's per-head tables) must first be written by another kernel, which plain
   compile and the op's lowering compute inside the rotation instead. Tables that are cos and sin of one angle
@@ -36,7 +48,15 @@ from __future__ import annotations
 import dataclasses
 
 MARGIN = 0.05
-LAUNCH_BYTES = 4 * 2**20  # one launch in CUDA-graph replay, ~1 us of H200 bandwidth
+BYTES_PER_US = 4 * 2**20  # ~1 us of H200 bandwidth
+LAUNCH_BYTES = BYTES_PER_US  # one launch in CUDA-graph replay
+# Without CUDA graphs (benchmarks/host.py, H200 host, torch 2.11): one Inductor kernel's launch from generated
+# code, and the Triton kernel's user-kernel node (about two of those and the cost of its extra arguments).
+HOST_LAUNCH_US = 4.0
+TRITON_HOST_US = 2 * HOST_LAUNCH_US + 2.0
+# A compiled call's own host time (guards, wrappers, launches: 37-100 us for one to a few kernels on the H200
+# machine's host): a graph whose inputs and outputs the GPU moves in less time than this waits on the host.
+HOST_BOUND_BYTES = 50 * BYTES_PER_US
 
 # Measured multiples of the copy floor (benchmarks/kernels.py, H200, bf16), by the folded norm.
 TRITON_FACTOR = {"none": 1.05, "rms": 1.12, "rms_across_heads": 1.17}
@@ -73,6 +93,8 @@ class SiteCost:
     # a partial NeoX half is under 32 lanes
     gathered: bool = False  # tables gathered from a cache by positions (vLLM)
     tensors: int = 2  # x tensors of the site (q and k: 2)
+    # the graph waits on the host (no CUDA graphs, too few bytes to keep the GPU busy): launches cost host time
+    host_bound: bool = False
 
 
 def _left_factor(c: SiteCost) -> float:
@@ -97,11 +119,17 @@ def estimates(c: SiteCost) -> dict[str, float]:
     table_reads = 0.0 if c.tables_computed else float(c.table_bytes)
     triton = (TRITON_PADDED_FACTOR if c.padded else TRITON_FACTOR)[c.norm]
     lowering = GATHERED_NORM_FACTOR["inductor"] if c.norm == "rms" and c.gathered else LOWERING_FACTOR[c.norm, spelled]
-    return {
+    gpu = {
         "triton": triton * (x + c.table_bytes) + materialise + c.x_fused_upstream_bytes + LAUNCH_BYTES,
         "inductor": lowering * x + table_reads + LAUNCH_BYTES * c.tensors,
         "left": _left_factor(c) * x + table_reads + LAUNCH_BYTES * c.tensors,
     }
+    if not c.host_bound:
+        return gpu
+    # the host launches while the GPU works: a call takes the longer of the two
+    host = {"triton": TRITON_HOST_US * BYTES_PER_US, "inductor": HOST_LAUNCH_US * BYTES_PER_US * c.tensors,
+            "left": HOST_LAUNCH_US * BYTES_PER_US * c.tensors}
+    return {k: max(v, host[k]) for k, v in gpu.items()}
 
 
 def cheapest(c: SiteCost) -> tuple[str, str]:
@@ -112,4 +140,5 @@ def cheapest(c: SiteCost) -> tuple[str, str]:
     fused = min(("triton", "inductor"), key=est.get)
     best = fused if est[fused] < (1 - MARGIN) * est["left"] else "left"
     shown = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(est.items(), key=lambda kv: kv[1]))
-    return best, f"estimated MiB-equivalents: {shown}"
+    mode = ", launches costed as host time (a host-bound graph, no CUDA graphs)" if c.host_bound else ""
+    return best, f"estimated MiB-equivalents: {shown}{mode}"

@@ -14,6 +14,7 @@ per instance, and a copy starts with an empty one).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import gc
 import hashlib
@@ -31,6 +32,7 @@ from .grouping import pair_up
 from .kernel_rewrite import find_kernel_matches
 from .provenance import dtype_name, role, rotation_source, source_line
 from .report import PER_LANE, PER_PAIR, CacheReuse, GraphError, GraphRecord, Kernel, Miss, Report, Site
+from .site_costs import graph_host_bound
 from .sites import find_sites
 
 try:  # torch passes `is_inference` to such passes (inference graph or training forward)
@@ -101,12 +103,19 @@ class CacheCounter:
 class RopeFusionPass(_PassBase):
     """Find every RoPE it can prove in a post-grad graph and replace it (or each q/k pair) with one fused op."""
 
-    def __init__(self, backend: str = "auto", fuse_qk: bool = True, cache_host_tables: bool = True) -> None:
+    def __init__(self, backend: str = "auto", fuse_qk: bool = True, cache_host_tables: bool = True,
+                 cuda_graphs: bool | None = None) -> None:
         if backend not in BACKEND_NAMES:
             raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+        if cuda_graphs not in (None, True, False):
+            raise ValueError(f"cuda_graphs must be None, True or False, got {cuda_graphs!r}")
         self.backend = backend
         self.fuse_qk = bool(fuse_qk)
         self.cache_host_tables = bool(cache_host_tables)  # ops/host_tables.py
+        # Whether the compiled graph is replayed in CUDA graphs, which changes what a launch costs `auto`
+        # (ops/cost_model.py): None reads it from the compile (`replayed_in_cuda_graphs`).
+        self.cuda_graphs = cuda_graphs
+        self._host_bound = False  # the graph being fused waits on the host (set per graph)
         self.report = Report()
         self.report.cache_counter = CacheCounter(self.uuid())
         self._logged: set = set()
@@ -130,8 +139,19 @@ class RopeFusionPass(_PassBase):
                 gc.enable()
             record.seconds = time.perf_counter() - start
 
+    def replayed_in_cuda_graphs(self) -> bool:
+        """The `cuda_graphs` option, else whether Inductor will record this compile in CUDA graphs
+        (`mode="reduce-overhead"` sets `triton.cudagraphs`); a user who captures the compiled call in a graph
+        of their own passes cuda_graphs=True."""
+        if self.cuda_graphs is not None:
+            return self.cuda_graphs
+        from torch._inductor import config
+
+        return bool(config.triton.cudagraphs)
+
     def _run(self, graph: fx.Graph, index: int, record: GraphRecord) -> None:
         mark = self._mark()
+        self._host_bound = not self.replayed_in_cuda_graphs() and graph_host_bound(graph)
         tx = GraphTransaction(graph)
         try:
             planned = self._fuse(graph, index)
@@ -201,6 +221,8 @@ class RopeFusionPass(_PassBase):
         return planned
 
     def _choose(self, spec: SiteSpec):
+        if spec.cost is not None:
+            spec = dataclasses.replace(spec, cost=dataclasses.replace(spec.cost, host_bound=self._host_bound))
         backend, reasons = choose_backend(self.backend, spec)
         fallback = "; ".join(reasons)
         if fallback:
@@ -258,19 +280,21 @@ class RopeFusionPass(_PassBase):
             log.log(level, msg, *args, **kw)
 
     def uuid(self) -> Any:
+        graphs = "" if self.cuda_graphs is None else f"-g{int(self.cuda_graphs)}"  # None: in Inductor's key
         return (f"rope_fusion-{source_hash()[:32]}-{self.backend}-{int(self.fuse_qk)}"
-                f"-{int(self.cache_host_tables)}")
+                f"-{int(self.cache_host_tables)}{graphs}")
 
     # -- copying and pickling: options travel, the report does not --------------------------------
     def __getstate__(self) -> dict:
-        return {"backend": self.backend, "fuse_qk": self.fuse_qk, "cache_host_tables": self.cache_host_tables}
+        return {"backend": self.backend, "fuse_qk": self.fuse_qk, "cache_host_tables": self.cache_host_tables,
+                "cuda_graphs": self.cuda_graphs}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(backend={self.backend!r}, fuse_qk={self.fuse_qk}, "
-                f"cache_host_tables={self.cache_host_tables})")
+                f"cache_host_tables={self.cache_host_tables}, cuda_graphs={self.cuda_graphs})")
 
 
 def _graph_kind(graph: fx.Graph, is_inference: bool | None) -> str:

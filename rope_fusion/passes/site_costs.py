@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from ..ops.backends import SiteSpec
-from ..ops.cost_model import SiteCost
+from ..ops.cost_model import HOST_BOUND_BYTES, SiteCost
 from ..ops.schema import RotaryParams
 from .fx_util import as_int, chain_back
 from .matcher import Match
@@ -83,3 +83,36 @@ def site_spec(xs: list, cos: fx.Node, sin: fx.Node, params: RotaryParams, m: Mat
                     style=style, x_fused_upstream_bytes=upstream or 0, norm=params.norm, padded=padded,
                     gathered=positions is not None, tensors=len(xs))
     return dataclasses.replace(spec, cost=cost)
+
+
+def graph_host_bound(graph: fx.Graph) -> bool:
+    """Whether a compiled call of this graph waits on the host: every tensor it reads and returns is moved by
+    the GPU in less time than a small call's host time (ops/cost_model.py). Sizes that are symbolic, or inputs
+    whose size the graph does not record, count as large: then the GPU's time decides."""
+    module = graph.owning_module
+    values = []
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            values.append(n.meta.get("val"))
+        elif n.op == "get_attr":  # a constant (a frozen weight) or a subgraph, which moves nothing itself
+            value = n.meta.get("val")
+            if value is None and module is not None:
+                value = module
+                for part in str(n.target).split("."):
+                    value = getattr(value, part, None)
+            if isinstance(value, torch.Tensor):
+                values.append(value)
+        elif n.op == "output":
+            values += [a.meta.get("val") for a in n.all_input_nodes]
+    total = 0
+    for v in values:
+        if v is None:
+            return False
+        if isinstance(v, torch.Tensor):
+            numel = as_int(v.numel())
+            if numel is None:
+                return False
+            total += numel * v.element_size()
+            if total >= HOST_BOUND_BYTES:
+                return False
+    return True
