@@ -44,12 +44,14 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import os
 import statistics
 import sys
 import time
 import traceback
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -299,13 +301,29 @@ def short_summary(s: dict | None) -> str:
     return text
 
 
+def own_code(fn: Callable) -> Callable:
+    """fn with a code object of its own. Dynamo keeps its compiled entries on the code object, so variants
+    compiled from one function share a list that every call walks (each other variant's entry fails its
+    backend guard first): host time that depends on the order the variants were compiled in, a few us a call,
+    as large as the launch costs that host-bound rows compare."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return functools.update_wrapper(copy, fn)
+
+
 def compiled(fn: Callable, backend: str | None, dynamic: bool | None = False) -> tuple[Callable, Any]:
-    """torch.compile(fn) (static shapes by default), with the fusion pass for `backend` (None: plain)."""
+    """torch.compile(fn) (static shapes by default), with the fusion pass for `backend` (None: plain; a name
+    ending in "+cg": the pass told that the call is replayed in CUDA graphs, as do_bench_cudagraph replays it);
+    each compile on a code object of its own (`own_code`)."""
+    fn = own_code(fn)
     if backend is None:
         return torch.compile(fn, dynamic=dynamic), None
     import rope_fusion
 
-    p = rope_fusion.RopeFusionPass(backend=backend)
+    name, _, flag = backend.partition("+")
+    p = rope_fusion.RopeFusionPass(backend=name, cuda_graphs=True if flag == "cg" else None)
     return torch.compile(fn, dynamic=dynamic, options={"post_grad_custom_post_pass": p}), p
 
 
@@ -465,8 +483,9 @@ def run_spellings(args: argparse.Namespace, device: str, result: dict, t_start: 
 
 # variant: (RopeFusionPass backend, None for plain compile; dynamic sizes: "" none, "mark" the token dim marked
 # dynamic (vLLM), "all" torch.compile(dynamic=True))
-ROW_VARIANTS = {"compile": (None, ""), "pass": ("auto", ""), "pass-triton": ("triton", ""),
-                "pass-inductor": ("inductor", ""), "compile-dyn": (None, "mark"), "pass-dyn": ("auto", "mark"),
+ROW_VARIANTS = {"compile": (None, ""), "pass": ("auto", ""), "pass-cg": ("auto+cg", ""),
+                "pass-triton": ("triton", ""), "pass-inductor": ("inductor", ""), "compile-dyn": (None, "mark"),
+                "pass-dyn": ("auto", "mark"),
                 "pass-triton-dyn": ("triton", "mark"), "pass-inductor-dyn": ("inductor", "mark"),
                 "compile-dynall": (None, "all"), "pass-dynall": ("auto", "all")}
 FORCED = ("compile", "pass", "pass-triton", "pass-inductor")
@@ -552,7 +571,9 @@ QUICK_VLLM_FORMS = {
     "qwen3-8b+norm": ((32, 32, True, 4, 2, 256, 1000000.0, True), (64,)),
     "qwen2.5-7b": ((32, 32, True, 7, 1, 256, 1000000.0, False), (8,)),
 }
-VLLM_VARIANTS = ("compile", "pass", "pass-triton", "compile-dyn", "pass-dyn")
+# "pass" is `auto` as a plain compile runs it (no CUDA graphs: launches cost host time), "pass-cg" `auto` told that
+# the call is replayed in CUDA graphs (as vLLM replays decode, and as the CUDA-graph column times it)
+VLLM_VARIANTS = ("compile", "pass", "pass-cg", "pass-triton", "compile-dyn", "pass-dyn")
 DYNALL = ("compile-dynall", "pass-dynall")  # for the Llama form only: the pass fuses nothing there (CPU, torch 2.13)
 
 
@@ -720,12 +741,9 @@ def _variant(row: Row, v: str, shared: dict) -> tuple[Callable, Any]:
     key = (row.form or row.name, v)
     if key not in shared:  # one compiled function per form, reused for every token count
         dyn_arg = dyn == "all"
-        if backend is None:  # Dynamo shares cache entries between equal backends: a plain static compile
-            # would run this dynamic graph (and this one a static graph) at a size both accept; an option
-            # (its value the one in force anyway) makes them unequal
-            shared[key] = torch.compile(row.fn, dynamic=dyn_arg, options={"fx_graph_cache": False}), None
-        else:  # each pass instance is its own backend
-            shared[key] = compiled(row.fn, backend, dynamic=dyn_arg)
+        # each compile has a code object of its own (`own_code`), so a plain static compile and a plain dynamic
+        # one never share cache entries (equal backends would: one would run the other's graph)
+        shared[key] = compiled(row.fn, backend, dynamic=dyn_arg)
     return shared[key]
 
 
