@@ -196,14 +196,15 @@ def test_estimates_pick_the_cheapest(cost, expected):
 
 
 # In a host-bound graph (no CUDA graphs, few bytes) each choice costs the longer of its GPU time and its
-# launches' host time (the kernel's node 0-3 us more host time than plain compile's two kernels at 1-256
-# tokens, benchmarks/host.py).
+# launches' host time (the kernel's node 0-5 us more than plain compile's two kernels at 1-256 tokens:
+# benchmarks/host.py, run O).
 @pytest.mark.parametrize("cost,expected", [
     (_cost(1, 0, gathered=True), "left"),  # vLLM Llama decode, static: host-bound, plain compile's kernels
     (_cost(5, 0, gathered=True), "left"),  # 256 tokens: still host-bound
-    (_cost(168, gathered=True), "triton"),  # 8192 tokens: the GPU's time decides, as in CUDA graphs
+    (_cost(20, 2, gathered=True), "left"),  # 1024 tokens: the lowering measured 1.26-1.29x plain's GPU time
+    (_cost(160, 2, gathered=True), "triton"),  # 8192 tokens: the GPU's time decides, as in CUDA graphs
     (_cost(168), "triton"),  # a large NeoX site with input tables
-    (_cost(168, norm="rms", gathered=True), "triton"),  # Qwen3 prefill with its norm folded
+    (_cost(160, 2, norm="rms", gathered=True), "triton"),  # Qwen3 prefill with its norm folded
     (_cost(1, 0, norm="rms", tensors=1), "left"),  # one small tensor: the node's launch is two of Inductor's
     (SiteCost(x_bytes=None, table_bytes=0, tables_computed=False, table_users=1, style="neox"), "triton"),
 ])
