@@ -275,3 +275,15 @@ def test_upstream_elementwise_bytes_count_against_the_kernel(upstream, expected)
     cost = SiteCost(x_bytes=168 << 20, table_bytes=8 << 20, tables_computed=False, table_users=2, style="neox",
                     x_fused_upstream_bytes=upstream)
     assert cheapest(cost)[0] == expected, estimates(cost)
+
+
+def test_a_failing_host_bound_estimate_never_breaks_the_pass(monkeypatch):
+    """Whether a graph is host-bound only feeds the estimates: if working it out fails, the GPU's costs stand
+    and the site is fused as without the rule."""
+    from rope_fusion.passes import rope_pass
+
+    def broken(graph):
+        raise RuntimeError("no sizes here")
+    monkeypatch.setattr(rope_pass, "graph_host_bound", broken)
+    p, _ = _run(rope_qk, _decode_args())
+    assert [k.backend for k in p.report.kernels] == ["triton"] and not p.report.errors, p.report.table()

@@ -151,7 +151,10 @@ class RopeFusionPass(_PassBase):
 
     def _run(self, graph: fx.Graph, index: int, record: GraphRecord) -> None:
         mark = self._mark()
-        self._host_bound = not self.replayed_in_cuda_graphs() and graph_host_bound(graph)
+        try:
+            self._host_bound = not self.replayed_in_cuda_graphs() and graph_host_bound(graph)
+        except Exception:  # an input to the cost model, never a reason to fail: the GPU's costs then
+            self._host_bound = False
         tx = GraphTransaction(graph)
         try:
             planned = self._fuse(graph, index)
