@@ -138,7 +138,8 @@ def estimates(c: SiteCost) -> dict[str, float]:
     if not c.host_bound:
         return gpu
     # the host launches while the GPU works: a call takes the longer of the two
-    host = {"triton": TRITON_HOST_US, "inductor": HOST_LAUNCH_US * c.tensors, "left": HOST_LAUNCH_US * c.tensors}
+    launches = HOST_LAUNCH_US * c.tensors  # the lowering and the model's code: a kernel per tensor
+    host = {"triton": TRITON_HOST_US, "inductor": launches, "left": launches}
     return {k: max(v, host[k] * BYTES_PER_US) for k, v in gpu.items()}
 
 

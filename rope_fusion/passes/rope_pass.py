@@ -151,10 +151,6 @@ class RopeFusionPass(_PassBase):
 
     def _run(self, graph: fx.Graph, index: int, record: GraphRecord) -> None:
         mark = self._mark()
-        try:
-            self._host_bound = not self.replayed_in_cuda_graphs() and graph_host_bound(graph)
-        except Exception:  # an input to the cost model, never a reason to fail: the GPU's costs then
-            self._host_bound = False
         tx = GraphTransaction(graph)
         try:
             planned = self._fuse(graph, index)
@@ -196,6 +192,10 @@ class RopeFusionPass(_PassBase):
             self.report.misses.append(Miss(index, node.name, reason, source_line(node)))
         if not matches:
             return []
+        try:  # only graphs with sites to cost: the scan of the graph's inputs is not paid by the others
+            self._host_bound = not self.replayed_in_cuda_graphs() and graph_host_bound(graph)
+        except Exception:  # an input to the cost model, never a reason to fail: the GPU's costs then
+            self._host_bound = False
         nodes, order = acc.interp.nodes, acc.order
         groups = pair_up(matches, acc) if self.fuse_qk else [(m,) for m in matches]
         em = Emitter(graph, requested=self.backend)
