@@ -98,7 +98,7 @@ def tables(lead: tuple, width: int, dtype=torch.float32, device="cpu") -> tuple[
             torch.randn(*lead, width, dtype=dtype, device=device))
 
 
-TUNING = ("block_h", "num_warps", "nsplit", "neox_row", "kernel")
+TUNING = ("block_h", "num_warps", "nsplit", "neox_row", "stream", "kernel")
 
 
 def launch(xs: list, cos, sin, **kw) -> list:
@@ -601,7 +601,7 @@ def test_head_offsets_take_64_bits_only_where_32_could_overflow(monkeypatch):
     def head_i64(xs: list) -> bool:
         outs = [torch.empty_like(x) for x in xs]
         [(_, _, _, meta)] = tr._make_launches(xs, outs, tr._Tables(cos, sin, None, [None] * len(xs)), params,
-                                              None, None, None, None)
+                                              None, None, None, None, None)
         return meta["HEAD_I64"]
 
     small = torch.empty_strided((1, 8, 16, 64), (8 * 16 * 64, 64, 8 * 64, 1), device="meta")  # [B, S, H, D]
@@ -681,7 +681,7 @@ def test_norm_math_stays_fp32_when_eps_is_fp64():
         weights = [torch.ones(64 if norm == "rms" else (h, 64)) for h in (4, 2)]
         outs = [torch.empty_like(q), torch.empty_like(k)]
         tabs = tr._Tables(cos, sin, None, weights)
-        [(_, _, scalars, meta)] = tr._make_launches([q, k], outs, tabs, params, block_h, None, None, neox_row)
+        [(_, _, scalars, meta)] = tr._make_launches([q, k], outs, tabs, params, block_h, None, None, neox_row, None)
         assert not meta["MATH_FP64"] and any(isinstance(v, float) for v in scalars)
         jobs += [[meta, scalars], [{**meta, "MATH_FP64": True}, scalars]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -825,6 +825,42 @@ def test_pass_through_head(head_dim, offset, rot, style, norm):
         assert err <= 1e-5 * want.abs().max().item(), err
 
 
+def test_pass_through_head_plan():
+    """DeepSeek-V3's q [B, 128, T, 192] (rope after 128 lanes): 4 heads a block, every block a program of its own
+    (NSPLIT = the blocks), two warps, streaming hints (the M8 tile sweep's best; BENCHMARKS.md)."""
+    q = torch.empty(1, 128, 4096, 192, dtype=torch.bfloat16, device="meta")
+    cos = torch.empty(1, 1, 4096, 64, dtype=torch.bfloat16, device="meta")
+    params = RotaryParams(interleaved=True, rotary_dim=64, full_tables=True, conjugate=False,
+                          out_dtype=torch.bfloat16, deinterleave=True, rotary_offset=128)
+    [(_, grid, _, meta)] = tr._make_launches([q], [torch.empty_like(q)], tr._Tables(cos, cos, None, [None]), params,
+                                             None, None, None, None, None)
+    assert (meta["BLOCK_H"], meta["num_warps"], meta["STREAM"]) == (4, 2, True)
+    assert grid == (4096, 128 // 4)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("norm", ["none", "rms", "rms_across_heads"])
+def test_streaming_hints_change_no_result(stream, norm):
+    """STREAM only adds cache hints to x's loads and the stores: outputs against the fp64 reference either way,
+    and the default takes them only where the sweep measured a gain."""
+    torch.manual_seed(16)
+    q, k = torch.randn(2, 3, 4, 80, dtype=torch.bfloat16), torch.randn(2, 3, 2, 80, dtype=torch.bfloat16)
+    cos, sin = tables((3, 1), 40)
+    params = RotaryParams(interleaved=True, rotary_dim=80, full_tables=False, conjugate=False,
+                          out_dtype=torch.float32, norm=norm)
+    weights = None if norm == "none" else \
+        [torch.randn(80) if norm == "rms" else torch.randn(x.shape[-2], 80) for x in (q, k)]
+    with poisoned_outputs():
+        outs = tr.launch([q, k], cos, sin, params, None, weights, kernel=KERNEL, stream=stream)
+    for i, (out, x) in enumerate(zip(outs, (q, k))):
+        want = rotary_reference(x.double(), cos.double(), sin.double(),
+                                norm_weight=None if weights is None else weights[i].double(),
+                                **{**params.kwargs(), "out_dtype": torch.float64})
+        assert (out.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert tr.default_stream(params, 80) == (norm != "none")  # padded rows (D=80) under a norm
+    assert not tr.default_stream(params.replace(rotary_dim=128), 128) or norm == "rms_across_heads"
+
+
 @pytest.mark.parametrize("norm", ["rms_across_heads", "rms"])
 def test_a_norm_the_kernel_loop_cannot_take_is_applied_first(norm):
     """The kernel normalises the rows it loops over: the heads, the dim along which the tables are constant.
@@ -894,3 +930,49 @@ def test_gpu_angle_tables():
     params = RotaryParams(**opts(True, 128, False, False), angle_tables=True)
     (out,) = tr.launch([q], ang, ang, params)
     check(out, q, ang.double().cos(), ang.double().sin(), **opts(True, 128, False, False))
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("heads", [(12, 2), (40, 40)])
+def test_norm_across_heads_held_in_registers(interleaved, heads):
+    """A norm across heads over whole rows holds every head block of a side in registers (HELD: the token is read
+    once), q and k with their own block counts; against the fp64 reference, and the plan says so."""
+    torch.manual_seed(17)
+    hq, hk = heads
+    q, k = (torch.randn(1, 3, h, 64, dtype=torch.bfloat16) * 2 for h in heads)
+    cos, sin = tables((3, 1), 32)
+    params = RotaryParams(**opts(interleaved, 64, out_dtype=torch.float32), norm="rms_across_heads", norm_eps=1e-5)
+    weights = [torch.randn(h, 64) for h in heads]
+    [(_, _, _, meta)] = tr._make_launches([q, k], [torch.empty_like(q), torch.empty_like(k)],
+                                          tr._Tables(cos, sin, None, weights), params, None, None, 1, None, None)
+    assert meta["HELD"] == -(-max(heads) // meta["BLOCK_H"])  # blocks of the side with the most heads
+    with poisoned_outputs():
+        outs = tr.launch([q, k], cos, sin, params, None, weights, kernel=KERNEL, nsplit=1)
+    for out, x, w in zip(outs, (q, k), weights):
+        want = rotary_reference(x.double(), cos.double(), sin.double(), norm_weight=w.double(),
+                                **{**params.kwargs(), "out_dtype": torch.float64})
+        assert (out.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("style", ["deinterleave", "neox", "interleaved"])
+@pytest.mark.parametrize("norm", ["none", "rms"])
+def test_single_head_rows_take_several_tokens_a_program(style, norm, monkeypatch):
+    """A tensor of one head (MLA's k_pe [B, 1, T, 64]) takes ROW_TOKENS tokens a program, as one (tokens, lanes)
+    tile with a table row per token; against the fp64 reference, and the plan says so."""
+    monkeypatch.setattr(tr, "MIN_PROGRAMS", 2)
+    monkeypatch.setattr(tr, "_LAUNCH_CACHE", {})
+    torch.manual_seed(18)
+    k = torch.randn(2, 1, 24, 64, dtype=torch.bfloat16) * 2
+    cos, sin = tables((2, 1, 24), 64)
+    params = RotaryParams(interleaved=style != "neox", rotary_dim=64, full_tables=True, conjugate=False,
+                          out_dtype=torch.float32, deinterleave=style == "deinterleave", norm=norm)
+    weights = [torch.randn(64)] if norm == "rms" else [None]
+    [(_, grid, _, meta)] = tr._make_launches([k], [torch.empty_like(k)], tr._Tables(cos, sin, None, weights), params,
+                                             None, None, None, None, None)
+    assert meta["TOKS"] == tr.ROW_TOKENS and grid == (48 // tr.ROW_TOKENS, 1)
+    with poisoned_outputs():
+        (out,) = tr.launch([k], cos, sin, params, None, weights, kernel=KERNEL)
+    want = rotary_reference(k.double(), cos.double(), sin.double(),
+                            norm_weight=None if weights[0] is None else weights[0].double(),
+                            **{**params.kwargs(), "out_dtype": torch.float64})
+    assert (out.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()

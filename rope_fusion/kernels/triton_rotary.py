@@ -16,6 +16,9 @@ Why these kernels look the way they do (docs/design.md section 3, measured on th
 - Tables are arbitrary strided views that broadcast against x (a slice of a packed table, the real part of
   complex freqs): they are never copied; their broadcast strides (0 on broadcast dims) go to the kernel.
 - Head dims that are not powers of two (80, 96, ...) are padded to one with masks.
+- A norm across heads holds the token's head rows in registers between its statistics and the rotation (HELD);
+  a tensor of one head takes several tokens a program (TOKS); a pass-through head gives every head block a
+  program of its own; streaming cache hints (STREAM) only where the sweep measured them faster.
 
 The host side (`_plan`) maps any layout onto the kernel's fixed form: up to three "token" dims, taken by the
 grid, and one "head" dim, looped over inside a program (the innermost dim along which the tables are
@@ -47,14 +50,34 @@ MAX_HEAD_DIM = 1024  # beyond this one row no longer fits a program's registers 
 MAX_LOOP_HEADS = 512  # a broadcast dim longer than this is spread over the grid instead of looped over
 TILE_ELEMENTS = 2048  # target size of the register tile (heads x padded lanes) of one loop step
 NORM_TILE_ELEMENTS = 512  # the same with a per-head norm (its statistics need registers: norm sweep)
-# the same after a pass-through head (DeepSeek-V3's 128 + 64 lanes: 2 heads a step, one warp, 1.13x the copy
-# floor of q against 1.24x with the default tile; BENCHMARKS.md, coverage M8)
-HEAD_PASS_TILE_ELEMENTS = 512
+# the same after a pass-through head (DeepSeek-V3's 128 + 64 lanes): 4 heads, two warps, every head block a program
+# of its own and streaming loads and stores: 1.07x the copy floor of q, against 1.13x for 2 heads a step and one
+# warp looping over a token's heads (BENCHMARKS.md, Tile choice)
+HEAD_PASS_TILE_ELEMENTS = 1024
 HEAD_PAD_WASTE = 1.25  # at most this many padded heads per real head across q and k
 # num_warps = tile / elements per warp: whole rows (interleaved, NeoX as rows) want few warps with many
 # elements each; NeoX read as two half tiles wants four times the warps (BENCHMARKS.md, tile sweep).
-ELEMENTS_PER_WARP = {"rows": 2048, "halves": 512}
+ELEMENTS_PER_WARP = {"rows": 2048, "halves": 512, "head_pass": 384, "held": 2560}
 MIN_PROGRAMS = 1024  # below this many tokens, head blocks are also spread over the grid
+# A norm across heads holds every head row of a side in registers (HELD) up to this many elements a side (64 heads
+# of 128 lanes), in blocks of up to HELD_TILE_ELEMENTS, a warp per ELEMENTS_PER_WARP["held"] of the side: 12 heads
+# 4 a block, one warp, 1.10x the floor (1.05x on contiguous tables); 40 heads 8 a block, two warps, 1.05x
+# (BENCHMARKS.md, Tile choice)
+HELD_ELEMENTS = 8192
+HELD_TILE_ELEMENTS = 1024
+# Tensors of one head (MLA's k_pe [B, 1, T, 64]) take this many tokens a program once that leaves MIN_PROGRAMS
+# programs: k_pe at 8192 tokens 1.9 us against 6.3 us a token a program (floor 1.5 us; BENCHMARKS.md, Tile choice)
+ROW_TOKENS = 8
+
+
+@triton.jit
+def _table_rows(row, offs, mask, TOKS: tl.constexpr):
+    """The table lanes `offs` of one token's row (1, lanes), or of TOKS tokens' rows (row: (TOKS, 1) pointers)."""
+    if TOKS > 1:
+        r = tl.load(row + offs[None, :], mask=mask[None, :], other=0.0)
+    else:
+        r = tl.load(row + offs, mask=mask, other=0.0)[None, :]
+    return r
 
 
 @triton.jit
@@ -71,6 +94,7 @@ def _rotary_kernel(
     NORM: tl.constexpr, HAS_W: tl.constexpr, HEAD_PAD: tl.constexpr, DEINTERLEAVE: tl.constexpr,
     ONE_BLOCK: tl.constexpr, SCD: tl.constexpr, SSD: tl.constexpr, BH: tl.constexpr, OFFSET: tl.constexpr,
     ANGLES: tl.constexpr, W_HEADS: tl.constexpr, W_TILE: tl.constexpr, HEAD_I64: tl.constexpr,
+    STREAM: tl.constexpr, HELD: tl.constexpr, TOKS: tl.constexpr,
 ):
     """Rotate the rows of one token of q (and k, and v): grid = (tokens, NSPLIT).
 
@@ -83,6 +107,10 @@ def _rotary_kernel(
     (a pass-through head before them, a tail after them) form one pass-through tile of TAIL_PAD lanes."""
     HALF: tl.constexpr = ROT // 2
     PASS: tl.constexpr = HEAD_DIM - ROT
+    # STREAM: x's rows are read for the last time here and the outputs are not read back by this launch, so they
+    # may leave L2 first (evict_first loads, streaming .cs stores): where the sweep measured it faster.
+    XPOL: tl.constexpr = "evict_first" if STREAM else ""
+    OMOD: tl.constexpr = ".cs" if STREAM else ""
     # lane of x held by pass-through tile lane p: the head [0, OFFSET) first, then the tail after the rotation
     if TAIL_PAD > 0:
         plane = tl.arange(0, TAIL_PAD)[None, :]
@@ -98,6 +126,9 @@ def _rotary_kernel(
     # the norm's scale and with it every product of the tile to fp64, 1.4-1.6x the fp32 kernel's time.
     eps = tl.cast(eps, cdt)
     tok = tl.program_id(0).to(tl.int64)
+    if TOKS > 1:  # TOKS single-row tokens a program, as a (TOKS, lanes) tile (one head: MLA's k_pe)
+        tok = tok * TOKS + tl.arange(0, TOKS).to(tl.int64)[:, None]
+    ROWS: tl.constexpr = BLOCK_H * TOKS  # rows of a tile: heads of a token, or tokens of one head
     split = tl.program_id(1)
     i2 = tok % N2
     rest = tok // N2
@@ -136,11 +167,11 @@ def _rotary_kernel(
     else:
         c_row = cos_ptr + i0 * sc0 + i1 * sc1 + i2 * sc2
         s_row = sin_ptr + i0 * ss0 + i1 * ss1 + i2 * ss2
-    ca = tl.load(c_row + ia * SCD, mask=tmask, other=0.0).to(cdt)[None, :]
-    sa = tl.load(s_row + ia * SSD, mask=tmask, other=0.0).to(cdt)[None, :]
+    ca = _table_rows(c_row, ia * SCD, tmask, TOKS).to(cdt)
+    sa = _table_rows(s_row, ia * SSD, tmask, TOKS).to(cdt)
     if FULL_TABLES:
-        cb = tl.load(c_row + ib * SCD, mask=tmask, other=0.0).to(cdt)[None, :]
-        sb = tl.load(s_row + ib * SSD, mask=tmask, other=0.0).to(cdt)[None, :]
+        cb = _table_rows(c_row, ib * SCD, tmask, TOKS).to(cdt)
+        sb = _table_rows(s_row, ib * SSD, tmask, TOKS).to(cdt)
     if ANGLES:  # the tables hold angles: their cos and sin, once per token for every head
         ca = tl.cos(ca)
         sa = tl.sin(sa)
@@ -228,116 +259,174 @@ def _rotary_kernel(
                 sa_w = sa * wb
                 cb_w = cb * wb
                 sb_w = sb * wa
-        if NORM == 2 and not ONE_BLOCK:  # one scale for every head of the token: a first pass sums the squares
+        if HELD:
+            # A norm across heads, rows forms: every head block of this side is loaded before any is used and held
+            # in registers (HELD blocks, unrolled; a side with fewer heads masks the rest), so the token is read
+            # once; the two passes below read it twice, the second time from L2 (12 heads 1.15 -> 1.10x the
+            # floor, 40 heads 1.16 -> 1.05x; BENCHMARKS.md, Tile choice).
+            held = ()
             total = tl.full((BLOCK_H,), 0.0, cdt)
-            whole = tl.arange(0, HEAD_PAD)[None, :]
-            for hb in range(0, nblocks):
+            for hb in tl.static_range(HELD):
                 heads = hb * BLOCK_H + hoffs
                 if HEAD_I64:
                     hcol = heads.to(tl.int64)[:, None]
                 else:
                     hcol = heads[:, None]
-                xp = x_row + hcol * sxh
-                v = tl.load(xp + whole, mask=(heads < nheads)[:, None] & (whole < HEAD_DIM), other=0.0).to(cdt)
-                total += tl.sum(v * v, axis=1)
-            if MATH_FP64:  # rsqrt is an approximation in fp64 too (rsqrt.approx.f64)
+                if NEOX_ROW:
+                    v = tl.load(x_row + hcol * sxh + row_off, mask=(heads < nheads)[:, None] & row_mask, other=0.0,
+                                eviction_policy=XPOL)
+                else:
+                    v = tl.load(x_row + hcol * sxh + lanes, mask=(heads < nheads)[:, None] & (lanes < ROT),
+                                other=0.0, eviction_policy=XPOL)
+                held = held + (v,)
+                vf = v.to(cdt)
+                total += tl.sum(vf * vf, axis=1)
+            if MATH_FP64:
                 token_scale = 1.0 / tl.sqrt(tl.sum(total, axis=0) / (nheads * HEAD_DIM) + eps)
             else:
                 token_scale = tl.math.rsqrt(tl.sum(total, axis=0) / (nheads * HEAD_DIM) + eps)
-        for hb in range(first, nblocks, NSPLIT):
-            heads = hb * BLOCK_H + hoffs
-            hmask = (heads < nheads)[:, None]
-            if HEAD_I64:
-                hcol = heads.to(tl.int64)[:, None]
-            else:  # every head's offset in a token's rows fits 32 bits: 32-bit multiplies, not 64-bit ones
-                hcol = heads[:, None]
-            xh = x_row + hcol * sxh
-            oh = o_row + hcol * soh
-            xp = xh + OFFSET  # the rotated lanes
-            op = oh + OFFSET
-            # Rows forms hold the head rows as loaded, (BLOCK_H, 2 * HALF_PAD): the norm's statistics and its
-            # weight act on that tile, and only then are the pairs split in registers (a reduction or a weight
-            # on the split halves costs layout conversions through shared memory).
-            if NEOX_ROW:
-                m = hmask & row_mask
-                row = row_off
-                v = tl.load(xp + row_off, mask=m, other=0.0).to(cdt)
-            elif INTERLEAVED:
-                m = hmask & (lanes < ROT)
-                row = lanes
-                v = tl.load(xp + lanes, mask=m, other=0.0).to(cdt)
-            else:
-                m = hmask & (j < HALF)
-                a = tl.load(xp + lj, mask=m, other=0.0).to(cdt)
-                b = tl.load(xp + BH + lj, mask=m, other=0.0).to(cdt)
-            if TAIL_PAD > 0:
-                pmask = hmask & (tl.arange(0, TAIL_PAD)[None, :] < PASS)
-                t = tl.load(xh + plane, mask=pmask, other=0.0).to(cdt)
-            else:
-                t = tl.full((BLOCK_H, 1), 0.0, cdt)
-            if NORM > 0:
-                if NEOX_ROW or INTERLEAVED:
-                    ss = tl.sum(v * v, axis=1) + tl.sum(t * t, axis=1)
+            for hb in tl.static_range(HELD):
+                heads = hb * BLOCK_H + hoffs
+                hmask = (heads < nheads)[:, None]
+                if HEAD_I64:
+                    hcol = heads.to(tl.int64)[:, None]
                 else:
-                    ss = tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1) + tl.sum(t * t, axis=1)
-                if NORM == 1:
-                    ms = ss / HEAD_DIM + eps
-                elif ONE_BLOCK:  # every head of the token is in this tile: no first pass
-                    ms = tl.sum(ss, axis=0) / (nheads * HEAD_DIM) + eps
-                if NORM == 2 and not ONE_BLOCK:
-                    scale = token_scale
-                elif MATH_FP64:
-                    scale = 1.0 / tl.sqrt(ms)
-                else:  # one instruction where 1 / sqrt takes two and their range fix-ups (eps keeps ms normal)
-                    scale = tl.math.rsqrt(ms)
-                if NORM == 1:
-                    scale = scale[:, None]
-                if NEOX_ROW or INTERLEAVED:
-                    v = v * scale
+                    hcol = heads[:, None]
+                if NEOX_ROW:
+                    m = hmask & row_mask
+                    row = row_off
                 else:
-                    a = a * scale
-                    b = b * scale
-                t = t * scale
-            if HAS_W and not W_HEADS:  # a weight row is in the tables (above), a weight tile is applied here
-                if W_TILE:
-                    if NEOX_ROW or INTERLEAVED:
+                    m = hmask & (lanes < ROT)
+                    row = lanes
+                v = held[hb].to(cdt) * token_scale
+                if HAS_W and not W_HEADS:
+                    if W_TILE:
                         v = v * w_row
-                    else:
-                        a = a * w_a
-                        b = b * w_b
-                if TAIL_PAD > 0:
-                    t = t * w_t
-            elif HAS_W:
-                wh = w_ptr + hcol * swh
-                wp = wh + OFFSET
-                if NEOX_ROW or INTERLEAVED:
-                    v = v * tl.load(wp + row, mask=m, other=0.0).to(cdt)
+                elif HAS_W:
+                    v = v * tl.load(w_ptr + hcol * swh + row, mask=m, other=0.0).to(cdt)
+                if NEOX_ROW:
+                    a, b = tl.split(tl.permute(tl.reshape(v, (BLOCK_H, 2, HALF_PAD)), (0, 2, 1)))
                 else:
-                    a = a * tl.load(wp + lj, mask=m, other=0.0).to(cdt)
-                    b = b * tl.load(wp + (BH + lj), mask=m, other=0.0).to(cdt)
+                    a, b = tl.split(tl.reshape(v, (BLOCK_H, HALF_PAD, 2)))
+                oa = a * ca_w - b * sa_w
+                ob = b * cb_w + a * sb_w
+                if NEOX_ROW:
+                    o = tl.reshape(tl.permute(tl.join(oa, ob), (0, 2, 1)), (BLOCK_H, 2 * HALF_PAD))
+                else:
+                    o = tl.reshape(tl.join(oa, ob), (BLOCK_H, 2 * HALF_PAD))
+                op = o_row + hcol * soh
+                tl.store(op + row, o.to(op.dtype.element_ty), mask=m, cache_modifier=OMOD)
+        else:
+            if NORM == 2 and not ONE_BLOCK:  # one scale for every head of the token: a first pass sums the squares
+                total = tl.full((BLOCK_H,), 0.0, cdt)
+                whole = tl.arange(0, HEAD_PAD)[None, :]
+                for hb in range(0, nblocks):
+                    heads = hb * BLOCK_H + hoffs
+                    if HEAD_I64:
+                        hcol = heads.to(tl.int64)[:, None]
+                    else:
+                        hcol = heads[:, None]
+                    xp = x_row + hcol * sxh
+                    v = tl.load(xp + whole, mask=(heads < nheads)[:, None] & (whole < HEAD_DIM), other=0.0).to(cdt)
+                    total += tl.sum(v * v, axis=1)
+                if MATH_FP64:  # rsqrt is an approximation in fp64 too (rsqrt.approx.f64)
+                    token_scale = 1.0 / tl.sqrt(tl.sum(total, axis=0) / (nheads * HEAD_DIM) + eps)
+                else:
+                    token_scale = tl.math.rsqrt(tl.sum(total, axis=0) / (nheads * HEAD_DIM) + eps)
+            for hb in range(first, nblocks, NSPLIT):
+                heads = hb * BLOCK_H + hoffs
+                hmask = (heads < nheads)[:, None]
+                if HEAD_I64:
+                    hcol = heads.to(tl.int64)[:, None]
+                else:  # every head's offset in a token's rows fits 32 bits: 32-bit multiplies, not 64-bit ones
+                    hcol = heads[:, None]
+                xh = x_row + hcol * sxh
+                oh = o_row + hcol * soh
+                xp = xh + OFFSET  # the rotated lanes
+                op = oh + OFFSET
+                # Rows forms hold the head rows as loaded, (BLOCK_H, 2 * HALF_PAD): the norm's statistics and its
+                # weight act on that tile, and only then are the pairs split in registers (a reduction or a weight
+                # on the split halves costs layout conversions through shared memory).
+                if NEOX_ROW:
+                    m = hmask & row_mask
+                    row = row_off
+                    v = tl.load(xp + row_off, mask=m, other=0.0, eviction_policy=XPOL).to(cdt)
+                elif INTERLEAVED:
+                    m = hmask & (lanes < ROT)
+                    row = lanes
+                    v = tl.load(xp + lanes, mask=m, other=0.0, eviction_policy=XPOL).to(cdt)
+                else:
+                    m = hmask & (j < HALF)
+                    a = tl.load(xp + lj, mask=m, other=0.0, eviction_policy=XPOL).to(cdt)
+                    b = tl.load(xp + BH + lj, mask=m, other=0.0, eviction_policy=XPOL).to(cdt)
                 if TAIL_PAD > 0:
-                    t = t * tl.load(wh + plane, mask=pmask, other=0.0).to(cdt)
-            if NEOX_ROW:
-                a, b = tl.split(tl.permute(tl.reshape(v, (BLOCK_H, 2, HALF_PAD)), (0, 2, 1)))
-            elif INTERLEAVED:
-                a, b = tl.split(tl.reshape(v, (BLOCK_H, HALF_PAD, 2)))
-            oa = a * ca_w - b * sa_w
-            ob = b * cb_w + a * sb_w
-            if DEINTERLEAVE:  # pairs read interleaved, written as the two NeoX halves
-                mo = hmask & (j < HALF)
-                tl.store(op + j, oa.to(op.dtype.element_ty), mask=mo)
-                tl.store(op + HALF + j, ob.to(op.dtype.element_ty), mask=mo)
-            elif INTERLEAVED:
-                o = tl.reshape(tl.join(oa, ob), (BLOCK_H, 2 * HALF_PAD))
-                tl.store(op + lanes, o.to(op.dtype.element_ty), mask=m)
-            elif NEOX_ROW:
-                o = tl.reshape(tl.permute(tl.join(oa, ob), (0, 2, 1)), (BLOCK_H, 2 * HALF_PAD))
-                tl.store(op + row_off, o.to(op.dtype.element_ty), mask=m)
-            else:
-                tl.store(op + lj, oa.to(op.dtype.element_ty), mask=m)
-                tl.store(op + BH + lj, ob.to(op.dtype.element_ty), mask=m)
-            if TAIL_PAD > 0:
-                tl.store(oh + plane, t.to(oh.dtype.element_ty), mask=pmask)
+                    pmask = hmask & (tl.arange(0, TAIL_PAD)[None, :] < PASS)
+                    t = tl.load(xh + plane, mask=pmask, other=0.0, eviction_policy=XPOL).to(cdt)
+                else:
+                    t = tl.full((BLOCK_H, 1), 0.0, cdt)
+                if NORM > 0:
+                    if NEOX_ROW or INTERLEAVED:
+                        ss = tl.sum(v * v, axis=1) + tl.sum(t * t, axis=1)
+                    else:
+                        ss = tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1) + tl.sum(t * t, axis=1)
+                    if NORM == 1:
+                        ms = ss / HEAD_DIM + eps
+                    elif ONE_BLOCK:  # every head of the token is in this tile: no first pass
+                        ms = tl.sum(ss, axis=0) / (nheads * HEAD_DIM) + eps
+                    if NORM == 2 and not ONE_BLOCK:
+                        scale = token_scale
+                    elif MATH_FP64:
+                        scale = 1.0 / tl.sqrt(ms)
+                    else:  # one instruction where 1 / sqrt takes two and their range fix-ups (eps keeps ms normal)
+                        scale = tl.math.rsqrt(ms)
+                    if NORM == 1:
+                        scale = scale[:, None]
+                    if NEOX_ROW or INTERLEAVED:
+                        v = v * scale
+                    else:
+                        a = a * scale
+                        b = b * scale
+                    t = t * scale
+                if HAS_W and not W_HEADS:  # a weight row is in the tables (above), a weight tile is applied here
+                    if W_TILE:
+                        if NEOX_ROW or INTERLEAVED:
+                            v = v * w_row
+                        else:
+                            a = a * w_a
+                            b = b * w_b
+                    if TAIL_PAD > 0:
+                        t = t * w_t
+                elif HAS_W:
+                    wh = w_ptr + hcol * swh
+                    wp = wh + OFFSET
+                    if NEOX_ROW or INTERLEAVED:
+                        v = v * tl.load(wp + row, mask=m, other=0.0).to(cdt)
+                    else:
+                        a = a * tl.load(wp + lj, mask=m, other=0.0).to(cdt)
+                        b = b * tl.load(wp + (BH + lj), mask=m, other=0.0).to(cdt)
+                    if TAIL_PAD > 0:
+                        t = t * tl.load(wh + plane, mask=pmask, other=0.0).to(cdt)
+                if NEOX_ROW:
+                    a, b = tl.split(tl.permute(tl.reshape(v, (ROWS, 2, HALF_PAD)), (0, 2, 1)))
+                elif INTERLEAVED:
+                    a, b = tl.split(tl.reshape(v, (ROWS, HALF_PAD, 2)))
+                oa = a * ca_w - b * sa_w
+                ob = b * cb_w + a * sb_w
+                if DEINTERLEAVE:  # pairs read interleaved, written as the two NeoX halves
+                    mo = hmask & (j < HALF)
+                    tl.store(op + j, oa.to(op.dtype.element_ty), mask=mo, cache_modifier=OMOD)
+                    tl.store(op + HALF + j, ob.to(op.dtype.element_ty), mask=mo, cache_modifier=OMOD)
+                elif INTERLEAVED:
+                    o = tl.reshape(tl.join(oa, ob), (ROWS, 2 * HALF_PAD))
+                    tl.store(op + lanes, o.to(op.dtype.element_ty), mask=m, cache_modifier=OMOD)
+                elif NEOX_ROW:
+                    o = tl.reshape(tl.permute(tl.join(oa, ob), (0, 2, 1)), (ROWS, 2 * HALF_PAD))
+                    tl.store(op + row_off, o.to(op.dtype.element_ty), mask=m, cache_modifier=OMOD)
+                else:
+                    tl.store(op + lj, oa.to(op.dtype.element_ty), mask=m, cache_modifier=OMOD)
+                    tl.store(op + BH + lj, ob.to(op.dtype.element_ty), mask=m, cache_modifier=OMOD)
+                if TAIL_PAD > 0:
+                    tl.store(oh + plane, t.to(oh.dtype.element_ty), mask=pmask, cache_modifier=OMOD)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -481,6 +570,16 @@ def default_neox_row(interleaved: bool, rotary_dim: int, head_dim: int) -> bool:
     return not interleaved and rotary_dim == head_dim
 
 
+def default_stream(params: RotaryParams, head_dim: int) -> bool:
+    """Streaming cache hints (evict_first loads of x, .cs stores) where the sweep measured them faster: a norm
+    across heads read in two passes, whose second pass re-reads the token's rows from L2 (12 heads 1.15 -> 1.13x
+    the floor; `_launch_args` turns them off where the rows are held instead), a pass-through head (M8: 1.09 ->
+    1.08), and a per-head norm over padded rows (D=80: 1.213 -> 1.209, 1.314 -> 1.301). At D=128 under a per-head
+    norm they were slower (1.09 -> 1.12x), so nothing else takes them."""
+    padded = triton.next_power_of_2(max(1, params.rotary_dim // 2)) * 2 != params.rotary_dim
+    return params.norm == "rms_across_heads" or bool(params.rotary_offset) or (params.norm == "rms" and padded)
+
+
 def _num_warps(tile: int, form: str) -> int:
     """A power of two (Triton requires it; a pass-through tile makes rows like 64 + 128 lanes)."""
     n = max(1, min(8, tile // ELEMENTS_PER_WARP[form]))
@@ -499,20 +598,22 @@ _LAUNCH_CACHE: dict = {}  # geometry key -> launches; keeps the host side of a r
 
 def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams, positions: Any = None,
            weights: Sequence | None = None, *, kernel: Any = None, block_h: int | None = None,
-           num_warps: int | None = None, nsplit: int | None = None, neox_row: bool | None = None) -> list:
+           num_warps: int | None = None, nsplit: int | None = None, neox_row: bool | None = None,
+           stream: bool | None = None) -> list:
     """Rotate 1-3 tensors sharing tables; one launch when their geometry allows it, else one each.
     With positions, the tables are rows of a cache read per token (`cos[positions]`); with a norm in params,
     each x is RMS-normalised (and scaled by its weight, one per x, which may vary over heads and lanes only)
     in the same pass. The tuning options override the rules below (the benchmarks' sweeps use them)."""
     weights = list(weights) if weights is not None else [None] * len(xs)
-    tuning = dict(kernel=kernel, block_h=block_h, num_warps=num_warps, nsplit=nsplit, neox_row=neox_row)
+    tuning = dict(kernel=kernel, block_h=block_h, num_warps=num_warps, nsplit=nsplit, neox_row=neox_row,
+                  stream=stream)
     if params.norm != "none" and any(w is not None and not _per_lane(w, x) for w, x in zip(weights, xs)):
         return _normed_first(xs, cos, sin, params, positions, weights, tuning)
     xs = [_prepare(x) for x in xs]
     weights = [w if w is None or _is_true(w.stride(-1) == 1) else w.contiguous() for w in weights]
     outs = [torch.empty(x.shape, dtype=params.out_dtype, device=x.device) for x in xs]
     fn = wrap_triton(_rotary_kernel) if kernel is None else kernel
-    opts = (params, block_h, num_warps, nsplit, neox_row)
+    opts = (params, block_h, num_warps, nsplit, neox_row, stream)
     tables = _Tables(cos, sin, positions, weights)
     try:
         key = (tuple((tuple(x.shape), x.stride(), x.dtype) for x in xs), tables.key(), opts)
@@ -637,7 +738,7 @@ def _heads_fit_int32(p: _Plan, block_h: int, weight_strides: Sequence) -> bool:
 
 def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, params: RotaryParams,
                  block_h: int | None, num_warps: int | None, nsplit: int | None,
-                 neox_row: bool | None) -> tuple:
+                 neox_row: bool | None, stream: bool | None) -> tuple:
     interleaved, rotary_dim = params.interleaved, params.rotary_dim
     head_dim = xs[0].shape[-1]
     half_pad = triton.next_power_of_2(max(1, rotary_dim // 2))
@@ -648,6 +749,11 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
     neox_row = bool(neox_row) and not interleaved and params.rotary_blocks == 1
     tile = NORM_TILE_ELEMENTS if params.norm == "rms" else \
         HEAD_PASS_TILE_ELEMENTS if params.rotary_offset else TILE_ELEMENTS
+    # a norm across heads over whole rows, static head counts: the rows can be held (HELD, below)
+    holdable = (params.norm == "rms_across_heads" and (interleaved or neox_row) and tail_pad == 0
+                and not params.rotary_offset and not params.deinterleave and all(isinstance(h, int) for h in p.heads))
+    if holdable:
+        tile = HELD_TILE_ELEMENTS
     bh = block_h or _block_heads(p.heads, lanes_pad, tile)
     # a norm across heads whose heads all fit one block takes its statistics from that tile (a larger block to
     # get there was slower in the norm sweep: 1.32x against 1.17x the floor at 12 heads x 128)
@@ -656,11 +762,22 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
     ntok = p.tokens[0] * p.tokens[1] * p.tokens[2]
     if nsplit is None:
         nsplit = 1
-        if isinstance(ntok, int):
+        if params.rotary_offset:  # every head block a program of its own (HEAD_PASS_TILE_ELEMENTS)
+            nsplit = nblocks
+        elif isinstance(ntok, int):
             if ntok < MIN_PROGRAMS:
                 nsplit = max(1, min(nblocks, -(-MIN_PROGRAMS // max(ntok, 1))))
         elif nblocks > 1:  # a symbolic token count (vLLM: decode and prefill run one graph): the same rule
             nsplit = torch.sym_max(1, torch.sym_min(nblocks, (ntok + MIN_PROGRAMS - 1) // ntok))
+    toks = 1
+    if (isinstance(ntok, int) and nsplit == 1 and all(isinstance(h, int) and h == 1 for h in p.heads)
+            and params.norm != "rms_across_heads" and ntok % ROW_TOKENS == 0 and ntok // ROW_TOKENS >= MIN_PROGRAMS):
+        toks = ROW_TOKENS
+    side_blocks = [-(-h // bh) if isinstance(h, int) else 0 for h in p.heads]
+    held = (holdable and not one_block and isinstance(nsplit, int) and nsplit == 1
+            and max(side_blocks) * bh * lanes_pad <= HELD_ELEMENTS)
+    if held and num_warps is None:
+        num_warps = _num_warps(max(side_blocks) * bh * lanes_pad, "held")
     none = [0, 0, 0, 0]
     sk, sv = (p.x_strides[i] if len(xs) > i else none for i in (1, 2))
     sko, svo = (p.o_strides[i] if len(xs) > i else none for i in (1, 2))
@@ -686,8 +803,12 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
                 # scalars that Triton does not specialize, and a lane stride only known at run time turns the
                 # vector loads into gathers (the in-graph kernel ran at twice the time of a direct launch)
                 SCD=p.c_strides[3], SSD=p.s_strides[3], BH=rotary_dim // 2 // params.rotary_blocks,
-                num_warps=num_warps or _num_warps(bh * lanes_pad, "rows" if interleaved or neox_row else "halves"))
-    return (ntok, nsplit), scalars, meta
+                STREAM=default_stream(params, head_dim) and not held if stream is None else bool(stream),
+                HELD=max(side_blocks) if held else 0,  # head blocks held per side (a constexpr: unrolled)
+                TOKS=toks,
+                num_warps=num_warps or _num_warps(bh * lanes_pad, "head_pass" if params.rotary_offset else
+                                                  "rows" if interleaved or neox_row else "halves"))
+    return (ntok // toks if toks > 1 else ntok, nsplit), scalars, meta
 
 
 # ---------------------------------------------------------------------------------------------------------
