@@ -71,16 +71,6 @@ ROW_TOKENS = 8
 
 
 @triton.jit
-def _table_rows(row, offs, mask, TOKS: tl.constexpr):
-    """The table lanes `offs` of one token's row (1, lanes), or of TOKS tokens' rows (row: (TOKS, 1) pointers)."""
-    if TOKS > 1:
-        r = tl.load(row + offs[None, :], mask=mask[None, :], other=0.0)
-    else:
-        r = tl.load(row + offs, mask=mask, other=0.0)[None, :]
-    return r
-
-
-@triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, cos_ptr, sin_ptr, pos_ptr, wq_ptr, wk_ptr, wv_ptr,
     N1, N2, HQ, HK, HV, NSPLIT, crow, srow, swqh, swkh, swvh, eps,
@@ -167,11 +157,18 @@ def _rotary_kernel(
     else:
         c_row = cos_ptr + i0 * sc0 + i1 * sc1 + i2 * sc2
         s_row = sin_ptr + i0 * ss0 + i1 * ss1 + i2 * ss2
-    ca = _table_rows(c_row, ia * SCD, tmask, TOKS).to(cdt)
-    sa = _table_rows(s_row, ia * SSD, tmask, TOKS).to(cdt)
-    if FULL_TABLES:
-        cb = _table_rows(c_row, ib * SCD, tmask, TOKS).to(cdt)
-        sb = _table_rows(s_row, ib * SSD, tmask, TOKS).to(cdt)
+    if TOKS > 1:  # the rows of TOKS tokens: (TOKS, 1) row pointers, (TOKS, lanes) tables
+        ca = tl.load(c_row + (ia * SCD)[None, :], mask=tmask[None, :], other=0.0).to(cdt)
+        sa = tl.load(s_row + (ia * SSD)[None, :], mask=tmask[None, :], other=0.0).to(cdt)
+        if FULL_TABLES:
+            cb = tl.load(c_row + (ib * SCD)[None, :], mask=tmask[None, :], other=0.0).to(cdt)
+            sb = tl.load(s_row + (ib * SSD)[None, :], mask=tmask[None, :], other=0.0).to(cdt)
+    else:
+        ca = tl.load(c_row + ia * SCD, mask=tmask, other=0.0).to(cdt)[None, :]
+        sa = tl.load(s_row + ia * SSD, mask=tmask, other=0.0).to(cdt)[None, :]
+        if FULL_TABLES:
+            cb = tl.load(c_row + ib * SCD, mask=tmask, other=0.0).to(cdt)[None, :]
+            sb = tl.load(s_row + ib * SSD, mask=tmask, other=0.0).to(cdt)[None, :]
     if ANGLES:  # the tables hold angles: their cos and sin, once per token for every head
         ca = tl.cos(ca)
         sa = tl.sin(sa)
