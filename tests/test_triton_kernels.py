@@ -954,25 +954,37 @@ def test_norm_across_heads_held_in_registers(interleaved, heads):
         assert (out.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
-@pytest.mark.parametrize("style", ["deinterleave", "neox", "interleaved"])
-@pytest.mark.parametrize("norm", ["none", "rms"])
-def test_single_head_rows_take_several_tokens_a_program(style, norm, monkeypatch):
+@pytest.mark.parametrize("style,norm,rotary_dim,gathered", [
+    ("deinterleave", "none", 64, False), ("deinterleave", "rms", 64, False), ("neox", "none", 64, False),
+    ("neox", "rms", 64, False), ("interleaved", "none", 64, False), ("interleaved", "rms", 64, False),
+    ("neox", "rms", 32, False),  # a pass-through tail
+    ("neox", "none", 64, True), ("interleaved", "rms", 32, True),  # cache rows picked by positions
+])
+def test_single_head_rows_take_several_tokens_a_program(style, norm, rotary_dim, gathered, monkeypatch):
     """A tensor of one head (MLA's k_pe [B, 1, T, 64]) takes ROW_TOKENS tokens a program, as one (tokens, lanes)
-    tile with a table row per token; against the fp64 reference, and the plan says so."""
+    tile with a table row per token (picked by positions too); against the fp64 reference, and the plan says so."""
     monkeypatch.setattr(tr, "MIN_PROGRAMS", 2)
     monkeypatch.setattr(tr, "_LAUNCH_CACHE", {})
     torch.manual_seed(18)
     k = torch.randn(2, 1, 24, 64, dtype=torch.bfloat16) * 2
-    cos, sin = tables((2, 1, 24), 64)
-    params = RotaryParams(interleaved=style != "neox", rotary_dim=64, full_tables=True, conjugate=False,
+    pos = None
+    if gathered:  # a [max_pos, R] cache and a position per token, broadcast against x's leading dims
+        cache_c, cache_s = tables((40,), rotary_dim)
+        pos = torch.randint(0, 40, (2, 1, 24))
+        cos, sin = cache_c, cache_s
+        want_c, want_s = cache_c[pos], cache_s[pos]
+    else:
+        cos, sin = tables((2, 1, 24), rotary_dim)
+        want_c, want_s = cos, sin
+    params = RotaryParams(interleaved=style != "neox", rotary_dim=rotary_dim, full_tables=True, conjugate=False,
                           out_dtype=torch.float32, deinterleave=style == "deinterleave", norm=norm)
     weights = [torch.randn(64)] if norm == "rms" else [None]
-    [(_, grid, _, meta)] = tr._make_launches([k], [torch.empty_like(k)], tr._Tables(cos, sin, None, weights), params,
+    [(_, grid, _, meta)] = tr._make_launches([k], [torch.empty_like(k)], tr._Tables(cos, sin, pos, weights), params,
                                              None, None, None, None, None)
     assert meta["TOKS"] == tr.ROW_TOKENS and grid == (48 // tr.ROW_TOKENS, 1)
     with poisoned_outputs():
-        (out,) = tr.launch([k], cos, sin, params, None, weights, kernel=KERNEL)
-    want = rotary_reference(k.double(), cos.double(), sin.double(),
+        (out,) = tr.launch([k], cos, sin, params, pos, weights, kernel=KERNEL)
+    want = rotary_reference(k.double(), want_c.double(), want_s.double(),
                             norm_weight=None if weights[0] is None else weights[0].double(),
                             **{**params.kwargs(), "out_dtype": torch.float64})
     assert (out.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
