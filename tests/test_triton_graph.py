@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from rope_fusion.kernels import triton_rotary  # noqa: E402
 from rope_fusion.kernels.triton_graph import emit_triton  # noqa: E402
 
-if triton_rotary._INTERPRETED:  # test_triton_kernels.py imported the kernels for the interpreter first
+if triton_rotary._INTERPRETED:  # TRITON_INTERPRET=1 set for the whole run
     pytest.skip("the kernel module was imported under TRITON_INTERPRET=1: make_fx cannot trace it",
                 allow_module_level=True)
 from rope_fusion.ops.schema import RotaryCall, RotaryParams  # noqa: E402

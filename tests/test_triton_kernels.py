@@ -1,12 +1,11 @@
 """The Triton rotary kernels against the reference semantics.
 
 On a machine without a GPU the kernels run under Triton's interpreter. `triton.jit` decides at decoration
-time whether a kernel is interpreted, so:
-- if the kernel module is not imported yet, it is imported here with TRITON_INTERPRET=1 set just for that
-  import (so the op path `torch.ops.rope_fusion.rotary_triton` itself is tested on CPU tensors);
-- in any case the CPU tests launch an interpreted copy of the same kernel function, so they stay valid when
-  another test module imported the kernels first (as compiled kernels) in the same pytest process.
-GPU tests run the compiled kernels on realistic shapes and skip without CUDA.
+time whether a kernel is interpreted, and the kernel module is imported as every other module imports it
+(compiled: the graph and cost-model tests trace it on fake tensors, which an interpreted kernel cannot do, so
+this module must not change how it is imported). The CPU tests launch an interpreted copy of the same kernel
+function instead, and the op path `torch.ops.rope_fusion.rotary_triton` runs it on CPU tensors with that copy
+patched in. GPU tests run the compiled kernels on realistic shapes and skip without CUDA.
 """
 
 from __future__ import annotations
@@ -20,30 +19,15 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-_MOD = "rope_fusion.kernels.triton_rotary"
-if _MOD not in sys.modules and not torch.cuda.is_available():
-    import torch._higher_order_ops.triton_kernel_wrap  # noqa: F401  (keep torch's own kernels compiled)
-
-    _old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import rope_fusion.kernels.triton_rotary as tr
-    finally:
-        if _old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _old
-else:
-    import rope_fusion.kernels.triton_rotary as tr
-
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+import rope_fusion.kernels.triton_rotary as tr  # noqa: E402
 from rope_fusion.ops import backends  # noqa: E402
 from rope_fusion.ops.backends import SiteSpec  # noqa: E402
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
 from rope_fusion.ops.schema import RotaryParams  # noqa: E402
 
-OP_INTERPRETED = isinstance(tr._rotary_kernel, InterpretedFunction)
+OP_INTERPRETED = isinstance(tr._rotary_kernel, InterpretedFunction)  # only with TRITON_INTERPRET=1 for the run
 KERNEL = tr._rotary_kernel if OP_INTERPRETED else InterpretedFunction(tr._rotary_kernel.fn)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -270,9 +254,11 @@ def test_mixed_qk_dtypes_and_empty():
     assert out.shape == e.shape
 
 
-@pytest.mark.skipif(not OP_INTERPRETED, reason="kernels were imported compiled by another test module")
-def test_ops_on_cpu_under_interpreter():
-    """The registered triton_ops themselves (what the pass emits) under the interpreter."""
+def test_ops_on_cpu_under_interpreter(monkeypatch):
+    """The registered triton_ops themselves (what the pass emits) under the interpreter: the op's CPU path
+    launches the module's kernel, here the interpreted copy."""
+    monkeypatch.setattr(tr, "_rotary_kernel", KERNEL)
+    monkeypatch.setattr(tr, "_INTERPRETED", True)
     q = torch.randn(2, 4, 3, 80, dtype=torch.bfloat16)
     k = torch.randn(2, 4, 1, 80, dtype=torch.bfloat16)
     cos, sin = tables((1, 4, 1), 40)
