@@ -843,8 +843,8 @@ def test_streaming_hints_change_no_result(stream, norm):
                                 norm_weight=None if weights is None else weights[i].double(),
                                 **{**params.kwargs(), "out_dtype": torch.float64})
         assert (out.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
-    assert tr.default_stream(params, 80) == (norm != "none")  # padded rows (D=80) under a norm
-    assert not tr.default_stream(params.replace(rotary_dim=128), 128) or norm == "rms_across_heads"
+    assert tr.default_stream(params) == (norm != "none")  # padded rows (D=80) under a norm
+    assert not tr.default_stream(params.replace(rotary_dim=128)) or norm == "rms_across_heads"
 
 
 @pytest.mark.parametrize("norm", ["rms_across_heads", "rms"])

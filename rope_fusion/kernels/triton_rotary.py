@@ -567,7 +567,7 @@ def default_neox_row(interleaved: bool, rotary_dim: int, head_dim: int) -> bool:
     return not interleaved and rotary_dim == head_dim
 
 
-def default_stream(params: RotaryParams, head_dim: int) -> bool:
+def default_stream(params: RotaryParams) -> bool:
     """Streaming cache hints (evict_first loads of x, .cs stores) where the sweep measured them faster: a norm
     across heads read in two passes, whose second pass re-reads the token's rows from L2 (12 heads 1.15 -> 1.13x
     the floor; `_launch_args` turns them off where the rows are held instead), a pass-through head (M8: 1.09 ->
@@ -800,7 +800,7 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
                 # scalars that Triton does not specialize, and a lane stride only known at run time turns the
                 # vector loads into gathers (the in-graph kernel ran at twice the time of a direct launch)
                 SCD=p.c_strides[3], SSD=p.s_strides[3], BH=rotary_dim // 2 // params.rotary_blocks,
-                STREAM=default_stream(params, head_dim) and not held if stream is None else bool(stream),
+                STREAM=default_stream(params) and not held if stream is None else bool(stream),
                 HELD=max(side_blocks) if held else 0,  # head blocks held per side (a constexpr: unrolled)
                 TOKS=toks,
                 num_warps=num_warps or _num_warps(bh * lanes_pad, "head_pass" if params.rotary_offset else
