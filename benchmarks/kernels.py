@@ -926,8 +926,10 @@ SWEEP_SHAPES = {**SHAPES, "1x32760x12x128": (1, 32760, 12, 12, 128), "1x4096x24x
                 "1x16384x16x80": (1, 16384, 16, 16, 80)}
 _TILES = {"block_h": (None, 4, 8, 16, 32), "num_warps": (None, 1, 2, 4)}
 _NEOX = {"block_h": (None, 16), "num_warps": (None, 1, 2, 4), "neox_row": (False, True)}
-_NORM_TILES = {"block_h": (None, 4, 8, 16), "num_warps": (None, 2, 4)}
-_NORM_NEOX = {"block_h": (None, 4, 16), "num_warps": (None, 4), "neox_row": (False, True)}
+# with a norm, also whether a side's rows are held in registers (`held`: the rule, or forced on or off)
+_NORM_TILES = {"block_h": (None, 4, 8, 16), "num_warps": (None, 1, 2), "held": (None, True, False)}
+_NORM_NEOX = {"block_h": (None, 4, 8, 16), "num_warps": (None, 1, 2), "held": (None, True, False),
+              "neox_row": (None, False)}
 SWEEP_CASES = [
     ("2x16384x16x80", "N1", _NEOX),
     ("2x16384x16x80", "N3", _NEOX),
@@ -996,7 +998,7 @@ def sweep(device: str, cases: list = SWEEP_CASES) -> list[dict]:
         out += res
         best = sorted(res, key=lambda o: o["x_floor"])[:4]
         form = tr.default_neox_row(kw["interleaved"], rd, D)
-        default = [o for o in res if all(o.get(n) is None for n in ("block_h", "num_warps"))
+        default = [o for o in res if all(o.get(n) is None for n in ("block_h", "num_warps", "held"))
                    and o.get("neox_row") in (None, form)]
         print(f"sweep {sname} {code} norm={norm}: default "
               + ", ".join(f"{o['x_floor']:.3f}x" for o in default) + "; best "

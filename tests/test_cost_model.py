@@ -178,10 +178,10 @@ def _cost(x_mib, table_mib=8, computed=False, users=2, style="neox", **kw):
     (_cost(1, 0), "triton"),  # decode, CUDA-graph replay: 0.87-1.05x against 1.22-1.47x
     # QK-norms folded (run E, CUDA-graph replay, in the graph):
     (_cost(96, norm="rms"), "triton"),  # per-head norm + NeoX, D=128: kernel 1.09x, Inductor 1.39x, lowering 2.07x
-    (_cost(40, norm="rms", padded=True), "triton"),  # the same at D=80: kernel 1.38x, Inductor 1.89x
+    (_cost(40, norm="rms", padded=True), "triton"),  # the same at D=80: kernel 1.09x (held), Inductor 1.90x
     (_cost(168, norm="rms", gathered=True), "triton"),  # vLLM Qwen3, 8192 tokens: kernel 1.08x, lowering 1.19x
     (_cost(96, norm="rms", style="interleaved"), "triton"),  # + Flux, D=128: kernel 1.11x, Inductor 3.36x
-    (_cost(40, norm="rms", style="interleaved", padded=True), "triton"),  # D=80: kernel 1.33x, lowering 1.78x
+    (_cost(40, norm="rms", style="interleaved", padded=True), "triton"),  # D=80: kernel 1.06x, lowering 1.78x
     (_cost(96, norm="rms_across_heads", style="interleaved"), "triton"),  # Wan: 1.16x against 3.95x
     # vLLM's dynamic token count: the kernel with the count in its grid (Llama NeoX: the model's code 1.41-3.08x)
     (SiteCost(x_bytes=None, table_bytes=0, tables_computed=False, table_users=1, style="neox"), "triton"),

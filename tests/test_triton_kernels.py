@@ -82,7 +82,7 @@ def tables(lead: tuple, width: int, dtype=torch.float32, device="cpu") -> tuple[
             torch.randn(*lead, width, dtype=dtype, device=device))
 
 
-TUNING = ("block_h", "num_warps", "nsplit", "neox_row", "stream", "kernel")
+TUNING = ("block_h", "num_warps", "nsplit", "neox_row", "stream", "held", "kernel")
 
 
 def launch(xs: list, cos, sin, **kw) -> list:
@@ -586,8 +586,7 @@ def test_head_offsets_take_64_bits_only_where_32_could_overflow(monkeypatch):
 
     def head_i64(xs: list) -> bool:
         outs = [torch.empty_like(x) for x in xs]
-        [(_, _, _, meta)] = tr._make_launches(xs, outs, tr._Tables(cos, sin, None, [None] * len(xs)), params,
-                                              None, None, None, None, None)
+        [(_, _, _, meta)] = tr._make_launches(xs, outs, tr._Tables(cos, sin, None, [None] * len(xs)), params)
         return meta["HEAD_I64"]
 
     small = torch.empty_strided((1, 8, 16, 64), (8 * 16 * 64, 64, 8 * 64, 1), device="meta")  # [B, S, H, D]
@@ -667,7 +666,7 @@ def test_norm_math_stays_fp32_when_eps_is_fp64():
         weights = [torch.ones(64 if norm == "rms" else (h, 64)) for h in (4, 2)]
         outs = [torch.empty_like(q), torch.empty_like(k)]
         tabs = tr._Tables(cos, sin, None, weights)
-        [(_, _, scalars, meta)] = tr._make_launches([q, k], outs, tabs, params, block_h, None, None, neox_row, None)
+        [(_, _, scalars, meta)] = tr._make_launches([q, k], outs, tabs, params, block_h=block_h, neox_row=neox_row)
         assert not meta["MATH_FP64"] and any(isinstance(v, float) for v in scalars)
         jobs += [[meta, scalars], [{**meta, "MATH_FP64": True}, scalars]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -818,8 +817,7 @@ def test_pass_through_head_plan():
     cos = torch.empty(1, 1, 4096, 64, dtype=torch.bfloat16, device="meta")
     params = RotaryParams(interleaved=True, rotary_dim=64, full_tables=True, conjugate=False,
                           out_dtype=torch.bfloat16, deinterleave=True, rotary_offset=128)
-    [(_, grid, _, meta)] = tr._make_launches([q], [torch.empty_like(q)], tr._Tables(cos, cos, None, [None]), params,
-                                             None, None, None, None, None)
+    [(_, grid, _, meta)] = tr._make_launches([q], [torch.empty_like(q)], tr._Tables(cos, cos, None, [None]), params)
     assert (meta["BLOCK_H"], meta["num_warps"], meta["STREAM"]) == (4, 2, True)
     assert grid == (4096, 128 // 4)
 
@@ -930,7 +928,7 @@ def test_norm_across_heads_held_in_registers(interleaved, heads):
     params = RotaryParams(**opts(interleaved, 64, out_dtype=torch.float32), norm="rms_across_heads", norm_eps=1e-5)
     weights = [torch.randn(h, 64) for h in heads]
     [(_, _, _, meta)] = tr._make_launches([q, k], [torch.empty_like(q), torch.empty_like(k)],
-                                          tr._Tables(cos, sin, None, weights), params, None, None, 1, None, None)
+                                          tr._Tables(cos, sin, None, weights), params, nsplit=1)
     assert meta["HELD"] == -(-max(heads) // meta["BLOCK_H"])  # blocks of the side with the most heads
     with poisoned_outputs():
         outs = tr.launch([q, k], cos, sin, params, None, weights, kernel=KERNEL, nsplit=1)
@@ -938,6 +936,73 @@ def test_norm_across_heads_held_in_registers(interleaved, heads):
         want = rotary_reference(x.double(), cos.double(), sin.double(), norm_weight=w.double(),
                                 **{**params.kwargs(), "out_dtype": torch.float64})
         assert (out.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
+@pytest.mark.parametrize("head_dim,held", [(80, True), (128, False), (64, False)])
+def test_per_head_norm_plan_holds_padded_rows(interleaved, head_dim, held):
+    """Under a per-head norm, rows padded to more lanes than the head has (80 in 128) are held in registers, NeoX as
+    two halves, two warps for 16 heads; whole rows (64, 128) keep the head loop; fewer tokens than programs to
+    fill the GPU keep the loop too (their head blocks spread over programs)."""
+    q, k = (torch.empty(1, 16384, 16, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    cos, sin = tables((16384, 1), head_dim)
+    params = RotaryParams(**opts(interleaved, head_dim, True), norm="rms")
+    tabs = tr._Tables(cos, sin, None, [torch.ones(head_dim)] * 2)
+    [(_, grid, _, meta)] = tr._make_launches([q, k], [q, k], tabs, params)
+    assert bool(meta["HELD"]) == held and grid == (16384, 1)
+    if held:
+        assert meta["HELD"] * meta["BLOCK_H"] >= 16 and meta["num_warps"] == 2 and meta["STREAM"]
+        assert not meta["NEOX_ROW"]
+    assert tr.default_held(params, head_dim) == held
+    short = [t[:, :64] for t in (q, k)]
+    [(_, grid, _, meta)] = tr._make_launches(short, short, tr._Tables(cos[:64], sin[:64], None, tabs.weights), params)
+    assert meta["HELD"] == 0 and grid[1] > 1
+
+
+@pytest.mark.parametrize("interleaved,neox_row", [(True, None), (False, None), (False, True)],
+                         ids=["interleaved", "neox-halves", "neox-rows"])
+@pytest.mark.parametrize("per_head_weight", [False, True], ids=["lane-weight", "head-weight"])
+@pytest.mark.parametrize("block_h", [None, 2])
+def test_per_head_norm_held_rows(interleaved, neox_row, per_head_weight, block_h):
+    """The held per-head norm (each head block's own statistics, every block of a side loaded first) at D=80,
+    q and k with different head counts (blocks of the shorter side masked), against the fp64 reference."""
+    torch.manual_seed(23)
+    heads = (5, 3)
+    q, k = (torch.randn(1, 3, h, 80, dtype=torch.bfloat16) * 2 for h in heads)
+    cos, sin = tables((3, 1), 80)
+    params = RotaryParams(**opts(interleaved, 80, True, out_dtype=torch.float32), norm="rms", norm_eps=1e-5)
+    weights = [torch.randn(h, 80) if per_head_weight else torch.randn(80) for h in heads]
+    tiles = dict(nsplit=1, block_h=block_h, neox_row=neox_row)
+    [(_, _, _, meta)] = tr._make_launches([q, k], [torch.empty_like(q), torch.empty_like(k)],
+                                          tr._Tables(cos, sin, None, weights), params, **tiles)
+    assert meta["HELD"] == -(-max(heads) // meta["BLOCK_H"])
+    assert meta["NEOX_ROW"] == bool(neox_row)
+    with poisoned_outputs():
+        outs = tr.launch([q, k], cos, sin, params, None, weights, kernel=KERNEL, **tiles)
+    for out, x, w in zip(outs, (q, k), weights):
+        want = rotary_reference(x.double(), cos.double(), sin.double(), norm_weight=w.double(),
+                                **{**params.kwargs(), "out_dtype": torch.float64})
+        assert not out.isnan().any()
+        assert (out.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@cuda
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
+def test_gpu_per_head_norm_held(interleaved):
+    """The compiled held per-head norm at D=80 with the default plan (2048 tokens, 16 + 8 heads), against fp64."""
+    torch.manual_seed(29)
+    q = torch.randn(1, 2048, 16, 80, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(1, 2048, 8, 80, dtype=torch.bfloat16, device="cuda")
+    cos, sin = tables((2048, 1), 80, device="cuda")
+    weights = [1 + 0.1 * torch.randn(80, device="cuda"), 1 + 0.1 * torch.randn(8, 80, device="cuda")]
+    params = RotaryParams(**opts(interleaved, 80, True), norm="rms")
+    [(_, _, _, meta)] = tr._make_launches([q, k], [q, k], tr._Tables(cos, sin, None, weights), params)
+    assert meta["HELD"] > 0
+    outs = tr.launch([q, k], cos, sin, params, None, weights)
+    for out, x, w in zip(outs, (q, k), weights):
+        want = rotary_reference(x.double(), cos.double(), sin.double(), norm_weight=w.double(),
+                                **{**params.kwargs(), "out_dtype": torch.float64})
+        assert (out.double() - want).abs().max().item() <= 2 ** -7 * want.abs().max().item()
 
 
 @pytest.mark.parametrize("style,norm,rotary_dim,gathered", [
@@ -965,8 +1030,7 @@ def test_single_head_rows_take_several_tokens_a_program(style, norm, rotary_dim,
     params = RotaryParams(interleaved=style != "neox", rotary_dim=rotary_dim, full_tables=True, conjugate=False,
                           out_dtype=torch.float32, deinterleave=style == "deinterleave", norm=norm)
     weights = [torch.randn(64)] if norm == "rms" else [None]
-    [(_, grid, _, meta)] = tr._make_launches([k], [torch.empty_like(k)], tr._Tables(cos, sin, pos, weights), params,
-                                             None, None, None, None, None)
+    [(_, grid, _, meta)] = tr._make_launches([k], [torch.empty_like(k)], tr._Tables(cos, sin, pos, weights), params)
     assert meta["TOKS"] == tr.ROW_TOKENS and grid == (48 // tr.ROW_TOKENS, 1)
     with poisoned_outputs():
         (out,) = tr.launch([k], cos, sin, params, pos, weights, kernel=KERNEL)

@@ -204,7 +204,7 @@ class _SymbolicPlan:
                 weights = [by_node[w] if w is not None else None for w in (call.norm_weights or [None] * len(xs))]
                 tables = _Tables(by_node[call.cos], by_node[call.sin],
                                  by_node[call.positions] if call.positions is not None else None, weights)
-                plans.append(_make_launches(xs, outs, tables, call.params, None, None, None, None, None))
+                plans.append(_make_launches(xs, outs, tables, call.params))
         launches, traced = plans
         if NORM_FIRST in (launches, traced):
             return None

@@ -16,7 +16,8 @@ Why these kernels look the way they do (docs/design.md section 3, measured on th
 - Tables are arbitrary strided views that broadcast against x (a slice of a packed table, the real part of
   complex freqs): they are never copied; their broadcast strides (0 on broadcast dims) go to the kernel.
 - Head dims that are not powers of two (80, 96, ...) are padded to one with masks.
-- A norm across heads holds the token's head rows in registers between its statistics and the rotation (HELD);
+- A norm across heads, or a per-head norm over padded rows, holds the token's head rows in registers between its
+  statistics and the rotation (HELD);
   a tensor of one head takes several tokens a program (TOKS); a pass-through head gives every head block a
   program of its own; streaming cache hints (STREAM) only where the sweep measured them faster.
 
@@ -57,12 +58,14 @@ HEAD_PASS_TILE_ELEMENTS = 1024
 HEAD_PAD_WASTE = 1.25  # at most this many padded heads per real head across q and k
 # num_warps = tile / elements per warp: whole rows (interleaved, NeoX as rows) want few warps with many
 # elements each; NeoX read as two half tiles wants four times the warps (BENCHMARKS.md, tile sweep).
-ELEMENTS_PER_WARP = {"rows": 2048, "halves": 512, "head_pass": 384, "held": 2560}
+ELEMENTS_PER_WARP = {"rows": 2048, "halves": 512, "head_pass": 384, "held": 2560, "held_heads": 1024}
 MIN_PROGRAMS = 1024  # below this many tokens, head blocks are also spread over the grid
-# A norm across heads holds every head row of a side in registers (HELD) up to this many elements a side (64 heads
-# of 128 lanes), in blocks of up to HELD_TILE_ELEMENTS, a warp per ELEMENTS_PER_WARP["held"] of the side: 12 heads
-# 4 a block, one warp, 1.10x the floor (1.05x on contiguous tables); 40 heads 8 a block, two warps, 1.05x
-# (BENCHMARKS.md, Tile choice)
+# A held side (HELD: a norm across heads, or a per-head norm over padded rows) keeps every head row in registers up
+# to this many elements (64 heads of 128 lanes). Across heads: blocks of up to HELD_TILE_ELEMENTS, a warp per
+# ELEMENTS_PER_WARP["held"] of the side: 12 heads 4 a block, one warp, 1.10x the floor (1.05x on contiguous
+# tables); 40 heads 8 a block, two warps, 1.05x. Per head at D=80 (16 heads): rows in NORM_TILE_ELEMENTS blocks,
+# NeoX halves in HELD_TILE_ELEMENTS blocks, a warp per ELEMENTS_PER_WARP["held_heads"]: two warps, interleaved
+# 1.06-1.07x, NeoX 1.08-1.10x (BENCHMARKS.md, Tile choice)
 HELD_ELEMENTS = 8192
 HELD_TILE_ELEMENTS = 1024
 # Tensors of one head (MLA's k_pe [B, 1, T, 64]) take this many tokens a program once that leaves MIN_PROGRAMS
@@ -257,11 +260,14 @@ def _rotary_kernel(
                 cb_w = cb * wb
                 sb_w = sb * wa
         if HELD:
-            # A norm across heads, rows forms: every head block of this side is loaded before any is used and held
-            # in registers (HELD blocks, unrolled; a side with fewer heads masks the rest), so the token is read
-            # once; the two passes below read it twice, the second time from L2 (12 heads 1.15 -> 1.10x the
-            # floor, 40 heads 1.16 -> 1.05x; BENCHMARKS.md, Tile choice).
+            # Every head block of this side is loaded before any is used and held in registers (HELD blocks,
+            # unrolled; a side with fewer heads masks the rest), so all of the side's loads are in flight at once.
+            # A norm across heads then reads the token once where the two passes below read it twice, the second
+            # time from L2 (12 heads 1.15 -> 1.10x the floor, 40 heads 1.16 -> 1.05x); a per-head norm over
+            # padded rows (D=80) no longer waits on one block's loads at a time (1.24 -> 1.06x; BENCHMARKS.md,
+            # Tile choice). NeoX as two halves holds them apart (`held_b`).
             held = ()
+            held_b = ()
             total = tl.full((BLOCK_H,), 0.0, cdt)
             for hb in tl.static_range(HELD):
                 heads = hb * BLOCK_H + hoffs
@@ -269,19 +275,29 @@ def _rotary_kernel(
                     hcol = heads.to(tl.int64)[:, None]
                 else:
                     hcol = heads[:, None]
+                hmask = (heads < nheads)[:, None]
                 if NEOX_ROW:
-                    v = tl.load(x_row + hcol * sxh + row_off, mask=(heads < nheads)[:, None] & row_mask, other=0.0,
+                    v = tl.load(x_row + hcol * sxh + row_off, mask=hmask & row_mask, other=0.0, eviction_policy=XPOL)
+                elif INTERLEAVED:
+                    v = tl.load(x_row + hcol * sxh + lanes, mask=hmask & (lanes < ROT), other=0.0,
                                 eviction_policy=XPOL)
                 else:
-                    v = tl.load(x_row + hcol * sxh + lanes, mask=(heads < nheads)[:, None] & (lanes < ROT),
-                                other=0.0, eviction_policy=XPOL)
+                    v = tl.load(x_row + hcol * sxh + lj, mask=hmask & (j < HALF), other=0.0, eviction_policy=XPOL)
+                    vb = tl.load(x_row + hcol * sxh + BH + lj, mask=hmask & (j < HALF), other=0.0,
+                                 eviction_policy=XPOL)
+                    held_b = held_b + (vb,)
                 held = held + (v,)
-                vf = v.to(cdt)
-                total += tl.sum(vf * vf, axis=1)
-            if MATH_FP64:
-                token_scale = 1.0 / tl.sqrt(tl.sum(total, axis=0) / (nheads * HEAD_DIM) + eps)
-            else:
-                token_scale = tl.math.rsqrt(tl.sum(total, axis=0) / (nheads * HEAD_DIM) + eps)
+                if NORM == 2:
+                    vf = v.to(cdt)
+                    total += tl.sum(vf * vf, axis=1)
+                    if not (NEOX_ROW or INTERLEAVED):
+                        vf = vb.to(cdt)
+                        total += tl.sum(vf * vf, axis=1)
+            if NORM == 2:
+                if MATH_FP64:
+                    token_scale = 1.0 / tl.sqrt(tl.sum(total, axis=0) / (nheads * HEAD_DIM) + eps)
+                else:
+                    token_scale = tl.math.rsqrt(tl.sum(total, axis=0) / (nheads * HEAD_DIM) + eps)
             for hb in tl.static_range(HELD):
                 heads = hb * BLOCK_H + hoffs
                 hmask = (heads < nheads)[:, None]
@@ -292,27 +308,62 @@ def _rotary_kernel(
                 if NEOX_ROW:
                     m = hmask & row_mask
                     row = row_off
-                else:
+                elif INTERLEAVED:
                     m = hmask & (lanes < ROT)
                     row = lanes
-                v = held[hb].to(cdt) * token_scale
-                if HAS_W and not W_HEADS:
-                    if W_TILE:
-                        v = v * w_row
-                elif HAS_W:
-                    v = v * tl.load(w_ptr + hcol * swh + row, mask=m, other=0.0).to(cdt)
-                if NEOX_ROW:
-                    a, b = tl.split(tl.permute(tl.reshape(v, (BLOCK_H, 2, HALF_PAD)), (0, 2, 1)))
                 else:
-                    a, b = tl.split(tl.reshape(v, (BLOCK_H, HALF_PAD, 2)))
+                    m = hmask & (j < HALF)
+                if NEOX_ROW or INTERLEAVED:
+                    v = held[hb].to(cdt)
+                    if NORM == 2:
+                        scale = token_scale
+                    else:  # a per-head norm: each row's own scale
+                        ms = tl.sum(v * v, axis=1) / HEAD_DIM + eps
+                else:
+                    a = held[hb].to(cdt)
+                    b = held_b[hb].to(cdt)
+                    if NORM == 2:
+                        scale = token_scale
+                    else:
+                        ms = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM + eps
+                if NORM == 1:
+                    if MATH_FP64:
+                        scale = (1.0 / tl.sqrt(ms))[:, None]
+                    else:
+                        scale = tl.math.rsqrt(ms)[:, None]
+                if NEOX_ROW or INTERLEAVED:
+                    v = v * scale
+                    if HAS_W and not W_HEADS:
+                        if W_TILE:
+                            v = v * w_row
+                    elif HAS_W:
+                        v = v * tl.load(w_ptr + hcol * swh + row, mask=m, other=0.0).to(cdt)
+                    if NEOX_ROW:
+                        a, b = tl.split(tl.permute(tl.reshape(v, (BLOCK_H, 2, HALF_PAD)), (0, 2, 1)))
+                    else:
+                        a, b = tl.split(tl.reshape(v, (BLOCK_H, HALF_PAD, 2)))
+                else:
+                    a = a * scale
+                    b = b * scale
+                    if HAS_W and not W_HEADS:
+                        if W_TILE:
+                            a = a * w_a
+                            b = b * w_b
+                    elif HAS_W:
+                        a = a * tl.load(w_ptr + hcol * swh + lj, mask=m, other=0.0).to(cdt)
+                        b = b * tl.load(w_ptr + hcol * swh + (BH + lj), mask=m, other=0.0).to(cdt)
                 oa = a * ca_w - b * sa_w
                 ob = b * cb_w + a * sb_w
+                op = o_row + hcol * soh
                 if NEOX_ROW:
                     o = tl.reshape(tl.permute(tl.join(oa, ob), (0, 2, 1)), (BLOCK_H, 2 * HALF_PAD))
-                else:
+                    tl.store(op + row, o.to(op.dtype.element_ty), mask=m, cache_modifier=OMOD)
+                elif INTERLEAVED:
                     o = tl.reshape(tl.join(oa, ob), (BLOCK_H, 2 * HALF_PAD))
-                op = o_row + hcol * soh
-                tl.store(op + row, o.to(op.dtype.element_ty), mask=m, cache_modifier=OMOD)
+                    tl.store(op + row, o.to(op.dtype.element_ty), mask=m, cache_modifier=OMOD)
+                else:
+                    tl.store(op + lj, oa.to(op.dtype.element_ty), mask=m, cache_modifier=OMOD)
+                    tl.store(op + BH + lj, ob.to(op.dtype.element_ty), mask=m, cache_modifier=OMOD)
         else:
             if NORM == 2 and not ONE_BLOCK:  # one scale for every head of the token: a first pass sums the squares
                 total = tl.full((BLOCK_H,), 0.0, cdt)
@@ -567,11 +618,22 @@ def default_neox_row(interleaved: bool, rotary_dim: int, head_dim: int) -> bool:
     return not interleaved and rotary_dim == head_dim
 
 
+def default_held(params: RotaryParams, head_dim: int) -> bool:
+    """Hold a side's head rows in registers (HELD) under a norm across heads (read once, not twice), and under a
+    per-head norm whose rows are padded (D=80 in 128 lanes), where the head loop left too few bytes in flight
+    (1.20-1.33x the floor -> 1.07-1.10x); at D=128 the loop is level or faster (1.09 against 1.10-1.16x)."""
+    if params.norm == "rms_across_heads":
+        return True
+    rows = 2 * triton.next_power_of_2(max(1, params.rotary_dim // 2))
+    return params.norm == "rms" and params.rotary_dim == head_dim and rows != head_dim
+
+
 def default_stream(params: RotaryParams) -> bool:
     """Streaming cache hints (evict_first loads of x, .cs stores) where the sweep measured them faster: a norm
     across heads read in two passes, whose second pass re-reads the token's rows from L2 (12 heads 1.15 -> 1.13x
-    the floor; `_launch_args` turns them off where the rows are held instead), a pass-through head (M8: 1.09 ->
-    1.08), and a per-head norm over padded rows (D=80: 1.213 -> 1.209, 1.314 -> 1.301). At D=128 under a per-head
+    the floor; `_launch_args` turns them off where those rows are held instead), a pass-through head (M8: 1.09 ->
+    1.08), and a per-head norm over padded rows (D=80: 1.213 -> 1.209, 1.314 -> 1.301 in the head loop; held,
+    1.075 -> 1.068, Flux form). At D=128 under a per-head
     norm they were slower (1.09 -> 1.12x), so nothing else takes them."""
     padded = triton.next_power_of_2(max(1, params.rotary_dim // 2)) * 2 != params.rotary_dim
     return params.norm == "rms_across_heads" or bool(params.rotary_offset) or (params.norm == "rms" and padded)
@@ -596,21 +658,21 @@ _LAUNCH_CACHE: dict = {}  # geometry key -> launches; keeps the host side of a r
 def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams, positions: Any = None,
            weights: Sequence | None = None, *, kernel: Any = None, block_h: int | None = None,
            num_warps: int | None = None, nsplit: int | None = None, neox_row: bool | None = None,
-           stream: bool | None = None) -> list:
+           stream: bool | None = None, held: bool | None = None) -> list:
     """Rotate 1-3 tensors sharing tables; one launch when their geometry allows it, else one each.
     With positions, the tables are rows of a cache read per token (`cos[positions]`); with a norm in params,
     each x is RMS-normalised (and scaled by its weight, one per x, which may vary over heads and lanes only)
     in the same pass. The tuning options override the rules below (the benchmarks' sweeps use them)."""
     weights = list(weights) if weights is not None else [None] * len(xs)
-    tuning = dict(kernel=kernel, block_h=block_h, num_warps=num_warps, nsplit=nsplit, neox_row=neox_row,
-                  stream=stream)
+    tiles = dict(block_h=block_h, num_warps=num_warps, nsplit=nsplit, neox_row=neox_row, stream=stream, held=held)
+    tuning = dict(kernel=kernel, **tiles)
     if params.norm != "none" and any(w is not None and not _per_lane(w, x) for w, x in zip(weights, xs)):
         return _normed_first(xs, cos, sin, params, positions, weights, tuning)
     xs = [_prepare(x) for x in xs]
     weights = [w if w is None or _is_true(w.stride(-1) == 1) else w.contiguous() for w in weights]
     outs = [torch.empty(x.shape, dtype=params.out_dtype, device=x.device) for x in xs]
     fn = wrap_triton(_rotary_kernel) if kernel is None else kernel
-    opts = (params, block_h, num_warps, nsplit, neox_row, stream)
+    opts = (params, tuple(tiles.items()))
     tables = _Tables(cos, sin, positions, weights)
     try:
         key = (tuple((tuple(x.shape), x.stride(), x.dtype) for x in xs), tables.key(), opts)
@@ -619,7 +681,7 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
         key = None
     launches = _LAUNCH_CACHE.get(key) if key is not None else None
     if launches is None:
-        launches = _make_launches(xs, outs, tables, *opts)
+        launches = _make_launches(xs, outs, tables, params, **tiles)
         if launches is not None and key is not None:
             if len(_LAUNCH_CACHE) > 4096:
                 _LAUNCH_CACHE.clear()
@@ -647,7 +709,7 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
         t = _Tables(c, s, None, [weights[i]])
         p = _plan([x], [outs[i]], t)
         assert p is not None
-        grid, scalars, meta = _launch_args(p, [x], [outs[i]], t, [0], *opts)
+        grid, scalars, meta = _launch_args(p, [x], [outs[i]], t, [0], params, **tiles)
         w = weights[i] if weights[i] is not None else c
         fn[grid](x, x, x, outs[i], outs[i], outs[i], c, s, c, w, w, w, *scalars, **meta)
     return outs
@@ -687,9 +749,9 @@ def _norm_fits(p: _Plan, xs: list, weights: list, params: RotaryParams) -> bool:
     return True
 
 
-def _make_launches(xs: list, outs: list, tables: _Tables, *opts: Any) -> list | str | None:
+def _make_launches(xs: list, outs: list, tables: _Tables, params: RotaryParams, **tiles: Any) -> list | str | None:
     """[(tensor indices, grid, scalar args, meta args)]: one entry for all tensors together when possible;
-    NORM_FIRST when the norm does not fit the kernel's loop."""
+    NORM_FIRST when the norm does not fit the kernel's loop. tiles: `launch`'s tile options (None: the rules)."""
     groups = [list(range(len(xs)))]
     plan = _plan(xs, outs, tables)
     weights = tables.weights or [None] * len(xs)
@@ -704,9 +766,9 @@ def _make_launches(xs: list, outs: list, tables: _Tables, *opts: Any) -> list | 
         p = _plan(gx, go, tables) if len(groups) > 1 else plan
         if p is None:
             return None
-        if not _norm_fits(p, gx, [weights[i] for i in group], opts[0]):
+        if not _norm_fits(p, gx, [weights[i] for i in group], params):
             return NORM_FIRST
-        launches.append((group, *_launch_args(p, gx, go, tables, group, *opts)))
+        launches.append((group, *_launch_args(p, gx, go, tables, group, params, **tiles)))
     return launches
 
 
@@ -733,30 +795,34 @@ def _heads_fit_int32(p: _Plan, block_h: int, weight_strides: Sequence) -> bool:
     return True
 
 
-def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, params: RotaryParams,
-                 block_h: int | None, num_warps: int | None, nsplit: int | None,
-                 neox_row: bool | None, stream: bool | None) -> tuple:
+def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, params: RotaryParams, *,
+                 block_h: int | None = None, num_warps: int | None = None, nsplit: int | None = None,
+                 neox_row: bool | None = None, stream: bool | None = None, held: bool | None = None) -> tuple:
     interleaved, rotary_dim = params.interleaved, params.rotary_dim
     head_dim = xs[0].shape[-1]
     half_pad = triton.next_power_of_2(max(1, rotary_dim // 2))
     tail_pad = triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
     lanes_pad = 2 * half_pad + tail_pad  # registers per head row, the pass-through tail included
-    if neox_row is None:
-        neox_row = default_neox_row(interleaved, rotary_dim, head_dim)
+    ntok = p.tokens[0] * p.tokens[1] * p.tokens[2]
+    if held is None:
+        held = default_held(params, head_dim)
+    # rows held in registers (HELD, below): static head counts, a program per token, whole heads rotated from lane 0
+    held = (held and params.norm != "none" and tail_pad == 0 and not params.rotary_offset
+            and not params.deinterleave and all(isinstance(h, int) for h in p.heads) and isinstance(ntok, int)
+            and (nsplit == 1 if nsplit is not None else ntok >= MIN_PROGRAMS)
+            and max(p.heads) * lanes_pad <= HELD_ELEMENTS)
+    if neox_row is None:  # held under a per-head norm, NeoX reads its halves apart (no split in registers)
+        neox_row = default_neox_row(interleaved, rotary_dim, head_dim) and not (held and params.norm == "rms")
     neox_row = bool(neox_row) and not interleaved and params.rotary_blocks == 1
     tile = NORM_TILE_ELEMENTS if params.norm == "rms" else \
         HEAD_PASS_TILE_ELEMENTS if params.rotary_offset else TILE_ELEMENTS
-    # a norm across heads over whole rows, static head counts: the rows can be held (HELD, below)
-    holdable = (params.norm == "rms_across_heads" and (interleaved or neox_row) and tail_pad == 0
-                and not params.rotary_offset and not params.deinterleave and all(isinstance(h, int) for h in p.heads))
-    if holdable:
+    if held and (params.norm == "rms_across_heads" or not (interleaved or neox_row)):
         tile = HELD_TILE_ELEMENTS
     bh = block_h or _block_heads(p.heads, lanes_pad, tile)
     # a norm across heads whose heads all fit one block takes its statistics from that tile (a larger block to
     # get there was slower in the norm sweep: 1.32x against 1.17x the floor at 12 heads x 128)
     one_block = params.norm == "rms_across_heads" and all(_is_true(h <= bh) for h in p.heads)
     nblocks = sum(-(-_hint(h, 1) // bh) for h in p.heads)  # work items: head blocks of q, then of k
-    ntok = p.tokens[0] * p.tokens[1] * p.tokens[2]
     if nsplit is None:
         nsplit = 1
         if params.rotary_offset:  # every head block a program of its own (HEAD_PASS_TILE_ELEMENTS)
@@ -771,10 +837,10 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
             and params.norm != "rms_across_heads" and ntok % ROW_TOKENS == 0 and ntok // ROW_TOKENS >= MIN_PROGRAMS):
         toks = ROW_TOKENS
     side_blocks = [-(-h // bh) if isinstance(h, int) else 0 for h in p.heads]
-    held = (holdable and not one_block and isinstance(nsplit, int) and nsplit == 1
-            and max(side_blocks) * bh * lanes_pad <= HELD_ELEMENTS)
+    held = held and not one_block and max(side_blocks) * bh * lanes_pad <= HELD_ELEMENTS
     if held and num_warps is None:
-        num_warps = _num_warps(max(side_blocks) * bh * lanes_pad, "held")
+        num_warps = _num_warps(max(side_blocks) * bh * lanes_pad,
+                               "held" if params.norm == "rms_across_heads" else "held_heads")
     none = [0, 0, 0, 0]
     sk, sv = (p.x_strides[i] if len(xs) > i else none for i in (1, 2))
     sko, svo = (p.o_strides[i] if len(xs) > i else none for i in (1, 2))
@@ -800,7 +866,8 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
                 # scalars that Triton does not specialize, and a lane stride only known at run time turns the
                 # vector loads into gathers (the in-graph kernel ran at twice the time of a direct launch)
                 SCD=p.c_strides[3], SSD=p.s_strides[3], BH=rotary_dim // 2 // params.rotary_blocks,
-                STREAM=default_stream(params) and not held if stream is None else bool(stream),
+                STREAM=default_stream(params) and not (held and params.norm == "rms_across_heads")
+                if stream is None else bool(stream),
                 HELD=max(side_blocks) if held else 0,  # head blocks held per side (a constexpr: unrolled)
                 TOKS=toks,
                 num_warps=num_warps or _num_warps(bh * lanes_pad, "head_pass" if params.rotary_offset else
