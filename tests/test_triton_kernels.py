@@ -959,24 +959,27 @@ def test_per_head_norm_plan_holds_padded_rows(interleaved, head_dim, held):
     assert meta["HELD"] == 0 and grid[1] > 1
 
 
-@pytest.mark.parametrize("interleaved,neox_row", [(True, None), (False, None), (False, True)],
-                         ids=["interleaved", "neox-halves", "neox-rows"])
+@pytest.mark.parametrize("interleaved,neox_row,blocks", [(True, None, 1), (False, None, 1), (False, True, 1),
+                                                         (False, None, 2)],
+                         ids=["interleaved", "neox-halves", "neox-rows", "neox-blocks"])
 @pytest.mark.parametrize("per_head_weight", [False, True], ids=["lane-weight", "head-weight"])
 @pytest.mark.parametrize("block_h", [None, 2])
-def test_per_head_norm_held_rows(interleaved, neox_row, per_head_weight, block_h):
+def test_per_head_norm_held_rows(interleaved, neox_row, blocks, per_head_weight, block_h):
     """The held per-head norm (each head block's own statistics, every block of a side loaded first) at D=80,
-    q and k with different head counts (blocks of the shorter side masked), against the fp64 reference."""
+    q and k with different head counts (blocks of the shorter side masked), NeoX also in two blocks of 40 lanes
+    (Allegro's per-axis form), against the fp64 reference."""
     torch.manual_seed(23)
     heads = (5, 3)
     q, k = (torch.randn(1, 3, h, 80, dtype=torch.bfloat16) * 2 for h in heads)
     cos, sin = tables((3, 1), 80)
-    params = RotaryParams(**opts(interleaved, 80, True, out_dtype=torch.float32), norm="rms", norm_eps=1e-5)
+    params = RotaryParams(**opts(interleaved, 80, True, out_dtype=torch.float32), norm="rms", norm_eps=1e-5,
+                          rotary_blocks=blocks)
     weights = [torch.randn(h, 80) if per_head_weight else torch.randn(80) for h in heads]
     tiles = dict(nsplit=1, block_h=block_h, neox_row=neox_row)
     [(_, _, _, meta)] = tr._make_launches([q, k], [torch.empty_like(q), torch.empty_like(k)],
                                           tr._Tables(cos, sin, None, weights), params, **tiles)
     assert meta["HELD"] == -(-max(heads) // meta["BLOCK_H"])
-    assert meta["NEOX_ROW"] == bool(neox_row)
+    assert meta["NEOX_ROW"] == bool(neox_row) and meta["BH"] == 40 // blocks
     with poisoned_outputs():
         outs = tr.launch([q, k], cos, sin, params, None, weights, kernel=KERNEL, **tiles)
     for out, x, w in zip(outs, (q, k), weights):
