@@ -939,21 +939,26 @@ def test_norm_across_heads_held_in_registers(interleaved, heads):
 
 
 @pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
-@pytest.mark.parametrize("head_dim,held", [(80, True), (128, False), (64, False)])
-def test_per_head_norm_plan_holds_padded_rows(interleaved, head_dim, held):
+@pytest.mark.parametrize("head_dim,heads,held,warps", [
+    (80, (16, 16), True, 2), (80, (8, 8), True, 1), (80, (24, 24), True, 2),
+    (80, (40, 40), False, None),  # past HELD_HEADS_ELEMENTS: the head loop
+    (80, (16, 8), False, None),  # GQA: the head loop
+    (128, (16, 16), False, None), (64, (16, 16), False, None),  # whole rows: the head loop
+])
+def test_per_head_norm_plan_holds_padded_rows(interleaved, head_dim, heads, held, warps):
     """Under a per-head norm, rows padded to more lanes than the head has (80 in 128) are held in registers, NeoX as
-    two halves, two warps for 16 heads; whole rows (64, 128) keep the head loop; fewer tokens than programs to
-    fill the GPU keep the loop too (their head blocks spread over programs)."""
-    q, k = (torch.empty(1, 16384, 16, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    two halves, where the sweeps measured it ahead of the head loop: up to 24 heads a side, q and k alike; whole
+    rows (64, 128), more heads, GQA and fewer tokens than programs to fill the GPU keep the head loop."""
+    q, k = (torch.empty(1, 16384, h, head_dim, dtype=torch.bfloat16) for h in heads)
     cos, sin = tables((16384, 1), head_dim)
     params = RotaryParams(**opts(interleaved, head_dim, True), norm="rms")
     tabs = tr._Tables(cos, sin, None, [torch.ones(head_dim)] * 2)
     [(_, grid, _, meta)] = tr._make_launches([q, k], [q, k], tabs, params)
     assert bool(meta["HELD"]) == held and grid == (16384, 1)
     if held:
-        assert meta["HELD"] * meta["BLOCK_H"] >= 16 and meta["num_warps"] == 2 and meta["STREAM"]
+        assert meta["HELD"] * meta["BLOCK_H"] >= max(heads) and meta["num_warps"] == warps and meta["STREAM"]
         assert not meta["NEOX_ROW"]
-    assert tr.default_held(params, head_dim) == held
+    assert tr.default_held(params, head_dim, heads) == held
     short = [t[:, :64] for t in (q, k)]
     [(_, grid, _, meta)] = tr._make_launches(short, short, tr._Tables(cos[:64], sin[:64], None, tabs.weights), params)
     assert meta["HELD"] == 0 and grid[1] > 1
@@ -975,7 +980,7 @@ def test_per_head_norm_held_rows(interleaved, neox_row, blocks, per_head_weight,
     params = RotaryParams(**opts(interleaved, 80, True, out_dtype=torch.float32), norm="rms", norm_eps=1e-5,
                           rotary_blocks=blocks)
     weights = [torch.randn(h, 80) if per_head_weight else torch.randn(80) for h in heads]
-    tiles = dict(nsplit=1, block_h=block_h, neox_row=neox_row)
+    tiles = dict(nsplit=1, block_h=block_h, neox_row=neox_row, held=True)  # forced: the rule keeps GQA in the loop
     [(_, _, _, meta)] = tr._make_launches([q, k], [torch.empty_like(q), torch.empty_like(k)],
                                           tr._Tables(cos, sin, None, weights), params, **tiles)
     assert meta["HELD"] == -(-max(heads) // meta["BLOCK_H"])
@@ -992,12 +997,12 @@ def test_per_head_norm_held_rows(interleaved, neox_row, blocks, per_head_weight,
 @cuda
 @pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
 def test_gpu_per_head_norm_held(interleaved):
-    """The compiled held per-head norm at D=80 with the default plan (2048 tokens, 16 + 8 heads), against fp64."""
+    """The compiled held per-head norm at D=80 with the default plan (2048 tokens, 16 heads each), against fp64."""
     torch.manual_seed(29)
     q = torch.randn(1, 2048, 16, 80, dtype=torch.bfloat16, device="cuda")
-    k = torch.randn(1, 2048, 8, 80, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(1, 2048, 16, 80, dtype=torch.bfloat16, device="cuda")
     cos, sin = tables((2048, 1), 80, device="cuda")
-    weights = [1 + 0.1 * torch.randn(80, device="cuda"), 1 + 0.1 * torch.randn(8, 80, device="cuda")]
+    weights = [1 + 0.1 * torch.randn(80, device="cuda"), 1 + 0.1 * torch.randn(16, 80, device="cuda")]
     params = RotaryParams(**opts(interleaved, 80, True), norm="rms")
     [(_, _, _, meta)] = tr._make_launches([q, k], [q, k], tr._Tables(cos, sin, None, weights), params)
     assert meta["HELD"] > 0

@@ -63,11 +63,12 @@ MIN_PROGRAMS = 1024  # below this many tokens, head blocks are also spread over 
 # A held side (HELD: a norm across heads, or a per-head norm over padded rows) keeps every head row in registers up
 # to this many elements (64 heads of 128 lanes). Across heads: blocks of up to HELD_TILE_ELEMENTS, a warp per
 # ELEMENTS_PER_WARP["held"] of the side: 12 heads 4 a block, one warp, 1.10x the floor (1.05x on contiguous
-# tables); 40 heads 8 a block, two warps, 1.05x. Per head at D=80 (16 heads): rows in NORM_TILE_ELEMENTS blocks,
-# NeoX halves in HELD_TILE_ELEMENTS blocks, a warp per ELEMENTS_PER_WARP["held_heads"]: two warps, interleaved
-# 1.06-1.07x, NeoX 1.08-1.10x (BENCHMARKS.md, Tile choice)
+# tables); 40 heads 8 a block, two warps, 1.05x. Per head at D=80: rows in NORM_TILE_ELEMENTS blocks, NeoX halves
+# in HELD_TILE_ELEMENTS blocks, a warp per ELEMENTS_PER_WARP["held_heads"] (16 heads: two warps, interleaved
+# 1.06-1.07x, NeoX 1.08-1.10x), up to HELD_HEADS_ELEMENTS a side (`default_held`; BENCHMARKS.md, Tile choice)
 HELD_ELEMENTS = 8192
 HELD_TILE_ELEMENTS = 1024
+HELD_HEADS_ELEMENTS = 3072  # a per-head norm's rule holds a side up to this many elements (24 heads of 80 lanes)
 # Tensors of one head (MLA's k_pe [B, 1, T, 64]) take this many tokens a program once that leaves MIN_PROGRAMS
 # programs: k_pe at 8192 tokens 1.9 us against 6.3 us a token a program (floor 1.5 us; BENCHMARKS.md, Tile choice)
 ROW_TOKENS = 8
@@ -618,14 +619,19 @@ def default_neox_row(interleaved: bool, rotary_dim: int, head_dim: int) -> bool:
     return not interleaved and rotary_dim == head_dim
 
 
-def default_held(params: RotaryParams, head_dim: int) -> bool:
+def default_held(params: RotaryParams, head_dim: int, heads: Sequence[Any]) -> bool:
     """Hold a side's head rows in registers (HELD) under a norm across heads (read once, not twice), and under a
-    per-head norm whose rows are padded (D=80 in 128 lanes), where the head loop left too few bytes in flight
-    (1.20-1.33x the floor -> 1.07-1.10x); at D=128 the loop is level or faster (1.09 against 1.10-1.16x)."""
+    per-head norm whose rows are padded (D=80 in 128 lanes), where the head loop left too few bytes in flight:
+    8-24 heads of 80, 1.17-1.34x the floor -> 1.06-1.19x (level at worst). Not at D=128, where the loop is level
+    or faster (1.09 against 1.10-1.16x), nor past HELD_HEADS_ELEMENTS a side (40 heads level, 64 heads up to
+    2.5x slower with the warps the rule would give), nor with fewer k heads than q heads (GQA: the short side's
+    unrolled blocks are masked loads, 1.33-1.63x against the loop's 1.19-1.28x; BENCHMARKS.md, Tile choice)."""
     if params.norm == "rms_across_heads":
         return True
     rows = 2 * triton.next_power_of_2(max(1, params.rotary_dim // 2))
-    return params.norm == "rms" and params.rotary_dim == head_dim and rows != head_dim
+    return (params.norm == "rms" and params.rotary_dim == head_dim and rows != head_dim
+            and all(isinstance(h, int) for h in heads) and len(set(heads)) == 1
+            and heads[0] * rows <= HELD_HEADS_ELEMENTS)
 
 
 def default_stream(params: RotaryParams) -> bool:
@@ -805,7 +811,7 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
     lanes_pad = 2 * half_pad + tail_pad  # registers per head row, the pass-through tail included
     ntok = p.tokens[0] * p.tokens[1] * p.tokens[2]
     if held is None:
-        held = default_held(params, head_dim)
+        held = default_held(params, head_dim, p.heads)
     # rows held in registers (HELD, below): static head counts, a program per token, whole heads rotated from lane 0
     held = (held and params.norm != "none" and tail_pad == 0 and not params.rotary_offset
             and not params.deinterleave and all(isinstance(h, int) for h in p.heads) and isinstance(ntok, int)
