@@ -926,10 +926,9 @@ SWEEP_SHAPES = {**SHAPES, "1x32760x12x128": (1, 32760, 12, 12, 128), "1x4096x24x
                 "1x16384x16x80": (1, 16384, 16, 16, 80)}
 _TILES = {"block_h": (None, 4, 8, 16, 32), "num_warps": (None, 1, 2, 4)}
 _NEOX = {"block_h": (None, 16), "num_warps": (None, 1, 2, 4), "neox_row": (False, True)}
-# with a norm, also whether a side's rows are held in registers (`held`: the rule, or forced on or off)
-_NORM_TILES = {"block_h": (None, 4, 8, 16), "num_warps": (None, 1, 2), "held": (None, True, False)}
-_NORM_NEOX = {"block_h": (None, 4, 8, 16), "num_warps": (None, 1, 2), "held": (None, True, False),
-              "neox_row": (None, False)}
+# with a norm, also the rule for holding a side's rows in registers (`held`) against the head loop (False)
+_NORM_TILES = {"block_h": (None, 4, 8, 16), "num_warps": (None, 1, 2), "held": (None, False)}
+_NORM_NEOX = {"block_h": (None, 4, 8, 16), "num_warps": (None, 1, 2), "held": (None, False), "neox_row": (None, True)}
 SWEEP_CASES = [
     ("2x16384x16x80", "N1", _NEOX),
     ("2x16384x16x80", "N3", _NEOX),
