@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -50,6 +51,7 @@ import rope_fusion
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when transformers / diffusers are imported (lazily, below)
 
 MODELS = ("llama", "flux")
+LIBRARIES = {"llama": "transformers", "flux": "diffusers"}  # where each model's block comes from
 MODES = ("tp", "ulysses", "ring")
 OFFSETS = ("static", "symbolic", "unbacked")
 
@@ -517,6 +519,12 @@ def describe(rec: dict) -> str:
 
 def init(device: str) -> str:
     """Join the torchrun group: gloo on the CPU, NCCL with one GPU per rank. Returns the rank's device."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise SystemExit("examples/distributed_attention.py runs under torchrun: "
+                         "torchrun --nproc-per-node 2 examples/distributed_attention.py --mode tp")
+    if device == "cuda" and torch.cuda.device_count() < int(os.environ["WORLD_SIZE"]):
+        raise SystemExit(f"--device cuda needs one GPU per rank: {os.environ['WORLD_SIZE']} ranks, "
+                         f"{torch.cuda.device_count()} GPUs here (leave --device out for the CPU and gloo)")
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
@@ -546,9 +554,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = init(args.device)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     cases = [Case.parse(c, dtype) for c in args.case] or [Case(args.model, args.mode, args.offset, dtype)]
+    for lib in sorted({LIBRARIES[c.model] for c in cases}):
+        if importlib.util.find_spec(lib) is None:
+            raise SystemExit(f"examples/distributed_attention.py needs {lib} for its model: pip install {lib} "
+                             "(or the checkout's .[test] extra)")
+    device = init(args.device)
     sizes = Sizes(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Sizes)})
     records = []
     for case in cases:

@@ -20,8 +20,14 @@ engine process, on a copy of the pass, so `rope_fusion.vllm_pass.report` of your
 
 Usage of this script:
 
-    python examples/vllm_config.py --check           # build both configs (needs vllm.config importable; no GPU)
+    python examples/vllm_config.py                   # print both forms (needs nothing but rope_fusion)
+    python examples/vllm_config.py --check           # build both configs with vLLM's own classes (no GPU)
     python examples/vllm_config.py --model Qwen/Qwen3-0.6B   # run a prompt with the pass (GPU + full vLLM)
+
+`--check` needs vLLM's config module importable: from the checkout, without touching torch,
+`pip install --no-deps vllm==0.33.0 && pip install --no-deps -r .ci/vllm-deps.txt` (what CI installs).
+`--model` needs vLLM installed as its documentation says (it brings its own torch) and a GPU. Without what
+they need, both exit 1 with one line that says what to install.
 """
 
 from __future__ import annotations
@@ -40,11 +46,25 @@ def python_form() -> dict:
     return {"inductor_compile_config": {"post_grad_custom_post_pass": rope_fusion.vllm_pass}}
 
 
+NEEDS_CHECK = ("--check needs vLLM's config module: pip install --no-deps vllm==0.33.0 && "
+               "pip install --no-deps -r .ci/vllm-deps.txt (from the checkout; leaves torch as it is)")
+NEEDS_RUN = ("--model needs a full vLLM install and a GPU: pip install vllm (it pins its own torch), then "
+             "pip install -e . from the checkout into the same environment")
+
+
+def _missing(need: str, e: BaseException) -> int:
+    print(f"{need}; here: {type(e).__name__}: {e}".replace("\n", " "), file=sys.stderr)
+    return 1
+
+
 def check() -> int:
     """Build a vLLM CompilationConfig from each form and show that both hold rope_fusion.vllm_pass."""
-    from pydantic import TypeAdapter
-    from vllm.config import CompilationConfig
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    try:
+        from pydantic import TypeAdapter
+        from vllm.config import CompilationConfig
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError as e:
+        return _missing(NEEDS_CHECK, e)
 
     from_python = CompilationConfig(**python_form())
     parser = FlexibleArgumentParser()
@@ -61,7 +81,15 @@ def check() -> int:
 
 
 def run(model: str, prompt: str) -> int:
-    from vllm import LLM, SamplingParams
+    try:
+        from vllm import LLM, SamplingParams
+    except ImportError as e:
+        return _missing(NEEDS_RUN, e)
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{NEEDS_RUN}; here: no CUDA device", file=sys.stderr)
+        return 1
 
     logging.basicConfig(level=logging.INFO)
     logging.getLogger("rope_fusion").setLevel(logging.INFO)

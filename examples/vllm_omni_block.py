@@ -7,6 +7,10 @@ blocks with torch.compile. This script writes such a block (q/k/v projections, t
 interleaved, SDPA, output projection), calls `rope_fusion.install()` and compiles it: the pass replaces the two
 launches by one `rope_fusion.rotary_qk`, and the report says so (sites, kernels, origin "flash_attn.rotary_kernel").
 
+Needs, beyond `pip install -e ".[test]"`: flash-attn's Triton rotary kernel, e.g. `pip install --no-deps vllm==0.33.0`
+(only the kernel file is read, so no GPU and none of vLLM's dependencies), and triton (in the test extra). Without them
+it exits 1 with one line that says so.
+
     python examples/vllm_omni_block.py                        # on the CPU (see below), float32
     python examples/vllm_omni_block.py --device cuda          # on a GPU with vLLM or flash-attn, bfloat16
     python examples/vllm_omni_block.py --rotary-file PATH     # the kernel file itself, e.g. a copy of
@@ -48,6 +52,10 @@ import rope_fusion  # noqa: E402
 VLLM_ROTARY = "vllm.vllm_flash_attn.ops.triton.rotary"
 FLASH_ATTN_ROTARY = "flash_attn.ops.triton.rotary"
 KERNELS = {"vllm": (VLLM_ROTARY,), "flash_attn": (FLASH_ATTN_ROTARY,), "auto": (VLLM_ROTARY, FLASH_ATTN_ROTARY)}
+# What the script needs beyond the README's install, said in one line when it is missing.
+NEEDS = ("examples/vllm_omni_block.py needs flash-attn's Triton rotary kernel: pip install --no-deps vllm==0.33.0 "
+         "(only its kernel file is read: no GPU, no vLLM dependencies), or flash-attn, or --rotary-file PATH")
+NEEDS_TRITON = "examples/vllm_omni_block.py needs triton (pip install triton, or the checkout's .[test] extra)"
 
 
 # -- the kernel module -------------------------------------------------------------------------------------------
@@ -75,8 +83,7 @@ def load_rotary(kernel: str = "auto", path: str | None = None, try_import: bool 
         if file:
             return module_from_file(file, name)
         tried.append(f"{name}: no such file installed")
-    raise SystemExit("no flash-attn rotary kernel found (install vLLM or flash-attn, or pass --rotary-file):\n  "
-                     + "\n  ".join(tried))
+    raise SystemExit(f"{NEEDS} (tried: {'; '.join(t.replace(chr(10), ' ') for t in tried)})")
 
 
 def installed_file(name: str) -> str | None:
@@ -236,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rotary-file", default=None, help="load the kernel from this file (under its real module name)")
     args = ap.parse_args(argv)
     cpu = args.device == "cpu"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise SystemExit(NEEDS_TRITON) from None
+    if not cpu and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA device here (run without --device for the CPU)")
     dtype = getattr(torch, args.dtype or ("float32" if cpu else "bfloat16"))
     rotary = load_rotary(args.kernel, args.rotary_file, try_import=not cpu)
     batch, seqlen, heads, head_dim = (2, 16, 4, 64) if cpu else (1, 4096, 24, 128)
