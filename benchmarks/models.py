@@ -27,6 +27,8 @@ on; the JSON is rewritten after every model, so a time limit still leaves the mo
     python -m benchmarks.models --models flux,ltx-video --repeats 5 --profile
     python -m benchmarks.models --models ltx-video --cudagraphs               # both variants under CUDA graphs
     python -m benchmarks.models --quick                                       # tiny configs on the CPU (smoke test)
+
+Without a CUDA device it exits 2 with one line, unless --quick or `--device cpu` says to run on the CPU.
 """
 
 from __future__ import annotations
@@ -524,6 +526,9 @@ def _split(values: list[str] | None) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny configs on the CPU (smoke test)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                    help="default: cuda, or cpu with --quick; `--device cpu` without --quick runs the real sizes "
+                         "in bf16 on the CPU (minutes per model)")
     ap.add_argument("--out", help="write the results as JSON here (rewritten after every model)")
     ap.add_argument("--models", nargs="*", default=DEFAULT_MODELS,
                     help=f"comma- or space-separated, of {list(MODELS)}, or 'all' (default: {DEFAULT_MODELS})")
@@ -542,7 +547,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         ap.error(f"unknown models {unknown}, of {list(MODELS)}")
-    device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
+    device = args.device or ("cpu" if args.quick else "cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("benchmarks.models times real-size bf16 models on a GPU and there is no CUDA device here: "
+              "--quick runs tiny configs on the CPU (a smoke test), --device cpu the real sizes there", file=sys.stderr)
+        return 2
     dtype = torch.bfloat16
     raise_recompile_limits()
     env = environment()

@@ -21,7 +21,9 @@ of every parameter are compared (relative 2-norm) between the variants and again
 a step is recorded. A model whose build or a variant that fails is reported and skipped, never fatal.
 
     python -m benchmarks.training --out $OUT/training.json          # GPU (H200), bf16
-    python benchmarks/training.py --device cpu --quick              # tiny configs on the CPU (smoke test)
+    python benchmarks/training.py --quick                           # tiny configs on the CPU (smoke test)
+
+Without a CUDA device it exits 2 with one line, unless --quick or `--device cpu` says to run on the CPU.
 """
 
 from __future__ import annotations
@@ -336,7 +338,9 @@ def markdown(records: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=None,
+                    help="default: cuda (cpu for --quick without a GPU); `--device cpu` without --quick trains the "
+                         "real sizes in bf16 on the CPU (many minutes per model)")
     ap.add_argument("--quick", action="store_true", help="tiny configs (the CPU smoke test)")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--models", nargs="*", default=list(MODELS), help=f"subset of {list(MODELS)}")
@@ -347,6 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cudnn-attention", action="store_true", help="leave cuDNN's SDPA backend enabled")
     args = ap.parse_args(argv)
     args.variants = tuple(x for v in args.variants for x in v.split(",") if x)
+    if args.device is None:  # the GPU where there is one; --quick alone falls back to the CPU
+        args.device = "cuda" if torch.cuda.is_available() or not args.quick else "cpu"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("benchmarks.training times real-size bf16 training steps on a GPU and there is no CUDA device here: "
+              "--quick runs tiny configs on the CPU (a smoke test), --device cpu the real sizes there", file=sys.stderr)
+        return 2
     if args.device.startswith("cuda") and not args.cudnn_attention:
         # Plain torch.compile of the Flux step fails in cuDNN's SDPA backward on the H200 with torch 2.11 /
         # CUDA 13 ("mha_graph.execute(...).is_good()", then an illegal memory access that kills the context),
