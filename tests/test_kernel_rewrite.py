@@ -35,7 +35,7 @@ from test_kernel_sites import (  # noqa: E402  (pytest puts tests/ on sys.path: 
 )
 
 import rope_fusion  # noqa: E402
-from rope_fusion.passes import kernel_sites as ks  # noqa: E402
+from rope_fusion.passes import kernel_scan as kscan  # noqa: E402
 from rope_fusion.passes.kernel_rewrite import FLASH_ATTN  # noqa: E402
 
 LAUNCH = "target=torch.ops.higher_order.triton_kernel_wrapper_functional"  # a launch in a graph's text
@@ -52,7 +52,7 @@ class PassCapture(Capture):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.before = str(graph)
-        self.site_order = [s.node.name for s in ks.find_kernel_sites(graph)[0]]
+        self.site_order = [s.node.name for s in kscan.find_kernel_sites(graph)[0]]
         self.p(graph)
         super().__call__(graph)
 

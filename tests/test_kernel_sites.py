@@ -57,7 +57,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from examples.vllm_omni_block import cpu_triton_tracing  # noqa: E402  (one copy, in the example users run)
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
 from rope_fusion.passes import flash_attn_sites as fas  # noqa: E402
-from rope_fusion.passes import kernel_sites as ks  # noqa: E402
+from rope_fusion.passes import kernel_scan as kscan  # noqa: E402
 from rope_fusion.passes import vllm_op_sites as vos  # noqa: E402
 
 FA_MODULE = "vllm.vllm_flash_attn.ops.triton.rotary"
@@ -161,7 +161,7 @@ class Capture:
         self.values: dict = {}
 
     def __call__(self, graph: torch.fx.Graph) -> None:  # the post-grad custom pass
-        sites, misses = ks.find_kernel_sites(graph)
+        sites, misses = kscan.find_kernel_sites(graph)
         self.graph_text = str(graph)
         # later post-grad passes rewrite this graph (the functional launches become mutations): keep a copy, and
         # point the sites at the copy's nodes
@@ -535,7 +535,7 @@ def test_graph_surgery_is_reported(fa_graph, surgery, reason):
     if reason == "lanes >= rotary_dim":
         launch = launch.kwargs["kwargs"]["OUT"]  # the slice_scatter
     surgery(g, launch)
-    sites, misses = ks.find_kernel_sites(g)
+    sites, misses = kscan.find_kernel_sites(g)
     assert len(sites) == 1 and len(misses) == 1, (sites, misses)
     assert reason in misses[0][1], misses[0][1]
 
@@ -546,7 +546,7 @@ def test_mutation_form_is_reported(R):
     seen = []
 
     def backend(gm, example_inputs):
-        seen.append(ks.find_kernel_sites(gm.graph))
+        seen.append(kscan.find_kernel_sites(gm.graph))
         return lambda *args: _Run(gm).run(*args)  # the mutation launch, interpreted
 
     torch._dynamo.reset()
@@ -740,7 +740,7 @@ def test_other_rotary_ops_are_reported(vllm_ops):
     lib.impl("xpu_apply_rotary_emb", lambda x, c, s, n: x.clone(), "CompositeExplicitAutograd")
     op = getattr(torch.ops, V_NS).xpu_apply_rotary_emb
     gm = make_fx(lambda x, c, s: op(x, c, s, True))(torch.randn(2, 4, 8), torch.randn(2, 4), torch.randn(2, 4))
-    sites, misses = ks.find_kernel_sites(gm.graph)
+    sites, misses = kscan.find_kernel_sites(gm.graph)
     assert sites == [] and len(misses) == 1 and "is not a recognised rotary op" in misses[0][1]
     lib._destroy()
 

@@ -63,6 +63,7 @@ import functools
 import operator
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,6 +79,7 @@ from .kernel_sites import (
     ge,
     getitems,
     is_call,
+    kernel_site,
     known,
     static_bool,
     static_int,
@@ -444,6 +446,24 @@ def flash_attn_site(node: torch.fx.Node, fk: FlashAttnKernel, group: int) -> Ker
         conjugate=static_bool(args["CONJUGATE"], "CONJUGATE"),
         cos=cos_node, sin=sin_node, seqlen_offset=seqlen_offset, cu_seqlens=None, max_seqlen=None,
         cos_sin_cache=None, positions=None, group=group, tail_from_x=True)
+
+
+@kernel_site("flash_attn.rotary_kernel")
+def recognise_flash_attn(node: torch.fx.Node, new_group: Callable[[], int]) -> list[KernelSite] | None:
+    """A launch of flash-attn's rotary_kernel (functional form): its site, or KernelMiss with the reason."""
+    functional, mutation = triton_wrappers()
+    if node.target is not functional and node.target is not mutation:
+        return None
+    fk = identify_launch(node)
+    if fk is None:
+        return None
+    if isinstance(fk, str):
+        raise KernelMiss(fk)
+    if node.target is mutation:
+        raise KernelMiss("in-place triton_kernel_wrapper_mutation launch of flash-attn rotary_kernel: it has no "
+                         "result node to replace (post-grad custom passes see the functional form)")
+    site = flash_attn_site(node, fk, new_group())
+    return [] if site is None else [site]
 
 
 def flash_attn_tables(cos: torch.Tensor, sin: torch.Tensor, seqlen: int, seqlen_offset: int | torch.Tensor):

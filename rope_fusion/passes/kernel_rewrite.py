@@ -44,7 +44,8 @@ import torch
 import torch.fx as fx
 
 from .flash_attn_sites import FlashAttnKernel, identify_launch, see_through, triton_wrappers
-from .kernel_sites import KernelSite, eq, find_kernel_sites, known
+from .kernel_scan import find_kernel_sites
+from .kernel_sites import KernelSite, eq, known
 from .matcher import Match, TableRef
 
 aten = torch.ops.aten

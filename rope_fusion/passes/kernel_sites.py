@@ -1,8 +1,8 @@
 """Opaque rotary kernels and ops in post-grad graphs, described in the fused op's terms (recognition only).
 
-`find_kernel_sites(graph)` returns one `KernelSite` per rotated tensor that an opaque rotary kernel or op computes,
-and, separately, the calls that look like such kernels/ops but cannot be expressed exactly, each with a reason.
-Nothing here edits the graph. The fused op's semantics are `rope_fusion.ops.reference.rotary_reference`:
+`kernel_scan.find_kernel_sites(graph)` returns one `KernelSite` per rotated tensor that an opaque rotary kernel
+or op computes, and, separately, the calls that look like such kernels/ops but cannot be expressed exactly, each
+with a reason. Nothing here edits the graph. The fused op's semantics are `rope_fusion.ops.reference.rotary_reference`:
 pairs (a_j, b_j), NeoX (j, j+R/2) or interleaved (2j, 2j+1), out[a] = x[a]C - x[b]S, out[b] = x[b]C + x[a]S,
 S negated when conjugate, out[d] = x[d] for d >= R; with half-width tables (full_tables=False) C = cos[j];
 math in fp32. Every site maps onto that with full_tables=False.
@@ -19,17 +19,18 @@ Anything else whose name says rotary/rope (another Triton kernel such as vLLM's 
 ops such as `vllm::rocm_aiter_triton_rotary_embedding`, `vllm::xpu_apply_rotary_emb`, `vllm::mrope`; not the
 `rope_fusion`, `aten` and `prims` namespaces) is reported, never claimed: its semantics have not been checked here.
 
-This module holds `KernelSite`, the checks on graph values that both kinds use (sizes may be symbolic: a check
-passes only when it holds for every value of the symbols, and adds no guard), and the walk over the graph.
-kernel_rewrite.py turns the sites into sites of the fused op.
+This module holds `KernelSite`, the checks on graph values that every kind uses (sizes may be symbolic: a check
+passes only when it holds for every value of the symbols, and adds no guard), and the registry that each kind's
+module adds its recogniser to with `@kernel_site(kind)`. kernel_scan.py imports those modules and walks the
+graph; kernel_rewrite.py turns the sites into sites of the fused op. Nothing here imports a kind's module.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import operator
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -166,53 +167,32 @@ def is_call(node: Any, target: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
 
 
-# the walk
+# the registry of recognisers
 
-def find_kernel_sites(graph: torch.fx.Graph) -> tuple[list[KernelSite], list[tuple[torch.fx.Node, str]]]:
-    """(sites, misses): every rotated tensor of a recognised opaque rotary kernel/op, and every call that looks like
-    one (by kernel/op name) but cannot be expressed exactly, with the reason. The graph is not modified."""
-    from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_v2
+Recognise = Callable[[torch.fx.Node, Callable[[], int]], "list[KernelSite] | None"]
 
-    from .flash_attn_sites import flash_attn_site, identify_launch, triton_wrappers  # they import this module
-    from .vllm_op_sites import vllm_kind, vllm_sites
 
-    functional, mutation = triton_wrappers()
-    sites: list[KernelSite] = []
-    misses: list[tuple[torch.fx.Node, str]] = []
-    groups = itertools.count()
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        t = node.target
-        try:
-            if t is functional or t is mutation:
-                fk = identify_launch(node)
-                if fk is None:
-                    continue
-                if isinstance(fk, str):
-                    raise KernelMiss(fk)
-                if t is mutation:
-                    raise KernelMiss("in-place triton_kernel_wrapper_mutation launch of flash-attn rotary_kernel: it "
-                                     "has no result node to replace (post-grad custom passes see the functional form)")
-                site = flash_attn_site(node, fk, next(groups))
-                if site is not None:
-                    sites.append(site)
-            elif t is auto_functionalized or t is auto_functionalized_v2:
-                op = node.args[0] if node.args else None
-                kind, reason = vllm_kind(op)
-                if reason:
-                    raise KernelMiss(reason)
-                if kind is not None:
-                    sites.extend(vllm_sites(node, kind, op, t is auto_functionalized_v2, next(groups)))
-            elif isinstance(t, torch._ops.OpOverload):
-                kind, reason = vllm_kind(t)
-                if kind is not None:
-                    raise KernelMiss(f"{t} called in place outside auto_functionalized (not a functional post-grad "
-                                     f"graph)")
-                if reason:  # a rotary-looking op that is not one of the above (e.g. vllm::xpu_apply_rotary_emb)
-                    raise KernelMiss(reason)
-        except KernelMiss as e:
-            misses.append((node, str(e)))
-        except Exception as e:  # a graph this module does not understand: leave it alone, say why, never crash
-            misses.append((node, f"could not analyse this call ({type(e).__name__}: {e}); left alone"))
-    return sites, misses
+@dataclasses.dataclass(frozen=True)
+class KernelRecogniser:
+    """One kind of rotary kernel or op already in the graph. `recognise(node, new_group)` returns None when the
+    node is not this kind, its sites (possibly none: a result nobody uses) when it is, and raises KernelMiss
+    with the reason when the node is this kind (or looks like it) but cannot be expressed exactly. `new_group()`
+    hands out the group id that the sites of one node share."""
+
+    kind: str
+    recognise: Recognise
+
+
+RECOGNISERS: list[KernelRecogniser] = []
+
+
+def kernel_site(kind: str) -> Callable[[Recognise], Recognise]:
+    """Register a recogniser, as `@lane_rule` registers a transfer rule: a new kind of rotary kernel in the graph
+    is one module with one decorated function, which kernel_scan.py imports. Registration order is the order
+    they are asked in."""
+    def register(fn: Recognise) -> Recognise:
+        if any(r.kind == kind for r in RECOGNISERS):
+            raise ValueError(f"a recogniser for {kind!r} is registered already")
+        RECOGNISERS.append(KernelRecogniser(kind, fn))
+        return fn
+    return register

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,6 +65,7 @@ from .kernel_sites import (
     contiguous_rows,
     eq,
     getitems,
+    kernel_site,
     known,
     may_eq,
     static_bool,
@@ -295,3 +297,27 @@ def _base_layout(xv: torch.Tensor, pos: torch.Tensor, head_size: int, name: str)
     if xv.dim() == lead + 2 and eq(xv.shape[-1], head_size):
         return "thd" if lead == 1 else "bshd"
     raise KernelMiss(f"{name}'s base {tuple(xv.shape)} has no layout the fused op knows")
+
+
+@kernel_site("vllm.rotary_ops")
+def recognise_vllm_op(node: torch.fx.Node, new_group: Callable[[], int]) -> list[KernelSite] | None:
+    """vLLM's in-place rotary ops under auto_functionalized(_v2): their sites. Called outside it, or any other
+    rotary-looking op (e.g. vllm::xpu_apply_rotary_emb): KernelMiss with the reason, never claimed."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_v2
+
+    t = node.target
+    if t is auto_functionalized or t is auto_functionalized_v2:
+        op = node.args[0] if node.args else None
+        kind, reason = vllm_kind(op)
+        if reason:
+            raise KernelMiss(reason)
+        if kind is None:
+            return None
+        return vllm_sites(node, kind, op, t is auto_functionalized_v2, new_group())
+    if isinstance(t, torch._ops.OpOverload):
+        kind, reason = vllm_kind(t)
+        if kind is not None:
+            raise KernelMiss(f"{t} called in place outside auto_functionalized (not a functional post-grad graph)")
+        if reason:
+            raise KernelMiss(reason)
+    return None
