@@ -43,8 +43,9 @@ fp64 input would make the fused op compute in fp64, the kernel computes in fp32)
 (optionally through `aten.copy`), which is what the wrapper's `output[..., rotary_dim:].copy_(x[...,
 rotary_dim:])` becomes. Obligation left to the emitter: with a TENSOR offset the graph cannot show the
 offsets' values; rows p >= seqlen_ro rotate by the identity (cos=1, sin=0) -- pad the tables with such a row
-and clamp p to reproduce it (`flash_attn_tables` below does exactly that); a negative offset makes the kernel
-read before the table (undefined behaviour). Inputs of a later launch that are `getitem(earlier_launch, name)`
+and clamp p to reproduce it (kernel_rewrite's table builder emits exactly that, and `flash_attn_tables` below
+is the same in plain torch, for the tests); a negative offset makes the kernel read before the table (undefined
+behaviour; the emitted positions are clamped at 0). Inputs of a later launch that are `getitem(earlier_launch, name)`
 with name != "OUT" (torch's all-inputs-mutated fallback when its TTIR analysis cannot run) are seen through:
 the kernel stores only through OUT, which is checked in its source. The site's output dtype is OUT's
 (`site.node.meta["val"].dtype`).

@@ -3,8 +3,10 @@
 An atom names one lane of one source tensor: (node name, k, as_real, flat), where the source's last k dims
 form its lane grid, `flat` indexes that grid in row-major order and `as_real` says the source is complex
 and is read through view_as_real (its grid then ends in the re/im dim of size 2). A polynomial maps a
-monomial (a sorted tuple of atoms) to its coefficient. RoPE needs degree 2 at most; anything larger is cut
-off by the interpreter, so these stay tiny and plain dicts are fast enough.
+monomial (a sorted tuple of atoms) to its float coefficient. A rotation is degree 2 (a table entry times a lane
+of x); a folded norm's statistics and tables computed in the graph reach higher, so the cap is `MAX_DEGREE`
+(and `MAX_TERMS` terms): past it the interpreter treats the value as opaque, and these stay small enough for
+plain dicts.
 """
 
 from __future__ import annotations
