@@ -176,7 +176,7 @@ def _cost(x_mib, table_mib=8, computed=False, users=2, style="neox", **kw):
     (_cost(96, 192, computed=True, style="complex64"), "inductor"),  # complex code 5.2x
     (_cost(1, 0, style="complex64"), "triton"),  # decode: one launch for q and k
     (_cost(1, 0), "triton"),  # decode, CUDA-graph replay: 0.87-1.05x against 1.22-1.47x
-    # QK-norms folded (run E, CUDA-graph replay, in the graph):
+    # QK-norms folded (CUDA-graph replay, in the graph; BENCHMARKS.md, Kernels):
     (_cost(96, norm="rms"), "triton"),  # per-head norm + NeoX, D=128: kernel 1.09x, Inductor 1.39x, lowering 2.07x
     (_cost(40, norm="rms", padded=True), "triton"),  # the same at D=80: kernel 1.09x (held), Inductor 1.90x
     (_cost(168, norm="rms", gathered=True), "triton"),  # vLLM Qwen3, 8192 tokens: kernel 1.08x, lowering 1.19x
@@ -197,7 +197,7 @@ def test_estimates_pick_the_cheapest(cost, expected):
 
 # In a host-bound graph (no CUDA graphs, few bytes) each choice costs the longer of its GPU time and its
 # launches' host time (the kernel's node 0-5 us more than plain compile's two kernels at 1-256 tokens:
-# benchmarks/host.py, run O).
+# benchmarks/host.py; BENCHMARKS.md, vLLM).
 @pytest.mark.parametrize("cost,expected", [
     (_cost(1, 0, gathered=True), "left"),  # vLLM Llama decode, static: host-bound, plain compile's kernels
     (_cost(5, 0, gathered=True), "left"),  # 256 tokens: still host-bound

@@ -28,10 +28,10 @@ default Inductor's own `triton.cudagraphs`, set by `mode="reduce-overhead"`; und
 - A folded QK-norm changes every factor: Inductor fuses a per-head norm with a NeoX rotation well (1.4x at
   D=128, 1.8-1.9x at D=80) and with an interleaved one badly (3.1-3.4x), a norm across heads worse (3.5-4.0x);
   the kernel, as launched from Inductor's code, takes 1.09-1.11x with a per-head norm (1.33-1.38x at D=80) and
-  1.14-1.17x with a norm across heads (run E, after its norm math stopped being promoted to fp64 by the
-  launcher's fp64 eps; before, 1.6-1.75x and 1.35-1.55x), 1.05-1.10x since run P holds the token's rows in
-  registers (counted as 1.12x, as a per-head norm: a norm across heads of more than 64 heads of 128 lanes, or
-  of symbolic head counts, still reads them twice).
+  1.14-1.17x with a norm across heads once its norm math stopped being promoted to fp64 by the launcher's
+  fp64 eps (before, 1.6-1.75x and 1.35-1.55x), and 1.05-1.10x now that it holds the token's rows in registers
+  (BENCHMARKS.md, Kernels; counted as 1.12x, as a per-head norm: a norm across heads of more than 64 heads of
+  128 lanes, or of symbolic head counts, still reads them twice).
 - The model's own code for vLLM's gathered `forward_native` measured 1.44-2.0x (NeoX) and 2.6-2.7x (GPT-J);
   Allegro's per-axis blocks (chunk, rotate_half per block with embedding-gathered tables, cat) 2.46x.
 - Sizes known only at run time (vLLM's dynamic token count) take the Triton kernel: its user-kernel node
@@ -80,8 +80,8 @@ LEFT_NORM_PADDED_FACTOR = {"neox": 1.8, "interleaved": 2.8}  # a per-head norm a
 # A per-head norm before vLLM's gathered forward_native (Qwen3, flat [T, H*D]): the lowering reads the cache
 # row per token and fuses the norm (1.16-1.23x), the model's code measured 1.74-1.82x (CUDA-graph replay).
 GATHERED_NORM_FACTOR = {"inductor": 1.2, "left": 1.8}
-# The lowering of vLLM's gathered NeoX without a norm (run O, benchmarks/host.py, Llama form at 8192 tokens, GPU-
-# bound calls): 1.26-1.29x plain compile's time, which is 1.42x the floor.
+# The lowering of vLLM's gathered NeoX without a norm (benchmarks/host.py, Llama form at 8192 tokens, GPU-bound
+# calls; BENCHMARKS.md, vLLM): 1.26-1.29x plain compile's time, which is 1.42x the floor.
 GATHERED_LOWERING_FACTOR = {"neox": 1.8}
 
 
