@@ -158,7 +158,12 @@ class _Gen:
         self.nonrot = None
         if fam == "non_rotation":
             self.nonrot = self.pick(["same_table", "table_from_x", "wrong_sign", "flip_pairing", "shift_pairing",
-                                     "self_pairing", "complex_reflection"])
+                                     "self_pairing", "complex_reflection", "no_rope"])
+            if self.nonrot == "no_rope" and not self.dynamic:  # a graph without RoPE: the pass adds no guard
+                self.dynamic = self.p(0.5)
+                taken = {self.B, self.H, self.D}
+                self.S = self.pick([s for s in (2, 3, 4, 5, 6, 8) if s not in taken] or [7])
+                self.S2 = self.pick([s for s in (3, 5, 6, 7, 9, 11) if s != self.S and s not in taken] or [13])
             self.tag(f"nonrot:{self.nonrot}")
         self._dtypes()
         self._layout()
@@ -170,7 +175,7 @@ class _Gen:
         names = ["q", "k"][:n_tensors]
         for pfx, h in zip(names, heads):
             self._declare(pfx, h)
-        tables = self._tables(per_head_ok=not gqa)
+        tables = self._tables(per_head_ok=not gqa) if self.nonrot != "no_rope" else {}
         if gqa:
             self.tag("gqa")
         outs = [self._tensor(pfx, tables, h) for pfx, h in zip(names, heads)]
@@ -211,6 +216,9 @@ class _Gen:
         if norm == "across" and self.H < 2:
             self.H = 4
         kind = "flat" if norm == "across" else self.pick(["bshd", "bhsd", "thd", "flat"], [4, 2, 2, 2])
+        if fam == "spelling" and not norm and not self.nonrot and self.p(0.05):
+            kind = "wide"  # one rotation over a whole flat hidden, feeding a projection
+            self.B, self.H, self.D = 1, 1, self.pick([2048, 5120])
         self.raw_kind, self.norm = kind, norm
         self.tag(f"layout:{kind}")
         # the layout ops: pre (before the norm), post (after it)
@@ -231,7 +239,8 @@ class _Gen:
         B, S, H, D = (_Dim("B", str(self.B), self.B), _Dim("S", "S", self.S), _Dim("H", str(self.H), self.H),
                       _Dim("D", str(self.D), self.D))
         HD = _Dim("HD", str(self.H * self.D), self.H * self.D)
-        dims = {"bshd": [B, S, H, D], "bhsd": [B, H, S, D], "thd": [S, H, D], "flat": [B, S, HD]}[kind]
+        dims = {"bshd": [B, S, H, D], "bhsd": [B, H, S, D], "thd": [S, H, D], "flat": [B, S, HD],
+                "wide": [B, S, D]}[kind]
         self.raw_dims = dims
         for op, a in pre + post:
             dims = self._apply_dims(dims, op, a)
@@ -291,13 +300,15 @@ class _Gen:
     def _extent(self) -> None:
         L = self.y_dims[-1].size
         self.L = L
-        kind = self.pick(["full", "tail", "head"], [7, 2, 1]) if L >= 8 else "full"
+        kind = self.pick(["full", "tail", "head", "two"], [14, 4, 2, 1]) if L >= 8 else "full"
         if self.sp == "roll" or self.nonrot:
             kind = "full" if L < 8 or self.p(0.7) else "tail"
         if kind == "full":
             self.P, self.R = 0, L
         elif kind == "tail":
             self.P, self.R = 0, L // 2
+        elif kind == "two":  # rotary dim 2: one pair, the rest passes through
+            self.P, self.R = 0, 2
         else:
             self.P = self.pick([2, L // 4, L // 2]) if L >= 8 else 2
             self.R = L - self.P
@@ -508,8 +519,8 @@ class _Gen:
         src = self.src
         rows = self.pick([16, 64])
         per_batch = [d.name for d in dims] == ["B", "S"]
-        how = self.pick(["index_select", "embedding", "index"]) if not per_batch else \
-            self.pick(["embedding", "index"])
+        how = self.pick(["index_select", "embedding", "index", "item_offset"], [3, 3, 3, 1]) if not per_batch \
+            else self.pick(["embedding", "index"])
         bad = self.pick([None, None, "out_of_range", "negative"], [5, 2, 2, 1] if self.family == "gather"
                         else [1, 0, 0, 0])
         if bad == "negative":
@@ -532,11 +543,24 @@ class _Gen:
                                     f"sin_cache = {a}.sin().to({DTYPES[self.tdt]})"])
             src.param("sin_cache", [])
             caches = ["cos_cache", "sin_cache"]
-        src.param("positions", mk)
+        if how == "item_offset" and not bad:  # a data-dependent window: rows offset .. offset + S of the cache
+            src.param("offset", [f"offset = torch.randint(0, {rows} - S + 1, (), generator=g)"])
+            off, seq = src.fresh("off"), self._raw_axis_of_seq(0)
+            src.line(f"{off} = offset.item()")
+            if self.p(0.5):
+                src.line(f"torch._check({off} >= 0)")
+                src.line(f"torch._check({off} + {src.params[0]}.shape[{seq}] <= {rows})")
+                self.tag("gather:item_offset_checked")
+        else:
+            if how == "item_offset":
+                how = "index"
+            src.param("positions", mk)
         got = []
         for cache in caches:
             v = src.fresh("rows")
-            if how == "index_select":
+            if how == "item_offset":
+                src.line(f"{v} = {cache}[{off}:{off} + {src.params[0]}.shape[{seq}]]")
+            elif how == "index_select":
                 src.line(f"{v} = {cache}.index_select(0, positions)")
             elif how == "embedding":
                 src.line(f"{v} = F.embedding(positions, {cache})")
@@ -654,7 +678,7 @@ class _Gen:
     def _declare(self, pfx: str, heads: int) -> None:
         H, D, B = heads, self.D, self.B
         raw_shape = {"bshd": [B, "S", H, D], "bhsd": [B, H, "S", D], "thd": ["S", H, D],
-                     "flat": [B, "S", H * D]}[self.raw_kind]
+                     "flat": [B, "S", H * D], "wide": [B, "S", D]}[self.raw_kind]
         if self.raw_kind == "bhsd" and self.p(0.6):  # the usual transposed projection, not contiguous
             mk = [_randn(pfx, [B, "S", H, D], self.xdt) + ".transpose(1, 2)"]
             self.tag("layout:bhsd_transposed_view")
@@ -673,7 +697,17 @@ class _Gen:
         for op, a in self.post:
             t = self._layout_op(t, op, a, H)
         y = t
+        if self.nonrot == "no_rope":  # attention scores: no table at all
+            o = src.fresh(pfx + "_attn")
+            src.line(f"{o} = torch.softmax({y} @ {y}.transpose(-1, -2) * 0.125, dim=-1) @ {y}")
+            return o
         o = self._rotate(pfx, y, tables)
+        if self.raw_kind == "wide":
+            w = src.param(f"{pfx}_proj", [_randn(f"{pfx}_proj", [self.D, 8], self.xdt, 0.02)])
+            o2 = src.fresh(pfx + "_out")
+            src.line(f"{o2} = {o} @ {w}.to({o}.dtype)")
+            self.tag("output:projection")
+            return o2
         if self.raw_kind == "flat" and not self.post and self.p(0.5):
             o2 = src.fresh(pfx + "_out")
             src.line(f"{o2} = {o}.flatten(-2)")
