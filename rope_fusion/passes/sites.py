@@ -39,6 +39,7 @@ def find_sites(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]],
             accepted[node] = r
         else:
             rejected[node] = r
+    proved = dict(accepted)  # every accepted value, before the choice of sites: what the proofs cover
     _keep_rotated_tails(accepted)
     last = {node for node in accepted if any(u not in accepted for u in node.users) or not node.users}
     # A rotation read twice, once as is and once through a view (`q * 2` and `q.expand(...)` for a matmul),
@@ -47,7 +48,7 @@ def find_sites(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]],
               if not any(accepted[a].x_name == accepted[n].x_name for a in _derived_from(n, last, accepted))]
     chosen = _needed(chosen, acc)
     chosen.sort(key=lambda m: acc.order[m.node])
-    return chosen, near_misses(acc, accepted, rejected), acc
+    return chosen, near_misses(acc, proved, rejected), acc
 
 
 def _keep_rotated_tails(accepted: dict) -> None:
@@ -103,19 +104,84 @@ def _derived_from(node: fx.Node, last: set, accepted: dict) -> list:
 def near_misses(acc: Acceptor, accepted: dict, rejected: dict) -> list[tuple[fx.Node, str]]:
     """One record per rotation-like computation that did not fuse.
 
-    A rejected value that a fused rotation reads is part of it (`q * cos` inside `q * cos + rot(q) * sin`),
-    and one that reads a fused rotation is built on it (`rope(q) + bias`): neither is a miss of its own. Of
-    the rest, each chain of rejected values (a half-written `out[..., 0::2] = ...`, the full write, a view of
-    it) is reported once, by the value whose check got furthest (the most specific reason), the outermost
-    of those."""
-    remaining = [n for n in rejected
-                 if not any(acc.depends_on(a, n) or acc.depends_on(n, a) for a in accepted)]
-    keep = set(remaining)
-    out = []
+    A rejected value is dropped only where its lanes are those of a fused rotation: inside the rotation's proof
+    (`q * cos` inside `q * cos + rot(q) * sin`, the half-written `out[..., 0::2] = ...` before the full write),
+    or computed from the rotation's result through lane rules (Llama 4's L2 norm after the rotation; DeepSeek's
+    rotated k_pe copied into each head of k): such a value looks like a rotation only because it holds the
+    fused one. A value that depends on a fused rotation, or feeds one, through a projection or attention is
+    not: a wrong rotation in one layer of a residual stack reads the layers before it and feeds those after
+    it, and is reported (dropping every rejected value that depended on or fed an accepted one hid every
+    miss of a model where anything else fused). Of the rest, each chain of rejected values computed one from
+    another through lane rules (a half write, the full write, a view of it) is reported once, by the value
+    whose check got furthest (the most specific reason), the outermost of those; two layers are two chains."""
+    if not rejected:
+        return []
+    interp = acc.interp
+    held = _inside_proofs(interp, accepted, rejected) | _built_on(interp, accepted, rejected)
+    remaining = [n for n in rejected if n not in held]
+    below = _rejected_below(interp, set(remaining))
+    out, reported = [], set()
     for node in remaining:
-        if any(u in keep for u in node.users):
-            continue
-        chain = [n for n in remaining if n is node or acc.depends_on(node, n)]
+        if any(node in below[r] for r in remaining if r is not node):
+            continue  # not the outermost of its chain
+        chain = [node, *below[node]]
         best = max(chain, key=lambda n: (getattr(rejected[n], "stage", 0), acc.order[n]))
-        out.append((best, rejected[best]))
+        if best not in reported:
+            reported.add(best)
+            out.append((best, rejected[best]))
     return out
+
+
+def _computed(interp: LaneInterpreter, node: fx.Node) -> bool:
+    """Whether a transfer rule computed the node's lanes (its value is a function of other nodes' lanes)."""
+    return node in interp.values
+
+
+def _inside_proofs(interp: LaneInterpreter, accepted: dict, rejected: dict) -> set:
+    """The rejected values that an accepted rotation is computed from through lane rules, strictly between its
+    operands (x, the tables: sources, or a computed x) and itself. A rejected x is an operand, not a part: a
+    wrong rotation whose result a right one rotates again is still reported."""
+    inside: set = set()
+    for node, m in accepted.items():
+        if all(u in accepted and accepted[u].x_name == m.x_name for u in node.users) and node.users:
+            continue  # its users' proofs cover its own (a view or cast of it is accepted with the same x)
+        seen, stack = {node}, [node]
+        while stack:
+            n = stack.pop()
+            for a in n.all_input_nodes:
+                if a in seen or a.name == m.x_name or not _computed(interp, a):
+                    continue
+                seen.add(a)
+                if a in rejected:
+                    inside.add(a)
+                stack.append(a)
+    return inside
+
+
+def _built_on(interp: LaneInterpreter, accepted: dict, rejected: dict) -> set:
+    """The rejected values computed from an accepted rotation through lane rules only (no source between)."""
+    on: set = set()  # computed nodes that hold an accepted rotation's lanes
+    for node in interp.order:  # graph order: inputs first
+        if _computed(interp, node) and any(a in accepted or a in on for a in node.all_input_nodes):
+            on.add(node)
+    return {n for n in rejected if n in on}
+
+
+def _rejected_below(interp: LaneInterpreter, rejected: set) -> dict:
+    """For each rejected node, the rejected nodes it is computed from through lane rules only (no source
+    between them), in one walk over the graph in order. Sets are shared, never changed: most computed nodes
+    have none below them, and a view has its input's."""
+    below: dict = {}
+    none: frozenset = frozenset()
+    for node in interp.order:  # graph order: inputs first
+        if not _computed(interp, node):
+            continue
+        found = none
+        for a in node.all_input_nodes:
+            add = below.get(a, none)
+            if a in rejected:
+                add = add | {a}
+            if add and add is not found:
+                found = add if not found else found | add
+        below[node] = found
+    return {n: below.get(n, none) for n in rejected}
