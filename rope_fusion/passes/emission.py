@@ -380,6 +380,7 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
     """New nodes for one site or q/k pair, inserted before `anchor`; no existing use changes. `choose` picks
     the backend from the site as the op reads it, and says why when it is not the one asked for."""
     m0 = group[0]
+    _check_inputs_precede(group, nodes, depends_on)
     norms, norm_note = fold_norms(group, nodes, depends_on)
     with em.graph.inserting_before(anchor):
         if norms is not None:
@@ -422,14 +423,28 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
 
 
 def anchor_of(group: tuple, nodes: dict, order: dict) -> fx.Node:
-    """Where a group's nodes go: before its own node, or for a pair right after the last input of either
-    (users of the first match that came earlier are moved after it by `finish`)."""
-    if len(group) == 1:
-        return group[0].node
+    """Where a group's nodes go: before its own node, or right after the last input of any member when that
+    comes later (a pair; or a table that the graph computes after the rotation too, `c * 2` returned beside
+    it, which the lookup of computed tables may name). Users of a replaced node that came earlier are moved
+    after it by `finish`."""
     m0 = group[0]
     inputs = [nodes[m.x_name] for m in group] + [nodes[p.name] for t in (m0.cos, m0.sin) for p in t.parts]
     inputs += [t for m in group for t in m.table_inputs]
-    return max(inputs, key=lambda n: order[n]).next
+    last = max(inputs, key=lambda n: order[n])
+    if len(group) == 1 and order[last] < order[m0.node]:
+        return m0.node
+    return last.next
+
+
+def _check_inputs_precede(group: tuple, nodes: dict, depends_on: Callable) -> None:
+    """No table node of the group is computed from one of the rotations it replaces (a lookup by values can
+    name a node that reads the result, `c * 2 + 0 * out`): the op would read its own output."""
+    m0 = group[0]
+    tables = [nodes[p.name] for t in (m0.cos, m0.sin) for p in t.parts] + [t for m in group for t in m.table_inputs]
+    for t in tables:
+        for m in group:
+            if depends_on(t, m.node):
+                raise ValueError(f"the table {t.name} is computed from the rotation {m.node.name} it would replace")
 
 
 def erase_between(graph: fx.Graph, start: fx.Node, end: fx.Node) -> None:
@@ -454,9 +469,9 @@ def commit(planned: list[PlannedGroup]) -> None:
 
 
 def finish(graph: fx.Graph, planned: list[PlannedGroup], order: dict) -> None:
-    """Restore topological order where a pair's nodes were placed after users of its first site."""
-    moved = any(len(p.group) > 1 and any(order.get(u, 1 << 62) < order.get(p.anchor, 1 << 62)
-                                         for f in p.finals for u in f.users) for p in planned)
+    """Restore topological order where a group's nodes were placed after users of a site it replaces."""
+    moved = any(order.get(u, 1 << 62) < order.get(p.anchor, 1 << 62) for p in planned for f in p.finals
+                for u in f.users)
     if moved:
         from torch._inductor.pattern_matcher import stable_topological_sort
 

@@ -45,8 +45,12 @@ def _table_val(node: fx.Node, t: TableRef, blocks: tuple = ()) -> torch.Tensor:
 
 def table_view_geometry(node: fx.Node, t: TableRef, blocks: tuple = ()):
     """(identity, sizes) of the table view the op would read, from fake tensors; None if unknown. The
-    identity is the storage, offset, dtype and the (size, stride) of every dim but broadcast (size-1) ones:
-    views of one storage equal under it read the same numbers wherever they broadcast."""
+    identity is the storage, offset, dtype and every dim's (size, stride) as the op broadcasts the view
+    against x, right-aligned: leading size-1 dims dropped (broadcasting adds them), other size-1 dims kept
+    at their place with stride 0 (`freqs.unsqueeze(2)` and `freqs[:, :, None]` are one table). Two views
+    equal under it read the same table entry at every position of any x they broadcast against; a view
+    whose sequence dim sits at another place (`cos.unsqueeze(1)` for a [B, S, H, D] q against `cos` for a
+    [B, H, S, D] k) reads another entry there, whatever storage both share."""
     try:
         from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -56,8 +60,11 @@ def table_view_geometry(node: fx.Node, t: TableRef, blocks: tuple = ()):
         strides = tuple(as_int(d) for d in view.stride())
         if None in sizes or None in strides:
             return None
-        dims = tuple((n, st) for i, (n, st) in enumerate(zip(sizes, strides)) if n != 1 or i == len(sizes) - 1)
-        key = (StorageWeakRef(view.untyped_storage()).cdata, as_int(view.storage_offset()), view.dtype, dims)
+        dims = [(n, 0 if n == 1 else st) for n, st in zip(sizes, strides)]
+        while len(dims) > 1 and dims[0][0] == 1:
+            dims.pop(0)
+        key = (StorageWeakRef(view.untyped_storage()).cdata, as_int(view.storage_offset()), view.dtype,
+               tuple(dims))
         return key, sizes
     except Exception:  # a view fake tensors cannot build: not provably the same table
         return None

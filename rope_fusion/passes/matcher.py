@@ -178,6 +178,7 @@ class Acceptor:
         self.order = interp.order
         self._anc: dict = {}
         self._gather: dict | None = None
+        self._canon: dict = {}  # (name, k, as_real) -> the grid rank of `_canonical_atom`
         self._by_entry0: dict | None = None
         # Views and casts of one x carry the same lane entries, so each is a candidate whose lane check (and
         # table check) comes out the same: computed once per distinct value (a 3072-lane Flux grid made the
@@ -555,7 +556,7 @@ class Acceptor:
             if aff:
                 name, k, as_real = atoms[0][:3]
                 return TableRef(name=name, k=k, as_real=as_real, start=aff[0], step=aff[1], width=len(atoms))
-        key = tuple(poly.signature({(a,): c}) for a, c in entries)
+        key = tuple((self._canonical_atom(a), c) for a, c in entries)
         hit = self._gathered().get(key)
         if hit is not None:
             node, k = hit
@@ -564,7 +565,10 @@ class Acceptor:
 
     def _gathered(self) -> dict:
         """Nodes whose lanes are single table entries (a table assembled in the graph from several
-        tensors, e.g. the per-axis frequencies of a video model, or scaled), keyed by lane signature."""
+        tensors, e.g. the per-axis frequencies of a video model, or scaled), keyed by their exact lanes: each
+        atom with its grid rank, which says the leading index it stands for. A key without the rank once let
+        `c * 2` ([2, 8], one row per head) stand for its own row `(c * 2)[0]`, whose atoms are c's lanes at
+        grid rank 2: the lanes of row 0 (and a packed `[S, 2, D]` table stand for its cos half)."""
         if self._gather is None:
             self._gather = {}
             for node, v in self.interp.values.items():
@@ -572,12 +576,27 @@ class Acceptor:
                     continue
                 while v is not None:
                     if all(e is not None and len(e) == 1 and len(next(iter(e))) == 1 for e in v.entries):
-                        key = tuple(poly.signature(e) for e in v.entries)
+                        key = tuple((self._canonical_atom(m[0]), c) for e in v.entries for m, c in e.items())
                         self._gather.setdefault(key, (node, v.k))
                         v = lanes.demote(self.interp, v)
                     else:
                         v = None
         return self._gather
+
+    def _canonical_atom(self, atom: tuple) -> tuple:
+        """The atom with the size-1 outer dims of its source's lane grid moved to the leading dims: the same
+        entry at every leading index (a size-1 leading dim broadcasts), so two ranks that differ only there
+        compare equal, and no others do."""
+        name, k, as_real, flat = atom
+        got = self._canon.get(atom[:3])
+        if got is None:
+            val = meta(self.interp.nodes[name])
+            shape = tuple(val.shape) + ((2,) if as_real else ())
+            got = k
+            while got > 1 and as_int(shape[len(shape) - got]) == 1:
+                got -= 1
+            self._canon[atom[:3]] = got
+        return (name, got, as_real, flat)
 
 
 @dataclasses.dataclass(frozen=True)

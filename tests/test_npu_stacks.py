@@ -1,0 +1,291 @@
+"""`rope_fusion.fx_pass` as npugraph_ex and TorchAir call it, on NPU graphs, with stand-in torch_npu ops.
+
+npugraph_ex and TorchAir run a custom FX pass as `pass_fn(gm, example_inputs, config)` on each ATen graph that
+AOTAutograd produced (npugraph_ex/npu_fx_compiler.py `_optimize_fx`, through its GraphTransformObserver), the
+option `post_grad_custom_pre_pass` before their own passes. `npugraph_ex_like` below is that call around
+AOTAutograd with Inductor's decompositions. torch_npu needs the CANN runtime, so its ops are stand-ins here, in
+a test namespace, with the real schemas and the documented semantics and constraints; each asserts the
+constraints and logs its call when it runs (not when the graph's fake values are propagated). The graphs are
+CPU graphs that the pass treats as NPU graphs (`NPU_DEVICE_TYPES`), so this checks what the pass writes into the
+graph and that it computes the rotation, not torch_npu's kernels or any Ascend hardware.
+
+Checked: q and k in BSND and TND (vLLM's token layout) become one `npu_apply_rotary_pos_emb`, TND passed as BSND
+under TorchAir's graph mode (GE has no TND converter); BNSD (Flux, Wan), interleaved pairs and partial rotary
+become `npu_rotary_mul` per tensor in 'half' / 'interleave' with full-width tables; a backward graph's conjugate
+rotation too; a site the ops cannot take keeps the rope_fusion op with the reason, and under GE is left
+unfused with the reason. Results meet the numerics contract.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from conftest import check_numerics
+
+import rope_fusion
+from rope_fusion.kernels import npu as bridge
+from rope_fusion.passes import fx_pass as fx_pass_module
+
+NS = "rope_fusion_test_npu_stacks"
+CALLS: list = []
+ROTARY_MUL = f"{NS}.npu_rotary_mul.default"
+APPLY = f"{NS}.npu_apply_rotary_pos_emb.default"
+ROPE_OPS = ("rope_fusion.rotary.default", "rope_fusion.rotary_qk.default")
+
+_lib = torch.library.Library(NS, "DEF")
+_lib.define("npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor")
+_lib.define("npu_apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin, str layout='BSH', "
+            "str rotary_mode='half') -> (Tensor, Tensor)")
+
+# npu_rotary_mul's documented table shapes per x layout ('half'); 'interleave' takes the first of each only.
+_TABLE_FORMS = {"BNSD": ("11SD", "B1SD", "BNSD"), "BSND": ("1S1D", "BS1D", "BSND"), "SBND": ("S11D", "SB1D", "SBND")}
+
+
+def _documented(x_shape, t_shape, mode) -> bool:
+    for layout, forms in _TABLE_FORMS.items():
+        sizes = dict(zip(layout, x_shape))
+        for form in forms[:1] if mode == "interleave" else forms:
+            if all(t == (1 if f == "1" else sizes[f]) for f, t in zip(form, t_shape)):
+                b, n = sizes["B"], sizes["N"]
+                if (mode == "half" and b < 1000 and n < 1000) or (mode == "interleave" and b * n < 1000):
+                    return True
+    return False
+
+
+def _rotate(x, mode):
+    if mode == "half":
+        x1, x2 = x.chunk(2, -1)
+        return torch.cat((-x2, x1), -1)
+    return torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
+
+
+def _rotary_mul(x, r1, r2, rotary_mode="half"):
+    assert rotary_mode in ("half", "interleave")
+    assert x.dim() == r1.dim() == r2.dim() == 4 and r1.shape == r2.shape
+    assert x.dtype == r1.dtype == r2.dtype and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    assert x.shape[-1] % 2 == 0 and x.shape[-1] < 896 and r1.shape[-1] == x.shape[-1]
+    assert _documented(tuple(x.shape), tuple(r1.shape), rotary_mode), (x.shape, r1.shape, rotary_mode)
+    CALLS.append(("rotary_mul", tuple(x.shape), tuple(r1.shape), rotary_mode))
+    return (r1.float() * x.float() + r2.float() * _rotate(x.float(), rotary_mode)).to(x.dtype)
+
+
+def _apply(query, key, cos, sin, layout="BSH", rotary_mode="half"):
+    assert layout in ("BSND", "TND") and rotary_mode == "half", (layout, rotary_mode)
+    assert query.dtype == key.dtype == cos.dtype == sin.dtype
+    d = query.shape[-1]
+    assert d in (64, 128) and key.shape[-1] == d
+    assert query.dim() == key.dim() == cos.dim() == (4 if layout == "BSND" else 3)
+    assert tuple(cos.shape) == tuple(sin.shape) == (*query.shape[:-2], 1, d), (cos.shape, query.shape)
+    assert cos.is_contiguous() and query.is_contiguous() and key.is_contiguous()
+    CALLS.append(("apply", tuple(query.shape), tuple(key.shape), layout))
+    for t in (query, key):  # in place, as torch_npu's kernel does
+        t.copy_(cos.float() * t.float() + sin.float() * _rotate(t.float(), "half"))
+    return query, key
+
+
+_lib.impl("npu_rotary_mul", _rotary_mul, "CPU")
+_lib.impl("npu_apply_rotary_pos_emb", _apply, "CPU")
+torch.library.register_fake(f"{NS}::npu_rotary_mul", lib=_lib)(
+    lambda x, r1, r2, rotary_mode="half": torch.empty_like(x))
+torch.library.register_fake(f"{NS}::npu_apply_rotary_pos_emb", lib=_lib)(
+    lambda q, k, cos, sin, layout="BSH", rotary_mode="half": (torch.empty_like(q), torch.empty_like(k)))
+
+
+@pytest.fixture(autouse=True)
+def npu_graphs(monkeypatch):
+    monkeypatch.setattr(bridge, "OP_NAMESPACE", NS)
+    monkeypatch.setattr(fx_pass_module, "NPU_DEVICE_TYPES", ("npu", "cpu"))
+    CALLS.clear()
+    yield
+
+
+def npugraph_ex_like(config):
+    """A Dynamo backend that calls `config.post_grad_custom_pre_pass(gm, example_inputs, config)` on every ATen
+    graph AOTAutograd produces, as npugraph_ex does, then runs the graph; it keeps the graphs' targets."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._inductor.decomposition import select_decomp_table
+
+    def compiler(gm, example_inputs):
+        config.post_grad_custom_pre_pass(gm, example_inputs, config)
+        config.graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return boxed_nop(gm, example_inputs)
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=select_decomp_table())
+
+
+def _config(mode="npugraph_ex"):
+    """The fields of npugraph_ex's / TorchAir's CompilerConfig that the pass and the harness read."""
+    return types.SimpleNamespace(mode=types.SimpleNamespace(value=mode), graphs=[],
+                                 post_grad_custom_pre_pass=rope_fusion.FxPass())
+
+
+def _run(fn, args, mode="npugraph_ex"):
+    config = _config(mode)
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=npugraph_ex_like(config), fullgraph=True)(*args)
+    return out, config, config.post_grad_custom_pre_pass.report
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat((-x2, x1), -1)
+
+
+def _neox_qk(q, k, cos, sin):  # Hugging Face form: full-width tables
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _neox_half_tables(q, k, cos, sin):  # vLLM form: per-pair tables, [T, N, D]
+    def one(x):
+        x1, x2 = x.chunk(2, -1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+    return one(q), one(k)
+
+
+def _interleaved_qk(q, k, cos, sin):  # GPT-J form: per-pair tables
+    def one(x):
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).flatten(-2)
+    return one(q), one(k)
+
+
+def _partial_qk(q, k, cos, sin):  # GPT-NeoX form: rotary_dim < head dim
+    r = cos.shape[-1]
+    def one(x):
+        xr, xp = x[..., :r], x[..., r:]
+        return torch.cat((xr * cos + _rotate_half(xr) * sin, xp), -1)
+    return one(q), one(k)
+
+
+def _tables(shape, dtype=torch.float32, full=True):
+    ang = torch.rand(*shape[:-1], shape[-1] // 2 if full else shape[-1], dtype=torch.float64) * 6
+    if full:
+        ang = torch.cat((ang, ang), -1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def _targets(config, i=0):
+    return config.graphs[i]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bsnd_pair_is_one_apply_rotary_pos_emb(dtype):
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 8, 4, 64).to(dtype), torch.randn(2, 8, 2, 64).to(dtype)  # BSND, GQA
+    cos, sin = _tables((8, 1, 64), dtype)
+    out, config, r = _run(_neox_qk, (q, k, cos, sin))
+    assert not r.errors and [(kk.op, kk.backend, kk.fallback) for kk in r.kernels] == \
+        [("rope_fusion.rotary_qk", "npu", "")], r.table()
+    g = _targets(config)
+    assert g.count(APPLY) == 1 and ROTARY_MUL not in g and not any(t in g for t in ROPE_OPS), g
+    assert CALLS == [("apply", (2, 8, 4, 64), (2, 8, 2, 64), "BSND")]
+    check_numerics(_neox_qk, (q, k, cos, sin), out)
+
+
+@pytest.mark.parametrize("mode,layout,q_view", [("npugraph_ex", "TND", (6, 4, 128)),
+                                                ("max-autotune", "BSND", (1, 6, 4, 128))])
+def test_token_layout_pair(mode, layout, q_view):
+    """vLLM's [T, N, D] q and k: layout TND; under TorchAir's graph mode, whose converter has no TND, BSND on a
+    [1, T, N, D] view of the same memory."""
+    torch.manual_seed(0)
+    q, k = torch.randn(6, 4, 128), torch.randn(6, 1, 128)
+    cos, sin = _tables((6, 1, 64), full=False)
+    out, config, r = _run(_neox_half_tables, (q, k, cos, sin), mode)
+    assert [kk.backend for kk in r.kernels] == ["npu"], r.table()
+    assert CALLS == [("apply", q_view, (*q_view[:-2], 1, 128), layout)]
+    check_numerics(_neox_half_tables, (q, k, cos, sin), out)
+
+
+@pytest.mark.parametrize("fn,x_shape,t_shape,full,mode,table4", [
+    (_neox_qk, (1, 4, 8, 64), (1, 1, 8, 64), True, "half", (1, 1, 8, 64)),  # BNSD (Flux, Wan): 11SD
+    (_interleaved_qk, (2, 8, 4, 32), (8, 1, 16), False, "interleave", (1, 8, 1, 32)),  # BSND: 1S1D
+    (_partial_qk, (2, 8, 4, 80), (8, 1, 32), True, "half", (1, 8, 1, 32)),  # R=32 of D=80
+])
+def test_rotary_mul_per_tensor(fn, x_shape, t_shape, full, mode, table4):
+    torch.manual_seed(0)
+    q, k = torch.randn(x_shape), torch.randn(x_shape)
+    cos, sin = _tables(t_shape, full=full)
+    out, config, r = _run(fn, (q, k, cos, sin))
+    assert not r.errors and [kk.backend for kk in r.kernels] == ["npu"], r.table()
+    g = _targets(config)
+    assert g.count(ROTARY_MUL) == 2 and APPLY not in g and not any(t in g for t in ROPE_OPS), g
+    rotated = (*x_shape[:-1], table4[-1])
+    assert CALLS == [("rotary_mul", rotated, table4, mode)] * 2, CALLS
+    check_numerics(fn, (q, k, cos, sin), out)
+
+
+def test_backward_graph_rotates_back_with_rotary_mul():
+    """A training step: the forward's rotation and the backward's conjugate rotation (sin negated in the graph)
+    both become npu_rotary_mul."""
+    torch.manual_seed(0)
+    q, k = (torch.randn(1, 4, 8, 64, requires_grad=True) for _ in range(2))
+    cos, sin = _tables((1, 1, 8, 64))
+    (oq, ok), config, r = _run(_neox_qk, (q, k, cos, sin))
+    ((oq * 3).sum() + ok.pow(2).sum()).backward()
+    # the custom-pass call does not say whether a graph is a training forward; a backward has tangents
+    assert [s.graph_kind for s in r.sites] == ["forward or inference"] * 2 + ["backward"] * 2, r.table()
+    assert all(kk.backend == "npu" for kk in r.kernels), r.table()
+    assert all(g.count(ROTARY_MUL) == 2 for g in config.graphs) and len(config.graphs) == 2
+    eq, ek = _neox_qk(q.detach(), k.detach(), cos, sin)
+    torch.testing.assert_close(q.grad, _neox_qk(torch.full_like(eq, 3.0), ek, cos, -sin)[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k.grad, 2 * k.detach(), rtol=1e-5, atol=1e-5)
+
+
+def _five_dims(q, k, cos, sin):  # [B, S, G, N, D]: more dims than the NPU ops take
+    return _neox_qk(q, k, cos, sin)
+
+
+def test_a_site_the_npu_ops_cannot_take_keeps_the_rope_fusion_op():
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 8, 2, 2, 64), torch.randn(2, 8, 2, 2, 64)
+    cos, sin = _tables((8, 1, 1, 64))
+    out, config, r = _run(_five_dims, (q, k, cos, sin))
+    (kernel,) = r.kernels
+    assert kernel.backend == "op" and "more than 4 dims" in kernel.fallback, r.table()
+    assert "rope_fusion.rotary_qk.default" in _targets(config) and not CALLS
+    check_numerics(_five_dims, (q, k, cos, sin), out)
+
+
+def test_under_torchair_graph_mode_such_a_site_is_left_unfused_with_the_reason():
+    """GE converts torch_npu's ops but has no converter for rope_fusion's: the site stays as written."""
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 8, 2, 2, 64), torch.randn(2, 8, 2, 2, 64)
+    cos, sin = _tables((8, 1, 1, 64))
+    out, config, r = _run(_five_dims, (q, k, cos, sin), mode="max-autotune")
+    assert not r.kernels and not r.errors and len(r.misses) == 2, r.table()
+    assert all(m.reason.startswith("left in the graph: TorchAir's graph mode") and "more than 4 dims" in m.reason
+               for m in r.misses), r.table()
+    g = _targets(config)
+    assert not any(t in g for t in ROPE_OPS) and "aten.cat.default" in g
+    eq, ek = _five_dims(q, k, cos, sin)
+    torch.testing.assert_close(out[0], eq)
+    torch.testing.assert_close(out[1], ek)
+
+
+def test_fx_pass_signature_is_the_custom_pass_one():
+    """npugraph_ex / TorchAir call `fn(gm, example_inputs, config)` and ignore what it returns: the shared
+    instance rewrites gm in place, recompiles it, and its report is `rope_fusion.fx_pass.report`."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    got = []
+
+    def compiler(gm, example_inputs):
+        before = gm.code
+        assert rope_fusion.fx_pass(gm, example_inputs, _config()) is None
+        got.append((before, gm.code))
+        return gm.forward
+
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 8, 4, 64), torch.randn(2, 8, 4, 64)
+    cos, sin = _tables((8, 1, 64))
+    n = len(rope_fusion.fx_pass.report.kernels)
+    torch._dynamo.reset()
+    torch.compile(_neox_qk, backend=aot_autograd(fw_compiler=compiler, decompositions=select_decomp_table()))(
+        q, k, cos, sin)
+    (before, after), = got
+    assert "npu_apply_rotary_pos_emb" not in before and "npu_apply_rotary_pos_emb" in after
+    assert [kk.backend for kk in rope_fusion.fx_pass.report.kernels[n:]] == ["npu"]
