@@ -137,3 +137,21 @@ def test_q_and_k_with_one_table_view_still_share_a_launch():
     for a, b in zip(as_tuple(out), as_tuple(fn(*args))):
         torch.testing.assert_close(a, b, rtol=0, atol=8 * torch.finfo(torch.float32).eps)
     check_numerics(fn, args, out)
+
+
+def test_a_table_node_computed_from_the_rotation_is_not_read():
+    """A lookup by lane values can name a node that reads the rotation itself (`(c + o - o) * 2` holds 2c):
+    the op would read its own output, so the site is left unfused (with the reason), and the graph computes
+    what eager computes."""
+    def fn(x, c, s):
+        out = x * c * 2 + rot_half(x) * s * 2
+        o = out[0]
+        return out, (c + o - o) * 2, (s + o - o) * 2
+
+    torch.manual_seed(0)
+    args = (R(2, 4, 8), R(4, 8), R(4, 8))
+    out, p = compile_with_pass(fn, *args)
+    rep = p.report
+    assert rep.sites == [] and len(rep.errors) == 1, rep.table()
+    assert "computed from the rotation" in rep.errors[0].error and rep.errors[0].outcome == "site left unfused"
+    check_unchanged(fn, args, out)
