@@ -40,7 +40,7 @@ import torch
 
 from ..ops.backends import Backend, SiteSpec, emit_op_call, register_backend
 from ..ops.library import define_rotary_ops
-from ..ops.reference import rms_norm, rotary_reference
+from ..ops.reference import gather_rows, rms_norm, rotary_reference
 from ..ops.schema import RotaryCall
 
 OP_NAMESPACE = "npu"
@@ -184,8 +184,8 @@ def _impl(call: RotaryCall) -> list | None:
     xs, cos, sin, params = call.xs, call.cos, call.sin, call.params
     if params.deinterleave or params.rotary_blocks > 1:  # pairs the NPU ops do not know: the reference serves
         return None
-    if call.positions is not None:
-        cos, sin = cos[call.positions], sin[call.positions]
+    if call.positions is not None:  # checked: a position outside [0, rows) raises, as the other backends do
+        cos, sin = gather_rows(cos, call.positions), gather_rows(sin, call.positions)
     if params.angle_tables:  # the NPU ops take tables: computed here, in fp32
         cos, sin = cos.float().cos(), sin.float().sin()
         params = params.replace(angle_tables=False)

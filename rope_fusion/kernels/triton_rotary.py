@@ -44,6 +44,7 @@ from torch.library import wrap_triton
 
 from ..ops.backends import Backend, SiteSpec, emit_op_call, register_backend
 from ..ops.library import define_rotary_ops, register_device_kernel
+from ..ops.reference import gather_rows
 from ..ops.schema import RotaryCall, RotaryParams, math_dtype
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -77,7 +78,7 @@ ROW_TOKENS = 8
 @triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, cos_ptr, sin_ptr, pos_ptr, wq_ptr, wk_ptr, wv_ptr,
-    N1, N2, HQ, HK, HV, NSPLIT, crow, srow, swqh, swkh, swvh, eps,
+    N1, N2, HQ, HK, HV, NSPLIT, crow, srow, nrows, swqh, swkh, swvh, eps,
     sq0, sq1, sq2, sqh, sqo0, sqo1, sqo2, sqoh,
     sk0, sk1, sk2, skh, sko0, sko1, sko2, skoh,
     sv0, sv1, sv2, svh, svo0, svo1, svo2, svoh,
@@ -156,6 +157,10 @@ def _rotary_kernel(
         ib = jt
     if HAS_POS:  # a cache row per token: sc*/ss* are the strides of positions over the token dims
         pos = tl.load(pos_ptr + i0 * sc0 + i1 * sc1 + i2 * sc2).to(tl.int64)
+        # the op's rule, 0 <= row < nrows (the pass wraps negative positions in the graph where the model's
+        # indexing wraps them): a row outside fails as Inductor's own gathers fail, a device-side assert, which
+        # is compiled in where Inductor compiles its own (its kernels and this one: `assert_indirect_indexing`)
+        tl.device_assert((pos >= 0) & (pos < nrows), "rope_fusion: a position outside [0, rows) of the cache")
         c_row = cos_ptr + pos * crow
         s_row = sin_ptr + pos * srow
     else:
@@ -704,8 +709,8 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
     # More than 3 token dims that do not merge: materialize x and tables (rare, correct), one launch each.
     if params.norm != "none":  # materialized tables no longer show which dim holds the heads
         return _normed_first(xs, cos, sin, params, positions, weights, tuning)
-    if positions is not None:
-        cos, sin = cos[positions], sin[positions]
+    if positions is not None:  # checked: a position outside [0, rows) raises, as the kernel's assert does
+        cos, sin = gather_rows(cos, positions), gather_rows(sin, positions)
     for i, x in enumerate(xs):
         if _is_true(x.numel() == 0):
             continue
@@ -853,7 +858,8 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
     hk, hv = (p.heads[i] if len(xs) > i else 0 for i in (1, 2))
     cos, sin = tables.cos, tables.sin
     wide = math_dtype(xs, cos, sin, params.out_dtype) == torch.float64
-    rows = (cos.stride(0), sin.stride(0)) if tables.positions is not None else (0, 0)
+    # with positions: the row strides and the rows that a position may pick (the kernel asserts 0 <= row < rows)
+    rows = (cos.stride(0), sin.stride(0), _cache_rows(cos, sin)) if tables.positions is not None else (0, 0, 0)
     weights = [tables.weights[i] if tables.weights else None for i in group]
     wq, wk, wv = (_weight_head_stride(weights[i], xs[i], p.head) if len(xs) > i else 0 for i in range(3))
     scalars = (p.tokens[1], p.tokens[2], p.heads[0], hk, hv, nsplit, *rows, wq, wk, wv, float(params.norm_eps),
@@ -879,6 +885,14 @@ def _launch_args(p: _Plan, xs: list, outs: list, tables: _Tables, group: list, p
                 num_warps=num_warps or _num_warps(bh * lanes_pad, "head_pass" if params.rotary_offset else
                                                   "rows" if interleaved or neox_row else "halves"))
     return (ntok // toks if toks > 1 else ntok, nsplit), scalars, meta
+
+
+def _cache_rows(cos: torch.Tensor, sin: torch.Tensor) -> Any:
+    """The rows of the cos and sin caches that a position may pick (the fewer, where the two differ)."""
+    c, s = cos.shape[0], sin.shape[0]
+    if isinstance(c, int) and isinstance(s, int):
+        return min(c, s)
+    return c if _is_true(c <= s) else s if _is_true(s <= c) else torch.sym_min(c, s)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """Inductor lowering of the rotary ops: one pointwise node per rotated tensor.
 
 The inner function loads x at the lane and at its partner (index arithmetic with ModularIndexing, so
-every load stays in bounds) and the tables at the lane or pair index; Inductor then fuses the node with
-its neighbours (casts, norms) into one generated kernel. On the GPU this form of access is slower than
-the hand-written Triton kernel (docs/design.md section 3), so there it is chosen only where the cost
-model says fusing with neighbours wins.
+every load stays in bounds) and the tables at the lane or pair index; a cache row picked by positions is a
+checked indirect index, so a position outside [0, rows) raises as plain compile does. Inductor then fuses
+the node with its neighbours (casts, norms) into one generated kernel. On the GPU this form of access is
+slower than the hand-written Triton kernel (docs/design.md section 3), so there it is chosen only where the
+cost model says fusing with neighbours wins.
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams, positions=None):
             out.append(0 if s == 1 else idx[offset + i])
         if positions is not None:
             row = pos_load([0 if s == 1 else idx[nd - len(psize) - 1 + i] for i, s in enumerate(psize)])
-            return [ops.indirect_indexing(row, rows, check=False), lane]
+            # checked, and negatives not wrapped: the op's rule is 0 <= row < rows (the pass emits the wrap of
+            # `cache[positions]` before the op), and a row outside fails as plain compile fails (a C++ error on
+            # the CPU, a device-side assert on the GPU) instead of reading past the cache
+            return [ops.indirect_indexing(row, rows, check=True, wrap_neg=False), lane]
         out.append(lane)
         return out
 

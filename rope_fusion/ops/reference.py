@@ -29,6 +29,13 @@ def join_pairs(a: torch.Tensor, b: torch.Tensor, interleaved: bool, blocks: int 
     return torch.cat((a.unflatten(-1, (blocks, -1)), b.unflatten(-1, (blocks, -1))), dim=-1).flatten(-2)
 
 
+def gather_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`table[positions]` for positions in [0, rows), the op's rule; any other position raises IndexError, a
+    negative one included. Advanced indexing would wrap a negative position: the pass emits that wrap in the
+    graph where the model indexed so (passes/gathers.py), so every backend checks one rule."""
+    return table.index_select(0, positions.reshape(-1)).reshape(*positions.shape, *table.shape[1:])
+
+
 def _lane_tables(t: torch.Tensor, interleaved: bool, full_tables: bool, blocks: int):
     """Table entries for the first and second lane of each pair, each of width rotary_dim/2."""
     if not full_tables:
@@ -62,7 +69,7 @@ def rotary_reference(
     their cos and sin rotate."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if positions is not None:
-        cos, sin = cos[positions], sin[positions]
+        cos, sin = gather_rows(cos, positions), gather_rows(sin, positions)
     cd = math_dtype([x], cos, sin, out_dtype)
     if angle_tables:
         cos, sin = cos.to(cd).cos(), sin.to(cd).sin()
@@ -109,9 +116,9 @@ def table_grads(grads, xs, cos: torch.Tensor, sin: torch.Tensor, *, interleaved:
     conjugate), so dC[a] = g[a]x[a], dC[b] = g[b]x[b], dS[a] = -g[a]x[b], dS[b] = g[b]x[a]; a per-pair table
     receives the sum over both lanes of its pair; a gathered cache the sum over the tokens that read a row."""
     if positions is not None:  # the gradient of the gathered rows, accumulated into the cache's rows
-        gc, gs = table_grads(grads, xs, cos[positions], sin[positions], interleaved=interleaved,
-                             rotary_dim=rotary_dim, full_tables=full_tables, conjugate=conjugate,
-                             rotary_blocks=rotary_blocks, rotary_offset=rotary_offset)
+        gc, gs = table_grads(grads, xs, gather_rows(cos, positions), gather_rows(sin, positions),
+                             interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full_tables,
+                             conjugate=conjugate, rotary_blocks=rotary_blocks, rotary_offset=rotary_offset)
         index = positions.reshape(-1)
         return (torch.zeros_like(cos).index_add_(0, index, gc.reshape(-1, cos.shape[-1])),
                 torch.zeros_like(sin).index_add_(0, index, gs.reshape(-1, sin.shape[-1])))

@@ -21,7 +21,7 @@ import torch.fx as fx
 from ..ops.backends import Backend, SiteSpec, get_backend
 from ..ops.schema import OP_NAMES, RotaryCall, RotaryParams
 from .fx_util import CASTS, as_int, chain_back
-from .gathers import gather_of
+from .gathers import gather_of, op_positions
 from .grouping import out_dtype
 from .matcher import Match, TableRef
 from .norms import NormPrologue, dies_with, norm_prologue
@@ -270,9 +270,9 @@ def gathered_tables(em: Emitter, nodes: dict, m: Match, like: fx.Node) -> tuple 
     if m.cos.pieces or m.sin.pieces:
         return None
     got = [gather_of(nodes[t.name], t) for t in (m.cos, m.sin)]
-    if None in got or (got[0].cache, got[0].positions) != (got[1].cache, got[1].positions):
+    if None in got or not got[0].same_rows(got[1]):
         return None
-    cache, pos = got[0].cache, got[0].positions
+    cache, pos = got[0].cache, op_positions(em, got[0], like)
     views = []
     for g, t in zip(got, (m.cos, m.sin)):
         start, step = g.start, g.step

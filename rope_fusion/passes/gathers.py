@@ -42,12 +42,12 @@ def _lane_window(node: fx.Node, start: int, step: int) -> tuple | None:
             return None
         sizes = split.args[1]
         sizes = [sizes] * (node.args[1] + 1) if not isinstance(sizes, (list, tuple)) else sizes
-        sizes = [as_int(s.meta["val"] if isinstance(s, fx.Node) else s, specialize=True) for s in sizes]
+        sizes = [as_int(s.meta["val"] if isinstance(s, fx.Node) else s) for s in sizes]
         if None in sizes:
             return None
         return split.args[0], start + sum(sizes[: node.args[1]]), step
     if t is aten.slice.Tensor and node.args[1] in (-1, node.args[0].meta["val"].dim() - 1):
-        s0 = as_int(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else 0
+        s0 = _slice_start(node)
         st = as_int(node.args[4]) if len(node.args) > 4 else 1
         if s0 is None or st is None:
             return None
@@ -55,14 +55,64 @@ def _lane_window(node: fx.Node, start: int, step: int) -> tuple | None:
     return None
 
 
+# Ops that Inductor decomposes into `cache[positions]` but that raise on a negative position in eager (by name:
+# the node's `original_aten` may be a copy of the overload, which compares by identity)
+_RAISE_ON_NEGATIVES = {"aten::index_select", "aten::embedding"}
+
+
+def _wraps_negatives(index: fx.Node) -> bool:
+    """Whether the model's gather wraps a negative position, as `cache[positions]` does in eager. Inductor
+    decomposes `index_select` into an index (which would wrap); its node remembers the op it came from, and
+    then the positions are taken as eager's index_select takes them (a negative one raises)."""
+    original = index.meta.get("original_aten")
+    return not (isinstance(original, torch._ops.OpOverload) and original.name() in _RAISE_ON_NEGATIVES)
+
+
+def _slice_start(node: fx.Node) -> int | None:
+    """The first lane of `slice(x, -1, start, ...)` as an index into x's lanes: a negative start counts from
+    the end (`cs[..., -(D // 2):]` is lane D // 2 of D), clamped to [0, lanes] as slicing clamps it; None where
+    that needs a size that is not concrete."""
+    arg = node.args[2] if len(node.args) > 2 else None
+    if arg is None:
+        return 0
+    s0 = as_int(arg.meta["val"] if isinstance(arg, fx.Node) else arg)
+    if s0 is None:
+        return None
+    if s0 >= 0:
+        return s0
+    lanes = as_int(node.args[0].meta["val"].shape[-1])
+    return None if lanes is None else max(s0 + lanes, 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Gather:
-    """A table that is the lanes [start::step] of rows of a 2-D cache picked by positions."""
+    """A table that is the lanes [start::step] of rows of a 2-D cache picked by positions.
+
+    `wraps`: the model indexed the cache as `cache[positions]`, which reads row `rows + p` for a negative
+    position p (>= -rows); `index_select` and `embedding` raise on it instead. The op's own rule is
+    0 <= p < rows for every backend (a position outside raises, as plain compile does), so the positions the
+    op takes are wrapped first where the model's gather wraps (`op_positions`)."""
 
     cache: fx.Node
     positions: fx.Node
     start: int
     step: int
+    wraps: bool = False
+
+    def same_rows(self, other: Gather) -> bool:
+        """Both read the same rows for every position: one cache, one positions tensor, one indexing form."""
+        return (self.cache, self.positions, self.wraps) == (other.cache, other.positions, other.wraps)
+
+
+def op_positions(em, g: Gather, like: fx.Node) -> fx.Node:
+    """The positions as the op takes them: a negative position p of a wrapping gather becomes rows + p, as
+    eager reads it (one below -rows stays negative, and the op raises where eager raises); others as they are."""
+    if not g.wraps:
+        return g.positions
+    (rows,) = em.size_args(g.cache, range(1), like)
+    negative = em.call(aten.lt.Scalar, (g.positions, 0), like=like)
+    wrapped = em.call(aten.add.Tensor, (g.positions, rows), like=like)
+    return em.call(aten.where.self, (negative, wrapped, g.positions), like=like)
 
 
 def gather_of(node: fx.Node, t: TableRef) -> Gather | None:
@@ -73,8 +123,9 @@ def gather_of(node: fx.Node, t: TableRef) -> Gather | None:
         return None  # only the last of the table's grid dims may hold lanes
     start, step = t.start, t.step
     for _ in range(16):
+        wraps = False
         if node.target is aten.index.Tensor and len(node.args[1]) == 1 and node.args[1][0] is not None:
-            cache, (pos,) = node.args[0], node.args[1]
+            cache, (pos,), wraps = node.args[0], node.args[1], _wraps_negatives(node)
         elif node.target is aten.index_select.default and node.args[1] in (0, -2):
             cache, pos = node.args[0], node.args[2]
         elif node.target is aten.embedding.default:
@@ -88,5 +139,5 @@ def gather_of(node: fx.Node, t: TableRef) -> Gather | None:
         cval, pval = cache.meta.get("val"), pos.meta.get("val")
         if cval is None or pval is None or cval.dim() != 2 or pval.dtype not in (torch.int32, torch.int64):
             return None
-        return Gather(cache, pos, start, step)
+        return Gather(cache, pos, start, step, wraps)
     return None

@@ -122,8 +122,8 @@ class _Pairing:
         if ga is not None and gb is not None:  # rows of one cache by one positions tensor, as the op reads them
             rank_a = nodes[a.name].meta["val"].dim() - a.k + len(ablocks)  # the rank of the op's positions
             rank_b = nodes[b.name].meta["val"].dim() - b.k + len(bblocks)
-            if (st.id(ga.cache), st.id(ga.positions), ga.start, ga.step, a.width, rank_a) == (
-                    st.id(gb.cache), st.id(gb.positions), gb.start, gb.step, b.width, rank_b):
+            if (st.id(ga.cache), st.id(ga.positions), ga.wraps, ga.start, ga.step, a.width, rank_a) == (
+                    st.id(gb.cache), st.id(gb.positions), gb.wraps, gb.start, gb.step, b.width, rank_b):
                 return True
         va = table_view_geometry(nodes[a.name], a, ablocks)
         vb = table_view_geometry(nodes[b.name], b, bblocks)
