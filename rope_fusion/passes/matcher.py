@@ -180,6 +180,10 @@ class Acceptor:
         self._gather: dict | None = None
         self._canon: dict = {}  # (name, k, as_real) -> the grid rank of `_canonical_atom`
         self._by_entry0: dict | None = None
+        self._scope = None  # the node `accept` is checking: computed tables are looked up among its inputs
+        self._scope_tables: dict = {}  # node -> the computed values it is computed from (`_computed_tables`)
+        self._lane_index: dict = {}  # computed value -> its lanes by normalised entry (`_lane_index`)
+        self.split_note = ""  # why the last computed-table split failed, when it found computed factors
         # Views and casts of one x carry the same lane entries, so each is a candidate whose lane check (and
         # table check) comes out the same: computed once per distinct value (a 3072-lane Flux grid made the
         # pass take 20 s without this).
@@ -216,6 +220,7 @@ class Acceptor:
         """The rotation `v` computes, or the most specific reason it is none: the grid is tried as one head,
         as blocks of heads, and after demotion (a leading dim that a rule absorbed into the grid)."""
         best = Rejection(FORM, "not a rotation")
+        self._scope = node
         while v is not None:
             if any(e is None for e in v.entries):
                 d = next(i for i, e in enumerate(v.entries) if e is None)
@@ -319,12 +324,89 @@ class Acceptor:
             if r2 is not None and cb is None:
                 cb = (a, r2)
         if ca is None or cb is None or ca[0] == cb[0]:
-            return None
+            return self._split_computed(e, xd, xp)
         rebuilt = poly.add(poly.scale(poly.mul(poly.atom(ca[0]), xd) or {}, ca[1]),
                         poly.scale(poly.mul(poly.atom(cb[0]), xp) or {}, cb[1]))
         if rebuilt != e and not _close(rebuilt, e):
-            return None
+            return self._split_computed(e, xd, xp)
         return ca, cb
+
+    def _split_computed(self, e, xd, xp):
+        """`_split` where the factors of x are tables computed in the graph (`c + c2`, the angle-sum identity
+        `c1*c2 - s1*s2`, a gate `c * g`): e == xd*P + xp*Q, and P and Q are (multiples of) the lanes of nodes
+        that hold them. Each such lane stands for its table entry as an atom of that node, so the table is a view
+        of the node like any other. Where a factor is computed but no node holds it (`x * c * g`: x times c,
+        then times g), `self.split_note` says so, the reason a user can act on."""
+        if len(xd) != 1 or len(xp) != 1:
+            return None
+        ((md, cd),), ((mp, cp),) = xd.items(), xp.items()
+        if md == mp:
+            return None
+        factors: tuple = ({}, {})
+        for mono, coef in e.items():
+            rest_d, rest_p = _without(mono, md), _without(mono, mp)
+            if (rest_d is None) == (rest_p is None):
+                return None  # a term of neither x lane, or of both
+            if rest_d is not None:
+                factors[0][rest_d] = factors[0].get(rest_d, 0.0) + coef / cd
+            else:
+                factors[1][rest_p] = factors[1].get(rest_p, 0.0) + coef / cp
+        x_names = {a[0] for a in md + mp}
+        if not all(factors) or any(a[0] in x_names for f in factors for a in poly.atoms_of(f)):
+            return None
+        if all(len(f) == 1 and len(next(iter(f))) == 1 for f in factors):
+            return None  # one atom each: the atom split's answer stands (one table for both, say)
+        found = []
+        for f in factors:
+            hit = self._computed_table_lane(f, x_names)
+            if hit is None:
+                self.split_note = (f"its factor {_describe(f)} is a table computed in the graph, but no node holds "
+                                   "it (x is multiplied by its parts one at a time): compute the table first, "
+                                   "then multiply x by it")
+                return None
+            found.append(hit)
+        if found[0][0] == found[1][0]:
+            return None
+        return found[0], found[1]
+
+    def _computed_table_lane(self, f: dict, x_names: set):
+        """(atom of a node whose lane is r * ... == f, r) for the computed factor f, or None. The nodes tried are
+        the computed values that the value being accepted is computed from (a table it reads), in graph order,
+        each lane compared exactly (atoms with their grid ranks: the same entries at every leading index)."""
+        first = min(f)
+        for tnode in self._computed_tables():
+            if any(a[0] in x_names for a in poly.atoms_of(self.interp.values[tnode].entries[0])):
+                continue  # a value of x (a product with x, a rotate_half), not a table
+            index = self._lane_index.get(tnode)
+            if index is None:
+                index = self._lane_index[tnode] = _lane_index(self.interp.values[tnode])
+            hit = index.get(_normal_key(f, first))
+            if hit is not None:
+                k, flat, lead_coef = hit
+                return (tnode.name, k, False, flat), f[first] / lead_coef
+        return None
+
+    def _computed_tables(self) -> list:
+        """Computed values (not plain copies of sources) that the node being accepted is computed from through
+        lane rules, in graph order: where a computed table of it must be. Bounded: a table is a few ops."""
+        scope = self._scope
+        got = self._scope_tables.get(scope)
+        if got is not None:
+            return got
+        values = self.interp.values
+        seen, stack, found = {scope}, [scope], []
+        while stack and len(seen) < _TABLE_SCOPE_NODES:
+            for a in stack.pop().all_input_nodes:
+                if a in seen or not isinstance(values.get(a), lanes.LaneValue):
+                    continue
+                seen.add(a)
+                stack.append(a)
+                v = values[a]
+                if v.k and not v.is_complex and None not in v.entries and not _plain(v.entries):
+                    found.append(a)
+        found.sort(key=self.order.get)
+        self._scope_tables[scope] = found
+        return found
 
     def _lanes(self, style, entries, xl, head, rot, n, nblocks, is_copy):
         """(style, cos lanes, sin lanes, conjugate) when every rotated lane of every head block has the form
@@ -343,21 +425,29 @@ class Acceptor:
                                     poly.scale(poly.mul(poly.atom(sa), xp) or {}, sc))
                     if want == entries[base + d] or _close(want, entries[base + d]):
                         continue
+                self.split_note = ""
                 sp = self._split(entries[base + d], xd, xp)
                 if sp is None:
+                    if self.split_note:
+                        return Rejection(TABLES, f"lane {d}: {self.split_note}")
                     return Rejection(LANES, f"lane {d} does not combine x[{xa}] and x[{xb}] with one table "
                                             f"entry each ({style.name} pairs)")
                 (ca, cc), (sa, sc) = sp
-                if cc <= 0:
-                    return Rejection(LANES, f"lane {d}: x[{xa}] enters with a negative factor")
                 if ca == sa:
                     return Rejection(LANES, f"lane {d} multiplies both x lanes by the same table entry")
+                # A negative cos factor is a table too: x*(-cos) + rot(x)*(-sin) is the rotation by the angle plus
+                # pi, read from the negated tables where the graph holds them (`_tables` says where it does not).
                 rotation_sign = -1.0 if style.first(d) else 1.0
                 this_conj = (sc > 0) != (rotation_sign > 0)
                 if conj is None:
                     conj = this_conj
-                    first_sign = sc
+                    first_sign, first_cos = sc, cc
                 elif conj != this_conj:
+                    if (cc > 0) != (first_cos > 0):  # conj(x) * freqs: [[c, s], [s, -c]] on each pair
+                        return Rejection(LANES, f"lanes {d - 1} and {d} reflect each pair of x instead of rotating "
+                                                "it (the cos factor changes sign within the pair, as in "
+                                                "conj(x) * freqs, which is conj(x * conj(freqs))): a reflection is "
+                                                "not a rotation; x * freqs.conj() is the inverse rotation")
                     if sc > 0 and first_sign > 0:  # HiDream's F[..., 0] * x0 + F[..., 1] * x1: no minus anywhere
                         return Rejection(LANES, f"lanes {d - 1} and {d} apply a general 2x2 matrix of table "
                                                 "entries to each pair (no minus sign in the graph): a table "
@@ -389,8 +479,30 @@ class Acceptor:
                 return a[0]
         return None
 
+    def _x_shape(self, xl: _XLanes, v: lanes.LaneValue) -> str:
+        """Why x cannot be the rotated tensor by its shape alone ("" when it can): the op's output has x's shape.
+        Checked before x's lanes, so that a broadcast operand that happens to pair its lanes (freqs in
+        conj(x) * freqs, rotated by x's lanes as if they were tables) never outranks the reason for x itself."""
+        x_node = self.interp.nodes[xl.name]
+        if xl.entries is None:
+            xval = meta(x_node)
+            xshape = tuple(xval.shape) + ((2,) if xl.as_real else ())
+            x_lead = xshape[: len(xshape) - xl.k]
+            if len(x_lead) != len(v.lead) or not all(same_dim(a, b) for a, b in zip(x_lead, v.lead)):
+                return f"{xl.name} is broadcast to the output shape: it cannot be the rotated x"
+            if math.prod(concrete_ints(xshape[len(xshape) - xl.k:])) != len(v.entries):
+                return f"{xl.name} has a different lane count than the output"
+        else:
+            x_lead = self.interp.values[x_node].lead
+            if len(x_lead) == len(v.lead) and not all(same_dim(a, b) for a, b in zip(x_lead, v.lead)):
+                return f"{xl.name} is broadcast to the output shape: it cannot be the rotated x"
+        return ""
+
     def _accept_x(self, node, v, m, n, nblocks, xl: _XLanes) -> Match | Rejection:
         entries = v.entries
+        shape_note = self._x_shape(xl, v)
+        if shape_note:
+            return Rejection(PAIRING, shape_note)
         if xl.entries is None:  # a source x: lane i copies it when the entry is the one atom of lane i
             src = (xl.name, xl.k, xl.as_real)
 
@@ -427,8 +539,11 @@ class Acceptor:
         half = rot // 2
         # the partner of the first rotated lane narrows the pairing; each candidate is then checked lane by lane
         e0, x0 = entries[head], xl.entry(head)
+        self.split_note = ""
         styles = [s for s in _pairings(half)
                   if self._split(e0, x0, xl.entry(head + s.x_partner(0))) is not None]
+        if not styles and self.split_note:
+            return Rejection(TABLES, f"lane {head}: {self.split_note}")
         if not styles:
             for p0 in (half, 1):
                 shared = self._shared_factor(e0, x0, xl.entry(head + p0))
@@ -468,24 +583,11 @@ class Acceptor:
         if refs is None:
             refs = self._tables_memo[tkey] = self._tables(cos_lanes, sin_lanes, rot, first_of_pair, partner)
         if isinstance(refs, str):
-            return Rejection(TABLES, refs)
+            return Rejection(TABLES, _scaled_tables(cos_lanes, sin_lanes) or refs)
         cos, sin, full = refs
         for t in (p for table in (cos, sin) for p in table.parts):
             if not self._broadcasts(t, v.lead):
                 return Rejection(TABLES, f"the table {t.name} does not broadcast against x")
-        if xl.entries is None:
-            xval = meta(x_node)
-            xshape = tuple(xval.shape) + ((2,) if xl.as_real else ())
-            x_lead = xshape[: len(xshape) - xl.k]
-            if len(x_lead) != len(v.lead) or not all(same_dim(a, b) for a, b in zip(x_lead, v.lead)):
-                return Rejection(TABLES, "x is broadcast to the output shape")
-            if math.prod(concrete_ints(xshape[len(xshape) - xl.k:])) != len(entries):
-                return Rejection(TABLES, "x has a different lane count")
-        else:
-            xv = self.interp.values[x_node]
-            x_lead = xv.lead
-            if len(x_lead) == len(v.lead) and not all(same_dim(a, b) for a, b in zip(x_lead, v.lead)):
-                return Rejection(TABLES, "x is broadcast to the output shape")
         return Match(node=node, value_k=v.k, blocks=tuple(v.grid[: v.k - m]), x_name=xl.name, x_k=xl.k,
                      x_as_real=xl.as_real, head_dim=n, rotary_dim=rot, interleaved=interleaved, full_tables=full,
                      conjugate=bool(conj), cos=cos, sin=sin, wide=v.wide, offset=head,
@@ -674,12 +776,75 @@ def _split_products(e: dict, xd: dict, xp: dict):
     return ca, cb
 
 
+def _scaled_tables(cos_lanes: list, sin_lanes: list) -> str:
+    """Why tables read with a factor other than 1 are no view: the graph holds no node with the scaled (or
+    negated) entries. "" when every factor is 1."""
+    for what, lanes_ in (("cos", cos_lanes), ("sin", sin_lanes)):
+        d, (atom_, coef) = next(((d, e) for d, e in enumerate(lanes_) if e[1] != 1.0), (None, (None, None)))
+        if d is None:
+            continue
+        table = f"-{atom_[0]}" if coef == -1.0 else f"{coef:g} * {atom_[0]}"
+        return (f"lane {d} reads its {what} factor as {table}, and no node of the graph holds {table} (x is "
+                "multiplied by the factor separately): multiply x by one table tensor, which fuses even when "
+                "computed (x * (-cos) + rot(x) * (-sin) is the rotation by the angle plus pi)")
+    return ""
+
+
+# At most this many nodes are searched for a computed table, from the value being accepted back (a table is a
+# few ops: `c + c2`, an angle-sum identity, a gate; the bound keeps a rejected value of a wide graph cheap).
+_TABLE_SCOPE_NODES = 64
+
+
+def _without(mono: tuple, sub: tuple) -> tuple | None:
+    """`mono` with the atoms of `sub` taken out once each, when it has them all and more; else None."""
+    if len(mono) <= len(sub):
+        return None
+    rest = list(mono)
+    for a in sub:
+        if a not in rest:
+            return None
+        rest.remove(a)
+    return tuple(rest)
+
+
+def _normal_key(f: dict, first: tuple) -> frozenset:
+    """f up to a constant factor: its coefficients divided by that of the monomial `first`."""
+    c0 = f[first]
+    return frozenset((m, c / c0) for m, c in f.items())
+
+
+def _lane_index(v: lanes.LaneValue) -> dict:
+    """A computed value's lanes by `_normal_key`: key -> (grid rank, flat lane, coefficient divided out)."""
+    index: dict = {}
+    for flat, e in enumerate(v.entries):
+        if e:
+            first = min(e)
+            index.setdefault(_normal_key(e, first), (v.k, flat, e[first]))
+    return index
+
+
+def _plain(entries: list) -> bool:
+    """Every lane one atom (a source's lanes, a view, a negated or scaled copy): not a computed table."""
+    return all(len(e) == 1 and len(next(iter(e))) == 1 for e in entries)
+
+
+def _describe(f: dict) -> str:
+    """A computed factor in a user's terms: the nodes whose entries it combines (`arg1_1*arg3_1 - arg2_1`)."""
+    terms = []
+    for mono, coef in sorted(f.items())[:4]:
+        names = "*".join(a[0] for a in mono) or "1"
+        scale = "" if abs(coef) == 1.0 else f"{abs(coef):g}*"
+        terms.append(("- " if coef < 0 else "+ ") + scale + names)
+    text = " ".join(terms) + (" + ..." if len(f) > 4 else "")
+    return text[2:] if text.startswith("+ ") else "-" + text[2:]
+
+
 def _reads_lane(e: dict | None, xd: dict) -> bool:
-    """Whether some monomial of e is a monomial of the x lane xd times one more atom: `_split` and
-    `_shared_factor` both need it of a lane that combines x lanes (a source's lanes are distinct atoms)."""
+    """Whether some monomial of e is a monomial of the x lane xd times more atoms (a table entry, or the product
+    of a computed table's): `_split` and `_shared_factor` both need it of a lane that combines x lanes."""
     if not e:
         return False
-    return any(_one_more(mono, md) is not None for mono in e for md in xd)
+    return any(_without(mono, md) is not None for mono in e for md in xd)
 
 
 def _one_more(mono: tuple, sub: tuple):
