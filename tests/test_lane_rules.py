@@ -469,6 +469,31 @@ def test_getitem(g):
     assert g.value(opaque) is None
 
 
+@covers(aten.index.Tensor)
+def test_index_by_a_constant_lane_permutation(g):
+    """torch.roll(x, 2, -1) as the post-grad graph spells it: x indexed by fmod(iota(4) + 2, 4)."""
+    x = g.input("x", 2, 4)
+    iota = g.op(prims.iota.default, 4, start=0, step=1, dtype=torch.int64, device=torch.device("cpu"),
+                requires_grad=False)
+    picks = g.op(aten.fmod.Scalar, g.op(aten.add.Tensor, iota, 2), 4)
+    check(g.value(g.op(aten.index.Tensor, x, [None, picks])), (2, 4), 1, lanes_of("x", [2, 3, 0, 1]))
+
+
+def test_index_by_values_or_on_a_leading_dim_is_unsupported(g):
+    x, positions = g.input("x", 2, 4), g.input("positions", 4, dtype=torch.int64)
+    iota = g.op(prims.iota.default, 2, start=0, step=1, dtype=torch.int64, device=torch.device("cpu"),
+                requires_grad=False)
+    assert g.value(g.op(aten.index.Tensor, x, [None, positions])) is None  # a gather: its numbers are data
+    assert g.value(g.op(aten.index.Tensor, x, [iota])) is None  # rows, not lanes
+
+
+@covers(aten.roll.default)
+def test_roll(g):
+    x = g.input("x", 2, 4)
+    check(g.value(g.op(aten.roll.default, x, [1], [-1])), (2, 4), 1, lanes_of("x", [3, 0, 1, 2]))
+    assert g.value(g.op(aten.roll.default, x, [1])) is None  # the flattened tensor: rows mix
+
+
 @covers(aten.cat.default)
 def test_cat_rotate_half(g):
     x = g.input("x", 2, 4)

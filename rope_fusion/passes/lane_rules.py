@@ -15,6 +15,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import poly
 from .fx_util import as_int, meta, norm_dim, same_dim
@@ -601,6 +602,106 @@ def rule_getitem(interp, node):
     if not isinstance(values, list) or not isinstance(index, int):
         raise Unsupported("getitem of an opaque node")
     return values[index]
+
+
+# Integer ops that a constant lane index is computed with (`torch.roll` decomposes to
+# `index(x, [.., fmod(iota(n) + n - shift, n)])`): evaluated on the CPU when every input is constant.
+_INDEX_MATH = {
+    prims.iota.default, aten.arange.default, aten.arange.start, aten.arange.start_step, aten.add.Tensor,
+    aten.sub.Tensor, aten.mul.Tensor, aten.neg.default, aten.fmod.Scalar, aten.fmod.Tensor, aten.remainder.Scalar,
+    aten.remainder.Tensor, aten.floor_divide.default, aten.where.self, aten.lt.Scalar, aten.ge.Scalar,
+    aten.flip.default, prims.convert_element_type.default, aten.lift_fresh_copy.default}
+_INDEX_DEPTH = 12
+
+
+def _constant_index(arg, depth: int = 0) -> torch.Tensor | None:
+    """An int tensor computed from constants alone (iota, arithmetic): its values, or None."""
+    if isinstance(arg, (int, float, bool)) or arg is None:
+        return arg
+    if not isinstance(arg, fx.Node) or depth > _INDEX_DEPTH or arg.op != "call_function":
+        return None
+    if arg.target not in _INDEX_MATH:
+        return None
+    val = meta(arg)
+    if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point or val.dtype.is_complex:
+        return None
+    if any(not isinstance(d, int) for d in val.shape) or val.numel() > 1 << 16:
+        return None
+    args = []
+    for a in arg.args:
+        c = _constant_index(a, depth + 1) if isinstance(a, fx.Node) else a
+        if isinstance(a, fx.Node) and c is None:
+            return None
+        if isinstance(a, (list, tuple)) and any(isinstance(i, fx.Node) for i in a):
+            return None
+        args.append(c)
+    kwargs = {key: torch.device("cpu") if key == "device" else value for key, value in arg.kwargs.items()}
+    if any(isinstance(value, fx.Node) for value in kwargs.values()):
+        return None
+    try:
+        with unset_fake_temporarily():  # real numbers, also where the pass runs under a fake mode
+            out = arg.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - anything it cannot evaluate is simply not a constant
+        return None
+    return out if isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(val.shape) else None
+
+
+def _permute_lanes(interp, node, value: LaneValue, pos: int, picks: list) -> LaneValue:
+    """The value's lanes along dim `pos` (a lane dim) picked by `picks` (any order, repeats allowed)."""
+    ndim = len(value.shape)
+    value = interp.ensure_dim_in_grid(value, pos)
+    axis = pos - (ndim - value.k)
+    size = value.grid[axis]
+    picks = [p + size if p < 0 else p for p in picks]
+    if any(not 0 <= p < size for p in picks):
+        raise Unsupported("lane index out of range")
+    entries = _take(value, axis, picks, True)
+    shape = value.shape[:pos] + (len(picks),) + value.shape[pos + 1:]
+    return LaneValue(shape, value.k, entries, False, value.wide)
+
+
+@lane_rule(aten.index.Tensor)
+def rule_index(interp, node):
+    """Lanes picked by a constant index along one lane dim (every other index None): `torch.roll` on the lanes
+    decomposes to this. index(x, [None, fmod(iota(4) + 2, 4)]) on a [2, 4] x: lanes (x2, x3, x0, x1). An index
+    that reads values (positions) or spans several dims is unsupported (a gather of a table: a source)."""
+    src, indices = node.args[:2]
+    _check_float(node)
+    value = interp.value(src)
+    if value.is_complex:
+        raise Unsupported("complex index")
+    ndim = len(value.shape)
+    used = [i for i, index in enumerate(indices) if index is not None]
+    if len(used) != 1 or len(indices) != ndim or used[0] < ndim - 1 - (1 if value.k > 1 else 0):
+        raise Unsupported("not a lane index")
+    picks = _constant_index(indices[used[0]])
+    if picks is None or picks.dim() != 1:
+        raise Unsupported("index not constant")
+    return _permute_lanes(interp, node, value, used[0], [int(p) for p in picks.tolist()])
+
+
+@lane_rule(aten.roll.default)
+def rule_roll(interp, node):
+    """Lanes rotated along lane dims by constant shifts (a roll that the graph keeps as one op).
+    roll(x, 2, -1) on a [2, 4] x: lanes (x2, x3, x0, x1)."""
+    src = node.args[0]
+    shifts = node.args[1] if len(node.args) > 1 else node.kwargs.get("shifts")
+    dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", [])
+    shifts = [shifts] if isinstance(shifts, int) else list(shifts)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if not dims or len(dims) != len(shifts) or not all(isinstance(x, int) for x in shifts + dims):
+        raise Unsupported("roll of the flattened tensor or with symbolic shifts")
+    _check_float(node)
+    value = interp.value(src)
+    if value.is_complex:
+        raise Unsupported("complex roll")
+    for shift, dim in zip(shifts, dims):
+        pos = norm_dim(dim, len(value.shape))
+        size = as_int(value.shape[pos])
+        if size is None:
+            raise Unsupported("symbolic roll")
+        value = _permute_lanes(interp, node, value, pos, [(i - shift) % size for i in range(size)])
+    return LaneValue(_out_shape(node), value.k, value.entries, False, value.wide)
 
 
 @lane_rule(aten.cat.default)

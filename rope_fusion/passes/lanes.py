@@ -43,6 +43,69 @@ DEAD_END_USERS = frozenset({
     "where", "ge", "gt", "le", "lt", "eq", "ne", "_softmax"})
 
 
+# A sum of two products (x*cos + rot(x)*sin) wider than this many lanes is not analysed (`MAX_LANES`), yet it
+# may be a rotation: such a value is reported as a near miss when it is `rotation_shaped`.
+_SUMS = frozenset({"add", "sub", "addcmul"})
+# Ops that move or copy lanes without computing (rotate_half's slices and cat, a roll, a sign): what lies
+# between x and its rotated copy in `rotation_shaped`.
+_LANE_MOVES = frozenset({
+    "slice", "select", "cat", "split", "split_with_sizes", "unbind", "getitem", "neg", "index", "roll", "flip",
+    "view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "expand", "clone", "convert_element_type",
+    "_to_copy", "permute", "transpose", "stack", "mul", "alias", "view_as_real", "view_as_complex"})
+_ROTATE_HOPS = 8  # rotate_half through casts and views is 4-6 ops
+
+
+def _op_name(node: fx.Node) -> str:
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is not None:
+        return packet.__name__
+    return getattr(node.target, "__name__", "")
+
+
+def rotation_shaped(node: fx.Node) -> bool:
+    """A sum of two products where an operand of one is a lane-moved copy of an operand of the other: the shape
+    of x*cos + rot(x)*sin, read from the ops alone. A DiT's wide elementwise work (modulation, gates, the
+    residual stream) adds one product to something else, so the rule that skips it keeps skipping that, and
+    a wide rotation that flows into a projection is still analysed."""
+    if node.op != "call_function" or _op_name(node) not in _SUMS:
+        return False
+    if _op_name(node) == "addcmul":
+        products = [node.args[0], node.args[1:3]]
+    else:
+        products = list(node.args[:2])
+    operands = []
+    for product in products:
+        if isinstance(product, tuple):
+            operands.append([a for a in product if isinstance(a, fx.Node)])
+            continue
+        while isinstance(product, fx.Node) and _op_name(product) in ("convert_element_type", "_to_copy"):
+            product = product.args[0]
+        if not isinstance(product, fx.Node) or _op_name(product) != "mul":
+            return False
+        operands.append([a for a in product.args[:2] if isinstance(a, fx.Node)])
+    first = set(operands[0])
+    for start in operands[1]:
+        seen, frontier = {start}, [start]
+        for _ in range(_ROTATE_HOPS):
+            frontier = [a for n in frontier if _op_name(n) in _LANE_MOVES for a in n.all_input_nodes if a not in seen]
+            if not frontier:
+                break
+            seen.update(frontier)
+            if first & set(frontier):
+                return True
+    return False
+
+
+# Why a value that looks like a rotation was not analysed: recorded per node in `LaneInterpreter.unfollowed`
+# and reported as a near miss.
+OVER_CAP = ("a sum of products of a tensor and its rotated copy over {lanes} lanes, over the analysis cap of "
+            "{cap} lanes per lane grid: not analysed (a rotation over fewer lanes per head, [.., H, D], is)")
+MATRIX_2X2 = ("a 2x2 matrix {built} is applied to pairs of lanes with a matmul (einsum or @): the graph moves the "
+              "pair index into the matmul's batch dims, which the lane analysis does not follow; written out, "
+              "x0 * cos - x1 * sin and x0 * sin + x1 * cos (or R[..., 0, 0] * x0 + R[..., 0, 1] * x1, ...), "
+              "a rotation fuses")
+
+
 # -- the rule registry -----------------------------------------------------------------------------
 
 RULES: dict = {}  # op overload (or operator.getitem) -> rule(interp, node) -> LaneValue | list
@@ -203,6 +266,7 @@ class LaneInterpreter:
         self.nodes: dict = {}  # name -> node
         self.order: dict = {}  # node -> position in the graph
         self.structure = Structure()
+        self.unfollowed: dict = {}  # node -> why a rotation-like value was not analysed (OVER_CAP, MATRIX_2X2)
 
     def run(self) -> None:
         if not RULES:
@@ -216,11 +280,14 @@ class LaneInterpreter:
                 continue
             rule = RULES.get(node.target)
             if rule is None or node in skip:
+                if rule is None and _op_name(node) in ("bmm", "mm"):
+                    self._note_matrix_2x2(node)
                 continue
             try:
                 value = rule(self, node)
             except Unsupported:
                 value = None
+                self._note_over_cap(node)
             if value is not None:
                 if isinstance(value, LaneValue):
                     value.wide = value.wide or _node_is_wide(node)
@@ -242,9 +309,36 @@ class LaneInterpreter:
             if not (isinstance(val, torch.Tensor) and val.dim() and isinstance(val.shape[-1], int)
                     and val.shape[-1] > DEAD_END_LAST_DIM):
                 continue
-            if all(u.op == "call_function" and (u in dead or ends_here(u)) for u in node.users):
+            if all(u.op == "call_function" and (u in dead or ends_here(u)) for u in node.users) \
+                    and not rotation_shaped(node):
                 dead.add(node)
         return dead
+
+    def _note_over_cap(self, node: fx.Node) -> None:
+        """Record a rotation-shaped sum that no rule could take because its lanes are over the cap."""
+        val = meta(node)
+        if not (isinstance(val, torch.Tensor) and val.dim() and val.dtype.is_floating_point):
+            return
+        lanes_ = as_int(val.shape[-1])
+        if lanes_ is not None and lanes_ > self.max_lanes and rotation_shaped(node):
+            self.unfollowed[node] = OVER_CAP.format(lanes=lanes_, cap=self.max_lanes)
+
+    def _note_matrix_2x2(self, node: fx.Node) -> None:
+        """Record a matmul that applies a 2x2 matrix to pairs ([.., M, 2] @ [.., 2, 2] or [.., 2, 2] @ [.., 2, P]),
+        the post-grad form of `einsum("...ij,...j->...i", R, x.reshape(..., -1, 2))`."""
+        vals = [meta(a) for a in node.args[:2]]
+        if not all(isinstance(v, torch.Tensor) and v.dim() >= 2 and v.dtype.is_floating_point for v in vals):
+            return
+        sizes = [tuple(as_int(d) for d in v.shape[-2:]) for v in vals]
+        if sizes[0][1] != 2:  # the contraction: a pair
+            return
+        matrix = node.args[1] if sizes[1] == (2, 2) else node.args[0] if sizes[0] == (2, 2) else None
+        if matrix is None:
+            return
+        trig = _reaches(matrix, ("cos", "sin"), 16)
+        self.unfollowed[node] = MATRIX_2X2.format(
+            built="built from cos and sin" if trig else "read from a tensor (a general per-pair transform unless "
+                                                         "it holds [[cos, -sin], [sin, cos]])")
 
     # -- values ---------------------------------------------------------------------------------
     def value(self, arg: Any, min_k: int = 1) -> LaneValue:
@@ -354,6 +448,20 @@ class LaneInterpreter:
         if need > value.k + 1 or as_int(value.shape[pos]) != 2:
             raise Unsupported("lane op on a leading dim")
         return self.promote(value, need)
+
+
+def _reaches(node: fx.Node, names: tuple, limit: int) -> bool:
+    """Whether `node` is computed from an op named in `names`, within `limit` nodes searched back."""
+    seen, stack = {node}, [node]
+    while stack and len(seen) <= limit:
+        n = stack.pop()
+        if _op_name(n) in names:
+            return True
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return False
 
 
 def _node_is_wide(node) -> bool:

@@ -39,6 +39,8 @@ def find_sites(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]],
             accepted[node] = r
         else:
             rejected[node] = r
+    for node, why in interp.unfollowed.items():  # rotation-like values the interpreter could not analyse
+        rejected.setdefault(node, why)
     proved = dict(accepted)  # every accepted value, before the choice of sites: what the proofs cover
     _keep_rotated_tails(accepted)
     last = {node for node in accepted if any(u not in accepted for u in node.users) or not node.users}
