@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from ..ops.backends import Backend, SiteSpec, get_backend
-from ..ops.schema import OP_NAMES, RotaryCall, RotaryParams
+from ..ops.schema import OP_NAMES, TENSOR_NAMES, RotaryCall, RotaryParams
 from .fx_util import CASTS, as_int, chain_back
 from .gathers import gather_of, op_positions
 from .grouping import out_dtype
@@ -339,14 +339,17 @@ def fold_norms(group: tuple, nodes: dict, depends_on: Callable) -> tuple[list | 
     """The norm prologue of every site of a group when all can fold it, else (None, why not or "")."""
     if any(m.tables is not None for m in group) or any(m.x_name not in nodes for m in group):
         return None, ""
-    found = [norm_prologue(nodes[m.x_name], m.head_dim, m.blocks) for m in group]
+    found = [norm_prologue(nodes[m.x_name], m.head_dim, m.blocks, m.x_k) for m in group]
     if all(f is None for f in found):
         return None, ""
     if group[0].x_as_real:
         return None, "x is rotated as complex numbers; the op's norm reads real lanes"
     reasons = [f for f in found if isinstance(f, str)]
-    if reasons:
-        return None, reasons[0]
+    if reasons:  # each tensor's own reason where they differ (q's norm spans other lanes than k's in GQA)
+        if len(set(reasons)) == 1:
+            return None, reasons[0]
+        names = TENSOR_NAMES[len(group)]
+        return None, "; ".join(f"{n}: {f}" for n, f in zip(names, found) if isinstance(f, str))
     if any(f is None for f in found) or len({(f.kind, f.eps) for f in found}) > 1:
         return None, "q and k are normed differently"
     if not all(dies_with(f, m.node, depends_on) for f, m in zip(found, group)):
@@ -367,12 +370,18 @@ def _replay(em: Emitter, x: fx.Node, views, like: fx.Node) -> fx.Node:
 
 
 def _norm_weight(em: Emitter, norm: NormPrologue, m: Match) -> fx.Node | None:
-    """The weight as the op reads it: [D] for a norm per head, [H, D] for one across the heads."""
-    if norm.weight is None or norm.kind == "rms":
-        return norm.weight
-    # heads split out of a flat x are `blocks`; an x already [..., H, D] has them at -2 (norms.norm_prologue)
-    heads = list(m.blocks) if m.blocks else [-1]
-    return em.call(aten.reshape.default, (norm.weight, [*heads, m.head_dim]), like=m.node)
+    """The weight as the op reads it: [D] for a norm per head, [H, D] for one across the heads, its lanes
+    permuted as the layout between the norm and the rotation permutes the normed lanes (norms.norm_prologue)."""
+    w = norm.weight
+    if w is None:
+        return None
+    permuted = norm.weight_perm != tuple(range(len(norm.weight_perm)))
+    if not permuted and norm.kind == "rms":
+        return w
+    if permuted:
+        w = em.call(aten.reshape.default, (w, list(norm.weight_split)), like=m.node)
+        w = em.call(aten.permute.default, (w, list(norm.weight_perm)), like=m.node)
+    return em.call(aten.reshape.default, (w, list(norm.weight_shape)), like=m.node)
 
 
 def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
