@@ -22,7 +22,7 @@ from ..ops.backends import Backend, SiteSpec, get_backend
 from ..ops.schema import OP_NAMES, TENSOR_NAMES, RotaryCall, RotaryParams
 from .fx_util import CASTS, as_int, chain_back
 from .gathers import gather_of, op_positions
-from .grouping import out_dtype
+from .grouping import arithmetic_dtype, out_dtype
 from .matcher import Match, TableRef
 from .norms import NormPrologue, dies_with, norm_prologue
 from .site_costs import site_spec
@@ -403,8 +403,13 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
         if gathered is not None:
             cos, sin, positions = gathered
         params = params_of(m0)
+        computes = _group_arithmetic_dtype(group, nodes, depends_on)
+        wide = m0.wide if computes is None else computes == torch.float64
+        fp64_math = wide and params.out_dtype in (torch.float32, torch.float64)
         if gathered is None:
             angles = angle_source(nodes, m0.cos, m0.sin)
+            if angles is not None and angles.angle.meta["val"].dtype == torch.float64 and not fp64_math:
+                angles = None  # an fp32 op would round fp64 angles first: it reads the tables the graph casts
             if angles is not None:  # one view of the angles serves as both
                 params = params.replace(angle_tables=True)
                 cos = sin = angle_view(em, nodes, angles, m0.cos, m0)
@@ -413,10 +418,16 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
                             for t in (m0.cos, m0.sin))
         if norms is not None:
             params = params.replace(norm=norms[0].kind, norm_eps=norms[0].eps)
-        if m0.wide and params.out_dtype in (torch.float32, torch.float64):
+        if fp64_math:
             dts = {x.meta["val"].dtype for x in xs} | {cos.meta["val"].dtype, sin.meta["val"].dtype}
             if torch.float64 not in dts:  # the subgraph computed in fp64: so does the op
                 xs = [em.call(prims.convert_element_type.default, (x, torch.float64), like=m0.node) for x in xs]
+        elif computes is not None and computes != torch.float64:
+            # fp64 data that the graph computes on in fp32 or narrower: the op takes it as fp32, the cast the
+            # graph makes (one rounding), so that its math is fp32 as well and the result is eager's
+            xs, cos, sin = ([_narrowed(em, t, m0.node) for t in xs], _narrowed(em, cos, m0.node),
+                            _narrowed(em, sin, m0.node) if sin is not cos else None)
+            sin = cos if sin is None else sin
         backend, fallback = choose(site_spec(xs, cos, sin, params, m0, positions))
         call = RotaryCall(xs, cos, sin, params, positions, weights)
         outs = backend.emit(em, call, m0.node)
@@ -429,6 +440,19 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
     norm = f"{params.norm} folded" if norms is not None else (f"left in the graph: {norm_note}" if norm_note else "")
     return PlannedGroup(group, inputs, finals, op_name, backend.name, fallback, cos, sin, anchor, norm,
                         params.angle_tables)
+
+
+def _group_arithmetic_dtype(group: tuple, nodes: dict, depends_on: Callable) -> torch.dtype | None:
+    """The dtype a group's rotations compute in (grouping pairs only sites that agree), None if unknown."""
+    found = {arithmetic_dtype(m, nodes, depends_on) for m in group}
+    return found.pop() if len(found) == 1 else None
+
+
+def _narrowed(em: Emitter, t: fx.Node, like: fx.Node) -> fx.Node:
+    """t cast to fp32 where it is fp64, else t."""
+    if t.meta["val"].dtype != torch.float64:
+        return t
+    return em.call(prims.convert_element_type.default, (t, torch.float32), like=like)
 
 
 def anchor_of(group: tuple, nodes: dict, order: dict) -> fx.Node:

@@ -11,12 +11,14 @@ are views that read, over either x, the very rows the kernel reads (`kernel_and_
 from __future__ import annotations
 
 import contextlib
+import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from .fx_util import as_int, same_dim
+from .fx_util import CASTS, as_int, same_dim
 from .gathers import gather_of
 from .matcher import Acceptor, Match, TableRef
 
@@ -68,6 +70,51 @@ def table_view_geometry(node: fx.Node, t: TableRef, blocks: tuple = ()):
         return key, sizes
     except Exception:  # a view fake tensors cannot build: not provably the same table
         return None
+
+
+aten = torch.ops.aten
+
+# Ops that move, copy or cast numbers without arithmetic: the dtype a rotation computes in is that of the
+# other ops between x and the result (a final `.double()`, a cat into an fp64 buffer, compute nothing).
+_NO_ARITHMETIC = frozenset({
+    *CASTS, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
+    aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+    aten.expand.default, aten.clone.default, aten.contiguous.default, aten.alias.default, aten.slice.Tensor,
+    aten.select.int, aten.cat.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
+    operator.getitem, aten.slice_scatter.default, aten.select_scatter.default, aten.copy.default,
+    aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default, aten.full.default,
+    aten.full_like.default, aten.zeros.default, aten.zeros_like.default, aten.view_as_real.default,
+    aten.view_as_complex.default, aten.resolve_conj.default,
+})
+
+
+def arithmetic_dtype(m: Match, nodes: dict, depends_on: Callable) -> torch.dtype | None:
+    """The widest real dtype the graph computes m's rotation in: over the ops between x and the replaced
+    node that compute (products, sums; not casts, views or copies), complex ones by their real part. None
+    for a site that builds its own tables (a rotary kernel's) or where no such op is found.
+
+    The op computes in fp64 when an input is fp64 (docs/design.md section 2); where the graph reads fp64
+    data but computes in fp32 (`(x.float() * c.float() + ...).double()`), plain compile matches eager
+    exactly and the op must compute in fp32 too, and fp64 angles whose cos and sin the graph casts to
+    fp16 must not reach an fp32 op as angles (`emission.plan_group`)."""
+    if m.tables is not None or m.x_name not in nodes:
+        return None
+    x = nodes[m.x_name]
+    stack, seen, widest = [m.node], set(), None
+    while stack:
+        n = stack.pop()
+        if n in seen or n is x:
+            continue
+        seen.add(n)
+        if n.op != "call_function" or not depends_on(n, x):
+            continue  # tables and what they are computed from: not the rotation's arithmetic
+        val = n.meta.get("val")
+        if n.target not in _NO_ARITHMETIC and isinstance(val, torch.Tensor) and (
+                val.dtype.is_floating_point or val.dtype.is_complex):
+            dt = val.dtype.to_real() if val.dtype.is_complex else val.dtype
+            widest = dt if widest is None else torch.promote_types(widest, dt)
+        stack.extend(n.all_input_nodes)
+    return widest
 
 
 def _lead(m: Match) -> tuple:
@@ -173,6 +220,8 @@ class _Pairing:
     def can_pair(self, a: Match, b: Match) -> bool:
         if b.node is a.node or a.x_name == b.x_name or _options(a) != _options(b):
             return False
+        if arithmetic_dtype(a, self.nodes, self.acc.depends_on) != arithmetic_dtype(b, self.nodes, self.acc.depends_on):
+            return False  # one launch computes in one dtype
         if (a.table_key is None) != (b.table_key is None):  # a kernel site and a native one
             if not self.kernel_and_native(a, b):
                 return False
