@@ -683,7 +683,8 @@ class _Gen:
             mk = [_randn(pfx, [B, "S", H, D], self.xdt) + ".transpose(1, 2)"]
             self.tag("layout:bhsd_transposed_view")
         else:
-            mk = [_randn(pfx, raw_shape, self.xdt)]
+            scale = self.pick([1.0, 0.1]) if self.norm else 1.0  # small activations: eps is visible
+            mk = [_randn(pfx, raw_shape, self.xdt, scale)]
         self.src.param(pfx, mk)
 
     def _tensor(self, pfx: str, tables: dict, heads: int) -> str:
@@ -760,8 +761,8 @@ class _Gen:
         ve = src.fresh("ve")
         if eps_form == "add":
             src.line(f"{ve} = {var} + {eps}")
-        elif eps_form == "alpha":  # torch.add(var, e, alpha=a) adds e * a
-            alpha = self.pick([50.0, 0.5, 10.0])
+        elif eps_form == "alpha":  # torch.add(var, e, alpha=a) adds e * a: sizes where e and e * a differ visibly
+            eps, alpha = self.pick([1e-2, 0.1]), self.pick([50.0, 10.0, 0.1])
             src.line(f"{ve} = torch.add({var}, {eps}, alpha={alpha})")
             self.tag("norm:eps_alpha")
         else:

@@ -61,6 +61,7 @@ class Outcome:
     sites: int = 0
     misses: int = 0
     miss_reasons: list = dataclasses.field(default_factory=list)
+    site_norms: list = dataclasses.field(default_factory=list)  # per site: "rms folded", or why the norm stayed
     errors: list = dataclasses.field(default_factory=list)
     err_pass: list = dataclasses.field(default_factory=list)
     err_eager: list = dataclasses.field(default_factory=list)
@@ -123,11 +124,16 @@ def _compiled(fn, pass_, full: bool, dynamic: bool, counter: list):
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)
 
 
-def _run(fn, args, pass_, full, dynamic, args2=None):
-    """(outputs, outputs at the second size, graphs compiled, exception text)."""
+def _run(fn, args, pass_, full, dynamic, args2=None, one_thread=False):
+    """(outputs, outputs at the second size, graphs compiled, exception text).
+
+    one_thread: generated C++ without OpenMP regions. A bounds assert that fires inside one throws through
+    the parallel region and terminates the process (seen with plain compile on rows gathered out of range);
+    outside one it is a RuntimeError, as a test needs it."""
     counter: list = []
+    threads = torch._inductor.config.patch({"cpp.threads": 1}) if one_thread else contextlib.nullcontext()
     try:
-        with _no_caches():
+        with _no_caches(), threads:
             c = _compiled(fn, pass_, full, dynamic, counter)
             out = as_tuple(c(*args))
             out2 = as_tuple(c(*args2)) if args2 is not None else None
@@ -168,10 +174,12 @@ def run_case(case: Case, full: bool = False) -> Outcome:
     except Exception as e:
         res.eager_raised = _first_line(e)
     p = rope_fusion.RopeFusionPass()
-    out, out2, res.graphs_pass, res.pass_raised = _run(fn, args, p, full, case.dynamic, args2)
+    one_thread = bool(res.eager_raised)  # the inputs make the kernels fail: let them fail as exceptions
+    out, out2, res.graphs_pass, res.pass_raised = _run(fn, args, p, full, case.dynamic, args2, one_thread)
     r = p.report
     res.sites, res.misses = len(r.sites), len(r.misses)
     res.miss_reasons = [str(m.reason) for m in r.misses]
+    res.site_norms = [str(s.norm) for s in r.sites]
     res.errors = [str(e.error) for e in r.errors]
     if res.errors:
         res.problems.append(INTERNAL)
@@ -180,7 +188,7 @@ def run_case(case: Case, full: bool = False) -> Outcome:
     def plain_run():
         nonlocal plain
         if plain is None:
-            plain = _run(fn, args, None, full, case.dynamic, args2)
+            plain = _run(fn, args, None, full, case.dynamic, args2, one_thread)
         return plain
 
     if res.eager_raised:
