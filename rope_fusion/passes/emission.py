@@ -443,8 +443,9 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
 
 
 def _group_arithmetic_dtype(group: tuple, nodes: dict, depends_on: Callable) -> torch.dtype | None:
-    """The dtype a group's rotations compute in (grouping pairs only sites that agree), None if unknown."""
-    found = {arithmetic_dtype(m, nodes, depends_on) for m in group}
+    """The dtype a group's rotations compute in (grouping pairs only sites that agree; a rotary kernel's site has
+    none of its own), None if unknown."""
+    found = {arithmetic_dtype(m, nodes, depends_on) for m in group} - {None}
     return found.pop() if len(found) == 1 else None
 
 

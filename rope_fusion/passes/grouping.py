@@ -220,8 +220,9 @@ class _Pairing:
     def can_pair(self, a: Match, b: Match) -> bool:
         if b.node is a.node or a.x_name == b.x_name or _options(a) != _options(b):
             return False
-        if arithmetic_dtype(a, self.nodes, self.acc.depends_on) != arithmetic_dtype(b, self.nodes, self.acc.depends_on):
-            return False  # one launch computes in one dtype
+        dts = {arithmetic_dtype(m, self.nodes, self.acc.depends_on) for m in (a, b)} - {None}
+        if len(dts) > 1:  # one launch computes in one dtype (a rotary kernel's site has none of its own)
+            return False
         if (a.table_key is None) != (b.table_key is None):  # a kernel site and a native one
             if not self.kernel_and_native(a, b):
                 return False

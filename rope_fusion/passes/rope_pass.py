@@ -28,6 +28,7 @@ import torch.fx as fx
 from ..ops.backends import BACKEND_NAMES, LeftToInductor, SiteSpec, choose_backend
 from . import emission
 from .emission import Emitter, GraphTransaction
+from .fx_util import deferred_guards, guard_deferred_sizes
 from .grouping import pair_up
 from .kernel_rewrite import find_kernel_matches
 from .provenance import dtype_name, role, rotation_source, source_line
@@ -153,7 +154,8 @@ class RopeFusionPass(_PassBase):
         mark = self._mark()
         tx = GraphTransaction(graph)
         try:
-            planned = self._fuse(graph, index)
+            with deferred_guards():  # the analysis reads symbolic sizes without guarding (fx_util)
+                planned = self._fuse(graph, index)
         except Exception as e:  # the failure policy: never break a compile
             try:
                 tx.rollback()
@@ -218,6 +220,7 @@ class RopeFusionPass(_PassBase):
                                "rope_fusion graph %d: a site was left unfused after an internal error: %s: %s",
                                index, type(e).__name__, e)
         emission.commit(planned)
+        guard_deferred_sizes([n for p in planned for n in (*p.finals, *(m.node for m in p.group))])
         emission.finish(graph, planned, order)
         for p in planned:
             self._record(index, p, nodes)
