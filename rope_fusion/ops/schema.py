@@ -228,5 +228,19 @@ def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
             if len(shape) > x.dim():
                 raise ValueError(f"{what} has more dims than {name} {tuple(x.shape)}")
             for a, b in zip(reversed(shape[:-1]), reversed(x.shape[:-1])):
-                if a != 1 and a != b:
+                if not _broadcasts(a, b):
                     raise ValueError(f"{what} does not broadcast against {name} of shape {tuple(x.shape)}")
+
+
+def _broadcasts(a: Any, b: Any) -> bool:
+    """Whether a table dim of size a broadcasts against x's dim of size b; False only where it provably does not.
+    Sizes known only at run time (a token count from `nonzero`) are checked there (`torch._check`), not guarded
+    on: guarding on a data-dependent size fails the trace."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
+
+    if statically_known_true(a == b) or statically_known_true(a == 1):
+        return True
+    if guard_or_false(a != 1) and guard_or_false(a != b):
+        return False
+    torch._check(torch.sym_or(a == 1, a == b), lambda: f"a table dim of size {a} against x's {b}")
+    return True

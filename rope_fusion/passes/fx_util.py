@@ -1,12 +1,22 @@
 """FX node and shape helpers shared by the lane algebra, the matcher and the rewriter.
 
 Sizes in a post-grad graph are ints or SymInts (dynamic shapes); these helpers say when a size is
-concrete, fix a symbolic one at its hint when the caller needs an int (Inductor then guards on it), and
-compare sizes without adding guards.
+concrete, read a symbolic one at its example value when the caller needs an int, and compare sizes without
+adding guards.
+
+Reading a symbolic size as an int is a decision that holds for one value only, and a guard on it makes
+Dynamo recompile for every other value. The pass reads sizes while it analyses every graph, most of which it
+leaves alone (a Conv1d block over a dynamic time axis compiled 8 graphs for 10 sizes when these reads
+guarded). So inside `deferred_guards()` a symbolic size is read at its hint without a guard and remembered;
+the pass guards only the sizes that the sites it fuses depend on (`DeferredGuards.guard_for`), once the
+graph has changed, and a graph it leaves alone gets no guard from it. A data-dependent size (`nonzero`,
+`.item()`) has no hint: it reads as not concrete, and whatever needed it is not provable.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -27,14 +37,103 @@ def meta(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
+class DeferredGuards:
+    """The symbolic sizes read at their hints, without a guard, while a graph is analysed.
+
+    A size read with `specialize` fixes its symbols (`assumed`) for the rest of the analysis, as a guard on it
+    would have done: any size made of assumed symbols then reads as an int too (a table's `s // 2` lanes
+    once x's `s` lanes were read), and every such read is remembered, so that the guard covers it."""
+
+    def __init__(self):
+        self.reads: dict = {}  # the size's expression -> the SymInt read
+        self.assumed: set = set()  # symbols fixed at their hints by a read with `specialize`
+
+    def read(self, size: torch.SymInt) -> int | None:
+        """The example value of a symbolic size, remembered; None for a size without one (data-dependent)."""
+        node = size.node
+        if not node.has_hint():
+            return None
+        expr = node.expr
+        self.reads.setdefault(expr, size)
+        self.assumed |= expr.free_symbols
+        return int(node.hint)
+
+    def value(self, size: torch.SymInt) -> int | None:
+        """The example value of a size made of assumed symbols only (remembered), else None."""
+        node = size.node
+        expr = node.expr
+        if not (self.assumed and expr.free_symbols <= self.assumed) or not node.has_hint():
+            return None
+        self.reads.setdefault(expr, size)
+        return int(node.hint)
+
+    def guard_for(self, roots: Iterable[fx.Node]) -> int:
+        """Guard every size read whose symbols are sizes of `roots` or of anything they are computed from (a
+        fused site's inputs and the subgraph it replaces): the fused graph holds for those values only. Sizes
+        of the rest of the graph stay symbolic. Returns the number of guarded sizes."""
+        symbols = _symbols_upstream(roots)
+        guarded = 0
+        for expr, size in list(self.reads.items()):
+            if expr.free_symbols & symbols:
+                guard_int(size)
+                guarded += 1
+                del self.reads[expr]
+        return guarded
+
+
+_DEFERRED: list = []  # the DeferredGuards of the analysis running now (innermost last)
+
+
+@contextlib.contextmanager
+def deferred_guards() -> Iterator[DeferredGuards]:
+    """Inside, `as_int(size, specialize=True)` reads a symbolic size at its hint without guarding on it."""
+    record = DeferredGuards()
+    _DEFERRED.append(record)
+    try:
+        yield record
+    finally:
+        _DEFERRED.remove(record)
+
+
+def guard_deferred_sizes(roots: Iterable[fx.Node]) -> int:
+    """`DeferredGuards.guard_for(roots)` of the analysis running now (0 outside `deferred_guards()`)."""
+    return _DEFERRED[-1].guard_for(roots) if _DEFERRED else 0
+
+
+def _symbols_upstream(roots: Iterable[fx.Node]) -> set:
+    """The free symbols of the sizes (and SymInt values) of `roots` and every node they are computed from."""
+    symbols: set = set()
+    seen: set = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+        val = node.meta.get("val")
+        for v in val if isinstance(val, (list, tuple)) else (val,):
+            sizes = (*v.shape, *v.stride()) if isinstance(v, torch.Tensor) else (v,)
+            for d in sizes:
+                if isinstance(d, torch.SymInt):
+                    symbols |= d.node.expr.free_symbols
+    return symbols
+
+
 def as_int(size: Any, specialize: bool = False) -> int | None:
-    """`size` as an int when it is concrete, else None. With `specialize`, a symbolic size is fixed at
-    its hint instead (guarding on it): for sizes that index lanes, which the pass needs to enumerate."""
+    """`size` as an int when it is concrete, else None. With `specialize`, a symbolic size is read at its
+    hint instead: for sizes that index lanes, which the pass needs to enumerate. Inside `deferred_guards()`
+    that read installs no guard (the pass guards it if a fused site depends on it); outside, it guards. A
+    data-dependent size has no hint and stays None."""
     if isinstance(size, int):
         return size
     try:
         if is_concrete_int(size):
             return int(size)
+        if not isinstance(size, torch.SymInt):
+            return None
+        if _DEFERRED:
+            return _DEFERRED[-1].read(size) if specialize else _DEFERRED[-1].value(size)
         if specialize:
             return int(guard_int(size))
     except Exception:
@@ -47,9 +146,14 @@ def same_dim(a: Any, b: Any) -> bool:
     if isinstance(a, int) and isinstance(b, int):
         return a == b
     try:
-        return bool(statically_known_true(a == b))
+        if statically_known_true(a == b):
+            return True
     except Exception:
         return False
+    if _DEFERRED:  # sizes fixed by the analysis's own reads compare at their values (and are remembered)
+        va, vb = as_int(a), as_int(b)
+        return va is not None and va == vb
+    return False
 
 
 def concrete_ints(dims, specialize: bool = False) -> list[int]:
