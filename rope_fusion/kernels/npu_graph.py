@@ -54,6 +54,14 @@ def _ops():
         raise NotTaken(f"torch_npu's RoPE ops are not registered (torch.ops.{npu.OP_NAMESPACE}): {e}") from None
 
 
+def op_targets() -> tuple:
+    """The torch_npu ops this module emits, where they are registered (none otherwise)."""
+    try:
+        return _ops()
+    except NotTaken:
+        return ()
+
+
 def _static(shape) -> tuple | None:
     sizes = tuple(as_int(d) for d in shape)
     return None if None in sizes else sizes
@@ -193,4 +201,4 @@ def _padded(c, t: fx.Node, ndim: int) -> fx.Node:
     return t
 
 
-__all__ = ["NotTaken", "emit"]
+__all__ = ["NotTaken", "emit", "op_targets"]

@@ -83,8 +83,16 @@ class FxPass(RopeFusionPass):
         for m in self.report.misses[misses:]:
             if m.reason.startswith(_LEFT + LeftInGraph.PREFIX):
                 m.reason = m.reason[len(_LEFT):]
+        if self.report.graph_records[-1].sites:
+            reshape_views_after(graph, [n for n in graph.nodes if n.target in self._emitted_ops()])
         if isinstance(gm, fx.GraphModule):
             gm.recompile()
+
+    @staticmethod
+    def _emitted_ops() -> set:
+        from ..kernels import npu_graph
+
+        return {*OPS, *npu_graph.op_targets()}
 
     # -- what a site becomes -----------------------------------------------------------------------------
     def _choose(self, spec: SiteSpec):
@@ -126,7 +134,34 @@ class FxPass(RopeFusionPass):
 # The rope_fusion op as such: its eager kernel runs (Triton on CUDA, the NPU bridge, the reference on the CPU).
 _OP = Backend("op", lambda spec: None, lambda em, call, like: emit_op_call(OPS, em, call, like))
 
+def reshape_views_after(graph: fx.Graph, fused: list) -> int:
+    """`view` of a value computed from a fused result becomes `reshape`; returns how many changed.
+
+    The fused op returns contiguous tensors, where the arithmetic it replaced kept the layout of its input (a
+    transposed q stays transposed), and a `view` later in the graph was traced on that layout: run as written
+    it fails where the new layout is not viewable (Llama's `attn_output.transpose(1, 2)...view(...)` after
+    attention on a rotated q). Inductor turns every view into a reshape before its post-grad passes (and so does
+    TorchAir); a graph that runs op by op needs it downstream of the fused nodes only. A reshape is the view
+    where the layout allows one, else one copy; values there are new tensors, never aliases of the graph's
+    inputs, so no aliasing the graph's caller sees changes."""
+    import torch
+
+    views = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+    seen, stack, changed = set(), list(fused), 0
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            stack.append(u)
+            if u.op == "call_function" and u.target in views:
+                u.target = torch.ops.aten.reshape.default
+                changed += 1
+    return changed
+
+
 fx_pass = FxPass()
 """The shared instance: `rope_fusion.fx_pass(gm, example_inputs, config)`; `rope_fusion.fx_pass.report`."""
 
-__all__ = ["FxPass", "LeftInGraph", "NPU_DEVICE_TYPES", "fx_pass", "ge_mode"]
+__all__ = ["FxPass", "LeftInGraph", "NPU_DEVICE_TYPES", "fx_pass", "ge_mode", "reshape_views_after"]
