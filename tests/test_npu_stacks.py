@@ -18,6 +18,7 @@ unfused with the reason. Results meet the numerics contract.
 
 from __future__ import annotations
 
+import copy
 import types
 
 import pytest
@@ -289,3 +290,32 @@ def test_fx_pass_signature_is_the_custom_pass_one():
     (before, after), = got
     assert "npu_apply_rotary_pos_emb" not in before and "npu_apply_rotary_pos_emb" in after
     assert [kk.backend for kk in rope_fusion.fx_pass.report.kernels[n:]] == ["npu"]
+
+
+def test_vllm_ascend_graph_fusion_pass_manager():
+    """vllm-ascend without npugraph_ex: `fusion_pass_compile` runs AOTAutograd (no decompositions) with a forward
+    compiler that calls its GraphFusionPassManager on the GraphModule; vLLM adds our pass to that manager from
+    `inductor_compile_config["graph_fusion_manager"]`, and the manager's `add` takes only a VllmInductorPass.
+    vllm-ascend is not pip-installable without CANN (its build needs it); this runs where its source tree is on
+    the path (its GraphFusionPassManager imports without torch_npu)."""
+    gfpm = pytest.importorskip("vllm_ascend.compilation.graph_fusion_pass_manager")
+    from torch._dynamo.backends.common import aot_autograd
+    from vllm.compilation.passes.inductor_pass import pass_context
+    from vllm.config.utils import Range
+
+    from rope_fusion.integrations.vllm_ascend import vllm_ascend_pass
+
+    p = vllm_ascend_pass()
+    manager = gfpm.GraphFusionPassManager()
+    manager.add(p)
+    assert copy.deepcopy(p).report.kernels == [] and type(copy.deepcopy(p)) is type(p)
+    torch.manual_seed(0)
+    q, k = torch.randn(6, 4, 128), torch.randn(6, 1, 128)
+    cos, sin = _tables((6, 1, 64), full=False)
+    torch._dynamo.reset()
+    with pass_context(Range(start=1, end=8)):
+        out = torch.compile(_neox_half_tables, backend=aot_autograd(fw_compiler=lambda gm, ex: manager(gm)))(
+            q, k, cos, sin)
+    assert [kk.backend for kk in p.report.kernels] == ["npu"], p.report.table()
+    assert CALLS == [("apply", (6, 4, 128), (6, 1, 128), "TND")]
+    check_numerics(_neox_half_tables, (q, k, cos, sin), out)
