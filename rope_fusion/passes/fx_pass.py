@@ -21,9 +21,11 @@ What a site becomes, since no Inductor lowers or costs it here:
 
 `rope_fusion.fx_pass` is one shared instance whose `report` fills with every graph it rewrites; `FxPass(...)`
 makes another with its own report. As with the Inductor pass, a copy or an unpickled pass keeps the options and
-starts with an empty report. The pre-pass slot is the one to use in npugraph_ex and TorchAir: it runs before
-their own pattern passes, which include a RoPE pattern of their own (one spelling, one tensor, 'half' only) that
-would otherwise take q and k as two calls.
+starts with an empty report. In npugraph_ex and TorchAir the pre-pass slot runs before their own FX passes
+(no-op removal, their pattern-fusion replacements, view-to-reshape); the post-pass slot after them, on views
+already turned into reshapes. npugraph_ex also registers a RoPE replacement of its own among Inductor's joint-graph
+patterns (`q * cos + rotate_half(q) * sin` with full tables, one tensor, to `npu_rotary_mul`), which runs before
+either slot: a site it took reaches this pass as an `npu_rotary_mul` node, which it leaves as it is.
 """
 
 from __future__ import annotations
