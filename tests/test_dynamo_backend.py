@@ -151,3 +151,27 @@ def test_backend_checks_its_arguments():
         rope_fusion.backend("eager", pass_=rope_fusion.RopeFusionPass())
     with pytest.raises(TypeError, match="RopeFusionPass"):
         rope_fusion.backend("inductor", pass_=rope_fusion.FxPass())
+
+
+def _aot_nop():
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    return aot_autograd(fw_compiler=boxed_nop)
+
+
+@pytest.mark.parametrize("inner,options", [
+    ("cudagraphs", {}),  # on the CPU torch's cudagraphs backend skips the graphs and runs them: the wiring
+    ("aot_eager", {"decompositions": "core_aten"}),
+    (_aot_nop, {}),  # an aot_autograd(...) object: its compilers, fx_pass in front
+], ids=["cudagraphs", "core-aten", "aot-autograd-object"])
+def test_other_inners_fuse_forward_and_backward(inner, options):
+    q, k, cos, sin = _qk_inputs()
+    be = rope_fusion.backend(inner() if callable(inner) else inner, **options)
+    torch._dynamo.reset()
+    oq, ok = torch.compile(_qk, backend=be, fullgraph=True)(q, k, cos, sin)
+    (oq.pow(2).sum() + ok.pow(2).sum()).backward()
+    r = be.report
+    assert not r.errors and [s.graph_kind for s in r.sites] == ["forward"] * 2 + ["backward"] * 2, r.table()
+    check_numerics(_qk, (q.detach(), k.detach(), cos, sin), (oq.detach(), ok.detach()))
+    torch.testing.assert_close(q.grad, 2 * q.detach(), rtol=1e-5, atol=1e-5)
