@@ -35,6 +35,7 @@ This path is verified against the documented semantics of the torch_npu ops, not
 from __future__ import annotations
 
 import collections
+import logging
 
 import torch
 
@@ -42,6 +43,8 @@ from ..ops.backends import Backend, SiteSpec, emit_op_call, register_backend
 from ..ops.library import define_rotary_ops
 from ..ops.reference import gather_rows, rms_norm, rotary_reference
 from ..ops.schema import RotaryCall
+
+log = logging.getLogger("rope_fusion")
 
 OP_NAMESPACE = "npu"
 """Where `npu_rotary_mul` / `npu_apply_rotary_pos_emb` are looked up (torch.ops.<namespace>.<op>)."""
@@ -183,6 +186,8 @@ def _impl(call: RotaryCall) -> list | None:
     head is split off and put back (the NPU ops rotate from lane 0)."""
     xs, cos, sin, params = call.xs, call.cos, call.sin, call.params
     if params.deinterleave or params.rotary_blocks > 1:  # pairs the NPU ops do not know: the reference serves
+        _fallback("a de-interleaved (NeoX-ordered) result of interleaved pairs" if params.deinterleave else
+                  "NeoX pairs within rotary_blocks", "no torch_npu RoPE op has this pairing")
         return None
     if call.positions is not None:  # checked: a position outside [0, rows) raises, as the other backends do
         cos, sin = gather_rows(cos, call.positions), gather_rows(sin, call.positions)
@@ -213,8 +218,23 @@ def _rotated(call: RotaryCall) -> list:
     outs = [rotary_via_rotary_mul(x, cos, sin, **kw) for x in xs]
     if any(o is None for o in outs):
         stats["reference"] += sum(o is None for o in outs)
+        x = next(x for o, x in zip(outs, xs) if o is None)
+        _fallback("this layout or dtype", f"x {tuple(x.shape)} {x.dtype}, tables {tuple(cos.shape)} {cos.dtype}: "
+                  "npu_rotary_mul documents 4-D x, fp16/bf16/fp32, D even < 896, B and N < 1000 and its table "
+                  "broadcasts")
         outs = [o if o is not None else rotary_reference(x, cos, sin, **kw).contiguous() for o, x in zip(outs, xs)]
     return outs
+
+
+_LOGGED: set = set()
+
+
+def _fallback(what: str, why: str) -> None:
+    """One log line per kind of case that torch_npu's ops cannot take (the reference runs it, correct, unfused)."""
+    if what not in _LOGGED:
+        _LOGGED.add(what)
+        log.warning("rope_fusion: torch_npu's RoPE ops cannot take %s (%s); the reference runs it (logged once)",
+                    what, why)
 
 
 NPU_OPS = define_rotary_ops("_npu", _impl)  # by arity - 1

@@ -40,12 +40,16 @@ try:
 except ImportError as e:  # an optional backend: the registry tolerates this
     raise ImportError(f"rope_fusion.kernels.triton_rotary needs triton: {e}") from e
 
+import logging
+
 from torch.library import wrap_triton
 
 from ..ops.backends import Backend, SiteSpec, emit_op_call, register_backend
 from ..ops.library import define_rotary_ops, register_device_kernel
 from ..ops.reference import gather_rows
 from ..ops.schema import RotaryCall, RotaryParams, math_dtype
+
+log = logging.getLogger("rope_fusion")
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 1024  # beyond this one row no longer fits a program's registers comfortably
@@ -682,7 +686,7 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
     xs = [_prepare(x) for x in xs]
     weights = [w if w is None or _is_true(w.stride(-1) == 1) else w.contiguous() for w in weights]
     outs = [torch.empty(x.shape, dtype=params.out_dtype, device=x.device) for x in xs]
-    fn = wrap_triton(_rotary_kernel) if kernel is None else kernel
+    fn = kernel if kernel is not None else wrap_triton(_rotary_kernel) if _tracing(xs) else _rotary_kernel
     opts = (params, tuple(tiles.items()))
     tables = _Tables(cos, sin, positions, weights)
     try:
@@ -724,6 +728,116 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
         w = weights[i] if weights[i] is not None else c
         fn[grid](x, x, x, outs[i], outs[i], outs[i], c, s, c, w, w, w, *scalars, **meta)
     return outs
+
+
+def _tracing(xs: Sequence[torch.Tensor]) -> bool:
+    """Whether a launch is being traced (torch.compile, make_fx, fake or functional tensors): then the kernel goes
+    through `wrap_triton`, the higher-order op a tracer records. Eagerly the kernel's own launcher runs: the HOP,
+    its pytree flattening and its dispatch cost about 1 ms of host time per q/k call on the H200's host."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return True
+    return any(type(x) is not torch.Tensor or torch._is_functional_tensor(x) for x in xs)
+
+
+class _DirectLaunches:
+    """The launches of one call geometry, planned once (`plan_eager`): each later call allocates its outputs and
+    launches. The first launch of an entry goes through the kernel's JIT launcher (`_rotary_kernel[grid]`), which
+    returns the compiled kernel; later ones call that compiled kernel's launcher with the same arguments in the
+    kernel's parameter order, as the JIT launcher does after binding them, skipping the binding and
+    specialization of 80 arguments (the call geometry, the key of this plan, fixes every value and pointer
+    alignment Triton specializes on). Its first use is checked once against the JIT launcher's result, outside
+    CUDA graph capture; a mismatch or a launcher API this code does not know keeps the JIT launcher."""
+
+    def __init__(self, launches: list, out_dtype: torch.dtype) -> None:
+        # the kernel takes three sides (q, k, v); absent sides repeat the last, as in `launch`
+        self.entries = [[[group[min(i, len(group) - 1)] for i in range(3)], grid, scalars, meta, None, False]
+                        for group, grid, scalars, meta in launches]
+        self.out_dtype = out_dtype
+
+    def __call__(self, xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any,
+                 weights: Any) -> list:
+        outs = [torch.empty(x.shape, dtype=self.out_dtype, device=x.device) for x in xs]
+        pos = positions if positions is not None else cos  # unused pointers stand in for absent tensors
+        weights = weights or [None] * len(xs)
+        for entry in self.entries:
+            sides, grid, scalars, meta, runner, checked = entry  # runner: None untried, False unavailable
+            ws = [weights[i] if weights[i] is not None else cos for i in sides]
+            args = (*(xs[i] for i in sides), *(outs[i] for i in sides), cos, sin, pos, *ws, *scalars)
+            if checked:
+                runner(*args)
+            elif runner and not _capturing():
+                runner = self._checked(runner, args, sides, outs, grid, meta)
+                entry[4:] = (runner, True) if runner else (False, False)
+            else:
+                compiled = _rotary_kernel[grid](*args, **meta)
+                if runner is None:
+                    entry[4] = _compiled_runner(compiled, grid, meta, len(args)) or False
+        return outs
+
+    @staticmethod
+    def _checked(runner: Any, args: tuple, sides: list, outs: list, grid: tuple, meta: dict) -> Any:
+        """The compiled launcher where it writes what the JIT launcher writes, else None (one log line)."""
+        mine = {i: torch.empty_like(outs[i]) for i in sides}
+        jit_args = (*args[:3], *(mine[i] for i in sides), *args[6:])
+        try:
+            runner(*args)
+        except Exception as e:  # a launcher API of another Triton version: the JIT launcher stays
+            log.info("rope_fusion: Triton's compiled-kernel launcher failed (%s); the JIT launcher stays", e)
+            _rotary_kernel[grid](*args, **meta)
+            return None
+        _rotary_kernel[grid](*jit_args, **meta)
+        if all(torch.equal(outs[i].view(torch.uint8), m.view(torch.uint8)) for i, m in mine.items()):  # NaN too
+            return runner
+        log.warning("rope_fusion: Triton's compiled-kernel launcher wrote other values than its JIT launcher; the "
+                    "JIT launcher stays")
+        for i, m in mine.items():
+            outs[i].copy_(m)
+        return None
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _compiled_runner(compiled: Any, grid: tuple, meta: dict, n_args: int) -> Any:
+    """`compiled[grid]` with the constexpr arguments appended in the kernel's parameter order, or None where the
+    JIT launch returned no compiled kernel (the interpreter) or the parameters are not the ones expected."""
+    from triton.compiler import CompiledKernel
+
+    names = getattr(_rotary_kernel, "arg_names", None)
+    if not isinstance(compiled, CompiledKernel) or names is None:
+        return None
+    tail = names[n_args:]
+    if not all(n in meta for n in tail) or len(tail) + 1 != len(meta):  # meta also holds num_warps
+        return None
+    constants = tuple(meta[n] for n in tail)
+    launcher = compiled[grid]
+
+    def run(*args: Any) -> None:
+        launcher(*args, *constants)
+    return run
+
+
+def plan_eager(call: RotaryCall) -> Any:
+    """The direct path of the public functions on CUDA (`library.register_device_kernel`'s planner): the launches
+    of this call's geometry, planned once and reused by every call of that geometry. Geometries whose launch
+    copies first (lanes with a stride, a norm applied before the rotation, dims that do not merge) call `launch`
+    each time instead; other devices than CUDA: None (the reference), except under the interpreter."""
+    xs, cos, sin, params = call.xs, call.cos, call.sin, call.params
+    if any(t.device.type != "cuda" for t in (*xs, cos, sin)) and not _INTERPRETED:
+        return None
+    weights = call.norm_weights or [None] * len(xs)
+    plain = (all(not (x.shape[-1] > 1 and x.stride(-1) != 1) for x in xs)
+             and all(w is None or (_per_lane(w, x) and w.stride(-1) == 1) for w, x in zip(weights, xs)))
+    if plain:
+        outs = [torch.empty(x.shape, dtype=params.out_dtype, device=x.device) for x in xs]
+        launches = _make_launches(xs, outs, _Tables(cos, sin, call.positions, weights), params)
+        if isinstance(launches, list):
+            return _DirectLaunches(launches, params.out_dtype)
+
+    def run(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any, weights: Any) -> list:
+        return launch(list(xs), cos, sin, params, positions, weights)
+    return run
 
 
 def _per_lane(w: torch.Tensor, x: torch.Tensor) -> bool:
@@ -954,6 +1068,6 @@ def _emit(emitter: Any, call: RotaryCall, like: Any) -> list | None:
 
 
 register_backend(Backend("triton", supports, _emit))
-register_device_kernel("cuda", _impl)
+register_device_kernel("cuda", _impl, plan_eager)
 
-__all__ = ["ROTARY_TRITON", "ROTARY_QK_TRITON", "ROTARY_QKV_TRITON", "TRITON_OPS", "launch", "supports"]
+__all__ = ["ROTARY_TRITON", "ROTARY_QK_TRITON", "ROTARY_QKV_TRITON", "TRITON_OPS", "launch", "plan_eager", "supports"]

@@ -4,6 +4,12 @@ from . import (
     backends,  # noqa: F401
     lowering,  # noqa: F401  (registers the Inductor lowering)
 )
-from .library import apply_rotary, apply_rotary_qk, define_rotary_ops, register_device_kernel  # noqa: F401
+from .library import (  # noqa: F401
+    apply_rotary,
+    apply_rotary_qk,
+    apply_rotary_qkv,
+    define_rotary_ops,
+    register_device_kernel,
+)
 from .reference import rotary_reference  # noqa: F401
 from .schema import RotaryParams, check_args, math_dtype  # noqa: F401

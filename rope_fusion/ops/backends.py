@@ -3,14 +3,14 @@
 A backend is complete in its `Backend` record: which sites it takes (`supports`, with the reason when
 not) and how a site becomes graph nodes (`emit`). The Inductor backend lives here; the optional ones
 (kernels/triton_rotary.py, kernels/npu.py) register themselves when their module is imported, which
-`load_backends()` does lazily because Triton and torch_npu are optional extras. Backend names come from this
-module only: `BACKEND_NAMES` is what the pass, the CLI and the docs accept.
+`load_backends()` (ops/optional_backends.py, re-exported here) does lazily because Triton and torch_npu are
+optional extras. Backend names come from this module only: `BACKEND_NAMES` is what the pass, the CLI and the
+docs accept.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -19,10 +19,9 @@ import torch
 
 from .cost_model import SiteCost, cheapest
 from .library import OPS
+from .optional_backends import OPTIONAL_BACKENDS, load_backends
 from .schema import RotaryCall, RotaryParams
 
-# Optional backends: name -> module that registers it (imported on first use).
-OPTIONAL_BACKENDS = {"triton": "rope_fusion.kernels.triton_rotary", "npu": "rope_fusion.kernels.npu"}
 BACKEND_NAMES = ("auto", "inductor", *OPTIONAL_BACKENDS)
 
 # For `auto`, per device type: the backends to try, best first (the order comes from BENCHMARKS.md).
@@ -98,22 +97,6 @@ def emit_op_call(ops: tuple, emitter: Any, call: RotaryCall, like: Any) -> list:
     if n == 1:
         return [node]
     return [emitter.call(operator.getitem, (node, i), like=like) for i in range(n)]
-
-
-_loaded = False
-
-
-def load_backends() -> None:
-    """Import the optional backend modules once; a missing toolkit (ImportError) leaves that backend out."""
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    for module in OPTIONAL_BACKENDS.values():
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            pass
 
 
 def get_backend(name: str) -> Backend | None:

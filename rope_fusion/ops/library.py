@@ -12,13 +12,21 @@ Every signature comes from `schema.RotaryParams` and `schema.optional_tensor_nam
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import logging
+import re
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from .optional_backends import load_backends
 from .reference import partner_lanes, rotary_reference, table_grads
-from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, RotaryParams, check_call, op_schema
+from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, RotaryParams, check_call, op_schema, optional_tensor_names
+
+log = logging.getLogger("rope_fusion")
 
 LIBRARY = torch.library.Library("rope_fusion", "FRAGMENT")
 
@@ -129,74 +137,293 @@ OPS = define_rotary_ops()  # by arity - 1
 ROTARY, ROTARY_QK, ROTARY_QKV = OPS
 
 
-def register_device_kernel(device_type: str, impl: Impl) -> None:
-    """Serve eager calls of every arity's op on one device type with `impl` (None from it: reference)."""
+# ---------------------------------------------------------------------------------------------------------
+# Device implementations of eager calls.
+
+# plan(call) -> run(xs, cos, sin, positions, norm_weights) -> outputs: the work of one call geometry done once
+# (a Triton launch's grid and arguments), reused by every later call of that geometry; None: use `impl` per call.
+Runner = Callable[[Sequence[torch.Tensor], torch.Tensor, torch.Tensor, Any, Any], list]
+Planner = Callable[[RotaryCall], "Runner | None"]
+
+
+class DeviceKernel:
+    """What serves eager calls on one device type: `impl` behind the op's dispatcher key for that device, and
+    `plan` (optional) for the public functions' direct path."""
+
+    def __init__(self, impl: Impl, plan: Planner | None = None) -> None:
+        self.impl, self.plan = impl, plan
+
+
+DEVICE_KERNELS: dict[str, DeviceKernel] = {}
+"""Device type -> its kernel; a device without one (the CPU) runs the reference."""
+
+
+def register_device_kernel(device_type: str, impl: Impl, plan: Planner | None = None) -> None:
+    """Serve eager calls of every arity's op on one device type with `impl` (None from it: reference), and the
+    public functions' direct calls on that device with `plan` (or `impl` per call)."""
     for arity, op in enumerate(OPS, start=1):
         torch.library.register_kernel(op._schema.name, device_type, _eager(impl, arity), lib=LIBRARY)
+    DEVICE_KERNELS[device_type] = DeviceKernel(impl, plan)
+    _EAGER_PLANS.clear()
 
 
-_TENSOR_OPTIONS = ("positions", "norm_weight")
+def _per_call(impl: Impl | None, params: RotaryParams) -> Runner:
+    def run(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any, weights: Any) -> list:
+        call = RotaryCall(list(xs), cos, sin, params, positions, weights)
+        outs = impl(call) if impl is not None else None
+        return outs if outs is not None else reference_outputs(call)
+    return run
 
 
-def _call(xs: list, cos: torch.Tensor, sin: torch.Tensor, options: dict) -> Any:
-    from .backends import load_backends
+_NO_KERNEL_LOGGED: set = set()
 
-    options = {k: v for k, v in options.items()}
-    positions = options.pop("positions", None)
-    weights = options.pop("norm_weight", None)
+
+def device_runner(call: RotaryCall) -> Runner:
+    """How a validated call geometry runs eagerly on its device: the device's planned launch, its kernel per call,
+    or the reference (the CPU; a GPU whose kernel module did not import says so once)."""
+    device = call.xs[0].device.type
+    kernel = DEVICE_KERNELS.get(device)
+    if kernel is None:
+        if device != "cpu" and device not in _NO_KERNEL_LOGGED:
+            _NO_KERNEL_LOGGED.add(device)
+            from .optional_backends import OPTIONAL_BACKENDS
+
+            log.info("rope_fusion: no kernel serves %s tensors (optional backends %s did not register one); eager "
+                     "calls run the reference", device, sorted(OPTIONAL_BACKENDS))
+        return _per_call(None, call.params)
+    run = kernel.plan(call) if kernel.plan is not None else None
+    return run if run is not None else _per_call(kernel.impl, call.params)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The public functions: `apply_rotary`, `apply_rotary_qk`, `apply_rotary_qkv`.
+
+# Public defaults of the options the schema requires: derived from x where None (rotary_dim: the head dim
+# after rotary_offset; out_dtype: x's dtype). A new required field of RotaryParams without an entry here fails
+# at import, so the public functions cannot silently lack it.
+PUBLIC_DEFAULTS: dict[str, Any] = {"interleaved": False, "rotary_dim": None, "full_tables": False,
+                                   "conjugate": False, "out_dtype": None}
+_DERIVED = ("rotary_dim", "out_dtype")  # None: derived from x
+
+
+def tensor_keywords(arity: int) -> tuple[str, ...]:
+    """The public functions' tensor keywords: positions, `norm_weight` (one weight for every rotated tensor,
+    or one per tensor) and, for q/k(/v), each tensor's own `<name>_norm_weight` (the op schema's names)."""
+    names = optional_tensor_names(arity)
+    return (names[0], "norm_weight", *(names[1:] if arity > 1 else ()))
+
+
+def option_parameters(arity: int, params_type: type = RotaryParams) -> list[inspect.Parameter]:
+    """The keyword-only parameters of the public function of an arity, every field of `params_type` (the
+    schema) with its type and default, after the tensor keywords."""
+    hints = typing.get_type_hints(params_type)
+    out = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=torch.Tensor | None)
+           for n in tensor_keywords(arity)]
+    out[1] = out[1].replace(annotation=torch.Tensor | Sequence[torch.Tensor | None] | None)
+    for f in dataclasses.fields(params_type):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.name in PUBLIC_DEFAULTS:
+            default = PUBLIC_DEFAULTS[f.name]
+        else:
+            raise TypeError(f"{params_type.__name__}.{f.name} has no default: give it a public default in "
+                            "ops/library.PUBLIC_DEFAULTS (or one in the schema)")
+        hint = hints[f.name] | None if default is None else hints[f.name]
+        out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=hint))
+    return out
+
+
+def field_docs(params_type: type = RotaryParams) -> dict[str, str]:
+    """Each field's description from the schema's docstring (`name: text`, continued on indented lines)."""
+    docs: dict[str, str] = {}
+    current = None
+    for line in inspect.getdoc(params_type).splitlines():
+        m = re.match(r"(\w+): (.*)", line)
+        if m and m.group(1) in params_type.__dataclass_fields__:
+            current = m.group(1)
+            docs[current] = m.group(2)
+        elif current and line.startswith(" ") and line.strip():
+            docs[current] += " " + line.strip()
+        else:
+            current = None
+    return docs
+
+
+_TENSOR_DOCS = {
+    "positions": "int32/int64 positions: cos and sin are [max_positions, width] caches and the tables are their "
+                 "rows cos[positions], which broadcast against x like plain tables ([T, 1] for x [T, H, D]).",
+    "norm_weight": "the norm's weight (broadcast against the lanes), for every rotated tensor; or a sequence "
+                   "of one per tensor.",
+}
+
+
+def _signature_doc(arity: int, summary: str) -> str:
+    docs = field_docs()
+    lines = [summary, "", "Keyword options (every field of ops/schema.RotaryParams, docs/api.md has examples):"]
+    for p in option_parameters(arity):
+        if p.name in _TENSOR_DOCS:
+            text = _TENSOR_DOCS[p.name]
+        elif p.name.endswith("_norm_weight"):
+            text = f"the norm's weight for {p.name[:-len('_norm_weight')]} only."
+        else:
+            text = docs.get(p.name, "")
+            if p.name in _DERIVED:
+                text += " Default: " + ("the head dim after rotary_offset." if p.name == "rotary_dim" else
+                                        "x's dtype (q and k of two dtypes need it).")
+        lines.append(f"    {p.name}={p.default!r}: {text}")
+    lines += ["", "Raises ValueError naming the argument for bad shapes, dtypes or devices, TypeError for an unknown "
+              "option. Differentiable (the gradient of a rotation is the inverse rotation)."]
+    return "\n".join(lines)
+
+
+class _Eager:
+    """One validated call geometry: its params and how its device runs it (the plan's runner)."""
+
+    __slots__ = ("params", "run", "kwargs")
+
+    def __init__(self, params: RotaryParams, run: Runner | None) -> None:
+        self.params, self.run, self.kwargs = params, run, params.kwargs()
+
+
+_EAGER_PLANS: dict = {}  # call key -> _Eager: validation and launch planning once per geometry
+_MAX_PLANS = 4096
+
+
+def _resolve(xs: Sequence[torch.Tensor], options: dict) -> RotaryParams:
+    """The call's RotaryParams from the public options (None: the derived defaults)."""
     fields = RotaryParams.__dataclass_fields__
-    unknown = set(options) - set(fields)
-    if unknown:
-        raise TypeError(f"unknown option(s) {sorted(unknown)}; expected {[*fields, *_TENSOR_OPTIONS]}")
     names = TENSOR_NAMES[len(xs)]
     for name, x in zip(names, xs):
         if not isinstance(x, torch.Tensor) or x.dim() < 1:
             raise ValueError(f"{name} must be a tensor with at least one dimension (the head dim)")
     if options.get("out_dtype") is None and len({x.dtype for x in xs}) > 1:
-        raise ValueError(f"q is {xs[0].dtype} and k is {xs[1].dtype}: pass out_dtype=, both are written in it")
-    defaults = dict(interleaved=False, full_tables=False, conjugate=False)
-    chosen = {k: v for k, v in options.items() if v is not None}
+        raise ValueError(f"q is {xs[0].dtype} and {names[1]} is {xs[1].dtype}: pass out_dtype=, all are written "
+                         "in it")
+    chosen = {k: v for k, v in options.items() if v is not None and k in fields}
+    defaults = {k: v for k, v in PUBLIC_DEFAULTS.items() if k not in _DERIVED}
     rotary_dim = options.get("rotary_dim") or xs[0].shape[-1] - (options.get("rotary_offset") or 0)
-    params = RotaryParams(**{**defaults, **chosen, "rotary_dim": rotary_dim,
-                             "out_dtype": options.get("out_dtype") or xs[0].dtype})
-    if weights is not None and not isinstance(weights, (list, tuple)):
-        weights = [weights] * len(xs)
-    call = RotaryCall(list(xs), cos, sin, params, positions, list(weights) if weights is not None else None)
+    return RotaryParams(**{**defaults, **chosen, "rotary_dim": rotary_dim,
+                           "out_dtype": options.get("out_dtype") or xs[0].dtype})
+
+
+def _weights(arity: int, shared: Any, own: list) -> list | None:
+    if shared is not None:
+        if any(w is not None for w in own):
+            raise TypeError("pass norm_weight or the per-tensor <name>_norm_weight keywords, not both")
+        if isinstance(shared, (list, tuple)):
+            if len(shared) != arity:
+                raise ValueError(f"norm_weight holds {len(shared)} weights for {arity} tensors")
+            return list(shared)
+        return [shared] * arity
+    return own if any(w is not None for w in own) else None
+
+
+def _is_plain(t: Any) -> bool:
+    return t is None or (type(t) is torch.Tensor and not torch._is_functional_tensor(t))
+
+
+def _needs_grad(tensors: Sequence[Any]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _direct(tensors: Sequence[Any]) -> bool:
+    """Whether an eager call of plain tensors may skip the op's dispatcher: no autograd to record, no dispatch mode
+    (fake tensors, FX proxies, functionalization) or functorch transform to see the op."""
+    return (not _needs_grad(tensors) and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._are_functorch_transforms_active())
+
+
+def _geometry(t: Any) -> Any:
+    # the data pointer's 16-byte alignment: Triton specializes a launch on it
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+def _apply(xs: tuple, cos: torch.Tensor, sin: torch.Tensor, options: dict) -> Any:
+    """Every public function's body. Eagerly, a call goes straight to its device's kernel through a plan cached by
+    the call's geometry and options (validated once per geometry); with autograd to record, under tracing
+    (torch.compile, FX, fake tensors) or a dispatch mode, it calls the op, so the mode, the tracer and autograd
+    see `rope_fusion::rotary*`."""
+    arity = len(xs)
+    keywords = _KEYWORDS[arity]
+    if not keywords.issuperset(options):
+        unknown = sorted(set(options) - keywords)
+        raise TypeError(f"unknown option(s) {unknown}; expected {sorted(keywords)}")
+    positions = options.pop("positions", None)
+    own = [options.pop(f"{n}_norm_weight", None) for n in TENSOR_NAMES[arity]] if arity > 1 else [None]
+    weights = _weights(arity, options.pop("norm_weight", None), own)
+    tensors = (*xs, cos, sin, positions, *(weights or ()))
+    if torch.compiler.is_compiling() or not all(_is_plain(t) for t in tensors):  # traced, fake, a subclass
+        return _via_op(xs, cos, sin, positions, weights, _resolve(xs, options))
+    try:
+        key = (arity, tuple(sorted(options.items())), weights is None, tuple(_geometry(t) for t in tensors))
+        plan = _EAGER_PLANS.get(key)
+    except (TypeError, RuntimeError):  # an unhashable option, a tensor without storage: nothing to cache
+        key, plan = None, None
+    direct = _direct(tensors)
+    if plan is None:
+        params = _resolve(xs, options)
+        call = RotaryCall(list(xs), cos, sin, params, positions, weights)
+        check_call(call)
+        if not direct:  # the op runs (and checks) this call; plan the direct path when one comes
+            return _via_op(xs, cos, sin, positions, weights, params)
+        load_backends()  # device kernels (Triton on CUDA) register on import
+        plan = _Eager(params, device_runner(call))
+        if key is not None:
+            if len(_EAGER_PLANS) >= _MAX_PLANS:
+                _EAGER_PLANS.clear()
+            _EAGER_PLANS[key] = plan
+    if direct:
+        outs = plan.run(xs, cos, sin, positions, weights)
+        return outs[0] if arity == 1 else tuple(outs)
+    return _via_op(xs, cos, sin, positions, weights, plan.params)
+
+
+def _via_op(xs: tuple, cos: torch.Tensor, sin: torch.Tensor, positions: Any, weights: Any,
+            params: RotaryParams) -> Any:
+    call = RotaryCall(list(xs), cos, sin, params, positions, weights)
     check_call(call)
     load_backends()  # device kernels (Triton on CUDA) register on import
     return OPS[len(xs) - 1](*call.tensors(), **params.kwargs())
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False,
-                 rotary_dim: int | None = None, full_tables: bool = False, conjugate: bool = False,
-                 out_dtype: torch.dtype | None = None, positions: torch.Tensor | None = None,
-                 norm: str = "none", norm_eps: float = 1e-6,
-                 norm_weight: torch.Tensor | None = None, rotary_blocks: int = 1,
-                 rotary_offset: int = 0) -> torch.Tensor:
-    """Rotate the last dim of x by the tables; differentiable (the gradient is the inverse rotation).
-
-    Pairs are (2j, 2j+1) when `interleaved`, else NeoX (j, j + R/2), R = `rotary_dim` (default: the whole
-    head dim; lanes >= R pass through). Tables: one entry per pair, width R/2 (the flash-attn / vLLM
-    convention), or with `full_tables` one entry per lane, width R (the Hugging Face convention); they
-    broadcast against x's leading dims and may be strided views. `conjugate` rotates by minus the angle.
-    The math is fp32 (fp64 for fp64 inputs), rounded once to `out_dtype` (default x's dtype). With
-    `positions` (int), cos and sin are [max_positions, width] caches and the tables are their rows
-    `cos[positions]`, which broadcast against x like plain tables (positions [T, 1] for x [T, H, D]). With
-    `norm="rms"` (each head) or `"rms_across_heads"` (all heads of a token), x is first RMS-normalised with
-    `norm_eps` and scaled by `norm_weight` (broadcast against x's lanes), in fp32. Raises ValueError naming the
-    argument for bad shapes, dtypes or devices. `rotary_blocks` > 1 (NeoX only): the rotated lanes are that many
-    equal blocks, each with its own NeoX pairs (a head dim rotated per axis, as in Allegro). `rotary_offset`:
-    the rotated lanes start there, the lanes before them pass through (DeepSeek-V3's rope lanes after the
-    nope lanes of one head)."""
-    return _call([x], cos, sin, dict(interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full_tables,
-                                     conjugate=conjugate, out_dtype=out_dtype, positions=positions, norm=norm,
-                                     norm_eps=norm_eps, norm_weight=norm_weight, rotary_blocks=rotary_blocks,
-                                     rotary_offset=rotary_offset))
+_KEYWORDS = {arity: frozenset(p.name for p in option_parameters(arity)) for arity in TENSOR_NAMES}
 
 
-def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k by shared tables in one call (head counts may differ); options as for `apply_rotary`
-    (`norm_weight` may be a pair: q's and k's). Both results are written in one dtype: when q and k differ in
-    dtype, `out_dtype` must say which."""
-    return _call([q, k], cos, sin, options)
+def _public(arity: int, name: str, summary: str) -> Callable[..., Any]:
+    """The public function of an arity: tensors positionally (or by name), every option from the schema."""
+    names = (*TENSOR_NAMES[arity], "cos", "sin")
+    n = len(names)
+
+    def fn(*args: Any, **options: Any) -> Any:
+        if len(args) != n:
+            if len(args) > n:
+                raise TypeError(f"{name}() takes {n} positional arguments ({', '.join(names)}), got {len(args)}")
+            missing = [m for m in names[len(args):] if m not in options]
+            if missing:
+                raise TypeError(f"{name}() missing argument(s) {missing}")
+            args = (*args, *(options.pop(m) for m in names[len(args):]))
+        return _apply(args[:arity], args[arity], args[arity + 1], options)
+
+    out = "torch.Tensor" if arity == 1 else f"tuple[{', '.join(['torch.Tensor'] * arity)}]"
+    params = [inspect.Parameter(m, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=torch.Tensor) for m in names]
+    fn.__signature__ = inspect.Signature([*params, *option_parameters(arity)], return_annotation=out)
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = _signature_doc(arity, summary)
+    fn.__module__ = __name__
+    return fn
+
+
+apply_rotary = _public(1, "apply_rotary", """Rotate the last dim of x by the tables.
+
+Pairs are (2j, 2j+1) when `interleaved`, else NeoX (j, j + R/2), R = `rotary_dim`. Tables: one entry per pair
+(width R/2, the flash-attn / vLLM convention), or with `full_tables` one entry per lane (width R, the Hugging
+Face convention); they broadcast against x's leading dims and may be strided views. The math is fp32 (fp64 for
+fp64 inputs), rounded once to `out_dtype`. On CUDA the Triton kernel runs (launched directly, its launch planned
+once per call geometry), on the CPU the reference, on Ascend torch_npu's RoPE ops where they fit.""")
+
+apply_rotary_qk = _public(2, "apply_rotary_qk", """Rotate q and k by shared tables in one call (one launch on CUDA;
+head counts may differ). Options as for `apply_rotary`; both results are written in one dtype: when q and k
+differ in dtype, `out_dtype` must say which.""")
+
+apply_rotary_qkv = _public(3, "apply_rotary_qkv", """Rotate q, k and v by shared tables in one call (as CLVP
+rotates v too). Options as for `apply_rotary`; all results are written in one dtype.""")
