@@ -225,8 +225,9 @@ CHAINS = 8
 def test_random_norm_then_layout_chains_never_change_the_numbers():
     """Chains of transposes, splits, merges and permutes after a norm, all in one compiled function (one compile
     for speed): every rotation fuses, every norm folds or stays with a reason, and no result leaves the
-    contract."""
-    rng = random.Random(1)
+    contract. Seeds 0-11 of this generator (96 chains) gave 41 folds, 3 of them across heads, and 55 norms left,
+    none wrong; seed 7 has 4 folds (one across heads) and 4 norms left."""
+    rng = random.Random(7)
     chains = [_chain(rng) for _ in range(CHAINS)]
     g = _gen()
     args = []

@@ -149,7 +149,7 @@ def _eps_note(r: fx.Node) -> str:
     add = _strip(r.args[0]) if r.args else None
     if not (isinstance(add, fx.Node) and add.target in (aten.add.Tensor, aten.add.Scalar)):
         return ""
-    if any(isinstance(a, fx.Node) and _strip(a).op == "placeholder" and _strip(a).meta["val"].numel() == 1
+    if any(isinstance(a, fx.Node) and _strip(a).op == "placeholder" and same_dim(_strip(a).meta["val"].numel(), 1)
            for a in add.args[:2]):
         return (": eps is an input of the graph (a tensor argument, or a float that torch.compile did not "
                 "specialise), and the op takes eps as a constant")
