@@ -174,6 +174,29 @@ def test_eps_is_read_exactly_or_the_norm_stays(form):
         assert _rsqrts(p) > 0
 
 
+class BufferEps(torch.nn.Module):
+    """eps held as a buffer: under Inductor's freezing it reaches the post-grad graph as a lifted constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("eps", torch.tensor(0.5))
+        self.w = torch.nn.Parameter(torch.rand(16) + 0.5)
+
+    def forward(self, q, cos, sin):
+        return rope(q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + self.eps) * self.w, cos, sin)
+
+
+def test_eps_of_a_frozen_buffer_is_read_from_the_constant():
+    g = _gen()
+    model = BufferEps()
+    args = (torch.randn(1, 4, 8, 16, generator=g), torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g))
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+        out, p = compile_with_pass(model, *args)
+        check_numerics(model.forward, args, out, context=p.report.table())
+    assert [s.norm for s in p.report.sites] == ["rms folded"], p.report.table()
+    assert _rsqrts(p) == 0
+
+
 # -- random norm-then-layout chains ---------------------------------------------------------------------------
 
 def _chain(rng: random.Random) -> tuple:
