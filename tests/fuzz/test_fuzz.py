@@ -15,6 +15,8 @@ Two profiles, one marker:
   1000, after the fast seeds), every ROPE_FUZZ_FULL_EVERY-th (default 20) through real Inductor, and prints
   the counts per class (cases, fused, near miss, wrong numbers, broken compiles, silent misses, ...) at the
   end. ROPE_FUZZ_REPORT=path also writes that summary to a file.
+The reduced reproducers of FINDINGS.md (tests/fuzz/reproducers.py) run as `test_reproducer`: the static ones in
+the default suite, the dynamic and real-Inductor ones with the long profile (`-m fuzz`).
 One case alone, with its source: `python -m tests.fuzz.harness --seed N` (add --full for real Inductor).
 """
 
@@ -27,6 +29,7 @@ import pytest
 
 from tests.fuzz.generator import FAMILIES, generate
 from tests.fuzz.harness import run_case, run_seeds, summary, uses_full
+from tests.fuzz.reproducers import REPRODUCERS
 
 FAST_SEEDS = tuple(range(24))  # four of each family
 FAST_FULL_EVERY = 1000  # seed 0 only (plus the cases that need real Inductor)
@@ -37,6 +40,20 @@ def test_fast_profile(seed):
     case = generate(seed)
     o = run_case(case, full=uses_full(case, FAST_FULL_EVERY))
     assert not o.problems, f"{o.line()}\n\n{case.reproducer()}"
+
+
+def _reproducer_param(name: str):
+    r = REPRODUCERS[name]
+    return pytest.param(name, marks=pytest.mark.fuzz if r.full or r.case.dynamic else (), id=name)
+
+
+@pytest.mark.parametrize("name", [_reproducer_param(n) for n in REPRODUCERS])
+def test_reproducer(name):
+    """FINDINGS.md's reduced reproducers (the static ones in the default suite, a few seconds in all; the
+    dynamic and real-Inductor ones in the fuzz profile)."""
+    r = REPRODUCERS[name]
+    o = run_case(r.case, full=r.full)
+    assert not o.problems, f"{r.what}: {o.line()}\n\n{r.case.source}"
 
 
 # Findings of issue 27 that the generator must be able to produce unprompted: each is a feature the draws
