@@ -272,3 +272,49 @@ def test_compiled_kernel_launcher_is_checked_once_against_the_jit_launcher(kerne
         warned = [r for r in caplog.records if "compiled-kernel launcher wrote other values" in r.getMessage()]
         # right: JIT, then compiled + JIT (the check), then compiled only; wrong: JIT, compiled + JIT, JIT
         assert (kernel_on_cpu.launches, len(used), len(warned)) == ((3, 1, 1) if write_zeros else (2, 2, 0))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# On a GPU: the compiled kernel's launcher in use after its check, pointer alignment in the plan key, graph capture
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_cuda_direct_path_every_call_and_after_the_launcher_check(interleaved, monkeypatch):
+    monkeypatch.setattr(library, "_EAGER_PLANS", {})
+    torch.manual_seed(6)
+    t, d = 300, 80 if not interleaved else 128
+    cos, sin = (x.cuda() for x in rand_tables((t, 1), d // 2))
+    kw = dict(interleaved=interleaved, rotary_dim=d, full_tables=False)
+    for offset in (0, 0, 0, 0, 1, 1, 1):  # 1: q starts one element into its storage (not 16-byte aligned)
+        q = torch.randn(t * 8 * d + offset, device="cuda", dtype=torch.bfloat16)[offset:].view(t, 8, d)
+        k = torch.randn(t, 2, d, device="cuda", dtype=torch.bfloat16)
+        qo, ko = rope_fusion.apply_rotary_qk(q, k, cos, sin, interleaved=interleaved)
+        close(qo, oracle(q, cos, sin, **kw), torch.bfloat16)
+        close(ko, oracle(k, cos, sin, **kw), torch.bfloat16)
+    plans = list(library._EAGER_PLANS.values())
+    assert len(plans) == 2  # aligned and not: two plans, each specialized as Triton compiled it
+    for plan in plans:
+        assert isinstance(plan.run, tr._DirectLaunches)
+        assert all(entry[5] for entry in plan.run.entries), "the compiled kernel's launcher is not in use"
+
+
+@cuda
+def test_cuda_direct_path_in_a_cuda_graph(monkeypatch):
+    monkeypatch.setattr(library, "_EAGER_PLANS", {})
+    torch.manual_seed(7)
+    q, k = torch.randn(64, 4, 64, device="cuda"), torch.randn(64, 2, 64, device="cuda")
+    cos, sin = (x.cuda() for x in rand_tables((64, 1), 32))
+    for _ in range(3):  # plan, then the compiled launcher's check, outside capture
+        rope_fusion.apply_rotary_qk(q, k, cos, sin)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qo, ko = rope_fusion.apply_rotary_qk(q, k, cos, sin)
+    q.copy_(torch.randn_like(q))
+    k.copy_(torch.randn_like(k))
+    graph.replay()
+    kw = dict(interleaved=False, rotary_dim=64, full_tables=False)
+    close(qo, oracle(q, cos, sin, **kw), torch.float32)
+    close(ko, oracle(k, cos, sin, **kw), torch.float32)
