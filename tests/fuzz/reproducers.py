@@ -50,6 +50,18 @@ def make(g, S):
     return q, torch.polar(torch.ones_like(a), a).to(torch.complex64)
 """
 
+_HEAD_FP32_ON_FP64 = """\
+def fn(q, cos, sin):  # q, cos, sin fp64; lanes 2:8 rotated in fp32 (a pass-through head of 2)
+    x = q[..., 2:8].float()
+    rot = torch.cat((-x[..., 3:], x[..., :3]), dim=-1)
+    o = (x * cos.float() + rot * sin.float()).double()
+    return torch.cat((q[..., :2], o), dim=-1)
+
+def make(g, S):
+    a = torch.rand(S, 6, generator=g, dtype=torch.float64) * 25
+    return torch.randn(1, 2, S, 8, generator=g, dtype=torch.float64), a.cos(), a.sin()
+"""
+
 _ROLL = """\
 def fn(q, cos, sin):  # q [1, S, 2, 8], cos/sin [S, 1, 8]
     r = torch.roll(q, 4, dims=-1)
@@ -207,6 +219,8 @@ REPRODUCERS = {
                     what="a folded norm computed in fp64 where the graph computes it in fp32"),
     "complex_fp32_on_fp64": _case("complex_fp32_on_fp64", _COMPLEX_FP32_ON_FP64, S=4,
                     what="complex64 math on fp64 data, the result cast back to fp64"),
+    "head_fp32_on_fp64": _case("head_fp32_on_fp64", _HEAD_FP32_ON_FP64, S=4,
+                    what="fp32 math on fp64 data after a pass-through head"),
     "roll": _case("roll", _ROLL, S=4,
                     what="the half swap written with torch.roll"),
     "across_transpose_dynamic": _case("across_transpose_dynamic", _ACROSS_TRANSPOSE_DYN, S=5, S2=7,
