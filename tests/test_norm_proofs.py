@@ -115,6 +115,25 @@ def test_lanes_permuted_within_a_head_fold_with_the_weight_permuted():
     assert _rsqrts(p) == 0
 
 
+def cast_between_views(q, k, wq, wk, cos, sin):
+    """A norm across heads in fp32 on [B, S, H*D], viewed as [B, S, H, D], cast back to bf16 between that view
+    and more layout ops that keep the heads next to the lanes: the cast is seen through (the op rounds once)."""
+    def lay(x, w):
+        x = rms(x.float()) * w.float()
+        return x.view(2, 8, 4, 16).to(torch.bfloat16).unsqueeze(0).squeeze(0)
+    return rope(lay(q, wq), cos, sin), rope(lay(k, wk), cos, sin)
+
+
+def test_a_cast_between_the_layout_ops_folds():
+    g = _gen()
+    q, k = (torch.randn(2, 8, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    wq, wk = ((torch.rand(64, generator=g) + 0.5).to(torch.bfloat16) for _ in range(2))
+    cos, sin = (torch.randn(8, 1, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    rep, p = _compile(cast_between_views, (q, k, wq, wk, cos, sin), sites=2)
+    assert [s.norm for s in rep.sites] == ["rms_across_heads folded"] * 2, rep.table()
+    assert _rsqrts(p) == 0
+
+
 def qwen3_dynamic(q, k, wq, wk, cos, sin):
     """eps written in the expression: under dynamic=True a float default argument becomes a graph input."""
     def nrm(x, w):

@@ -296,13 +296,15 @@ class _Layout:
 
 
 def _layout_chain(x: fx.Node) -> tuple:
-    """(normed, chain): x is `normed` after the layout ops and float casts `chain`, in order from `normed`."""
+    """(normed, chain): x is `normed` after the layout ops and float casts `chain`, in order from `normed`
+    (casts are not replayed on the raw tensor: the op computes the norm in fp32 and rounds once)."""
     chain = []
     while len(chain) < _MAX_CHAIN and x.args and isinstance(x.args[0], fx.Node) and \
             all(not isinstance(a, fx.Node) for a in x.args[1:]):
         if x.target in CASTS:
             val, src = x.meta.get("val"), x.args[0].meta.get("val")
-            if not all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in (val, src)):
+            if not (all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in (val, src))
+                    and val.device == src.device):
                 break
         elif x.target not in _VIEWS:
             break
