@@ -8,8 +8,8 @@ compiles no more graphs than plain compile.
 
 Two profiles, one marker:
 - the fast profile runs in the default suite: the fixed seeds FAST_SEEDS, one test per case, at the graph
-  level except the cases that need real Inductor (seed 0, and rows gathered out of range or at negative
-  positions, which only the generated code can check);
+  level (cases with rows gathered out of range or at negative positions would go through real Inductor,
+  since only the generated code can check them; FAST_SEEDS has none);
 - the long profile is marked `fuzz` and deselected by default (pyproject.toml's addopts):
   `pytest -m fuzz tests/fuzz` runs ROPE_FUZZ_CASES cases (default 2000) from seed ROPE_FUZZ_START (default
   1000, after the fast seeds), every ROPE_FUZZ_FULL_EVERY-th (default 20) through real Inductor, and prints
@@ -31,8 +31,11 @@ from tests.fuzz.generator import FAMILIES, generate
 from tests.fuzz.harness import run_case, run_seeds, summary, uses_full
 from tests.fuzz.reproducers import REPRODUCERS
 
-FAST_SEEDS = tuple(range(24))  # four of each family
-FAST_FULL_EVERY = 1000  # seed 0 only (plus the cases that need real Inductor)
+# Three of each family, four of them under dynamic=True: about 90 s on a loaded 2-core CPU (the dynamic ones
+# cost 8-17 s each there, a static one 1-7 s). No real Inductor compile (30 s there): the lowering runs in the
+# long profile, every 20th case and every case with rows gathered out of range.
+FAST_SEEDS = tuple(range(18))
+FAST_FULL_EVERY = 0  # only the cases that need real Inductor (none among FAST_SEEDS)
 
 
 @pytest.mark.parametrize("seed", FAST_SEEDS)
