@@ -236,11 +236,11 @@ def _broadcasts(a: Any, b: Any) -> bool:
     """Whether a table dim of size a broadcasts against x's dim of size b; False only where it provably does not.
     Sizes known only at run time (a token count from `nonzero`) are checked there (`torch._check`), not guarded
     on: guarding on a data-dependent size fails the trace."""
-    from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
+    from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true, sym_or
 
     if statically_known_true(a == b) or statically_known_true(a == 1):
         return True
     if guard_or_false(a != 1) and guard_or_false(a != b):
         return False
-    torch._check(torch.sym_or(a == 1, a == b), lambda: f"a table dim of size {a} against x's {b}")
+    torch._check(sym_or(a == 1, a == b), lambda: f"a table dim of size {a} against x's {b}")
     return True
