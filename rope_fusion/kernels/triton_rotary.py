@@ -705,10 +705,12 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
         return _normed_first(xs, cos, sin, params, positions, weights, tuning)
     if launches is not None:
         pos = positions if positions is not None else cos  # unused pointers stand in for absent tensors
+        checks = row_checks(positions) if fn is _rotary_kernel else {}
         for group, grid, scalars, meta in launches:
             sides = [group[min(i, len(group) - 1)] for i in range(3)]  # q, k, v; absent sides repeat the last
             ws = [weights[i] if weights[i] is not None else cos for i in sides]
-            fn[grid](*(xs[i] for i in sides), *(outs[i] for i in sides), cos, sin, pos, *ws, *scalars, **meta)
+            fn[grid](*(xs[i] for i in sides), *(outs[i] for i in sides), cos, sin, pos, *ws, *scalars, **meta,
+                     **checks)
         return outs
     # More than 3 token dims that do not merge: materialize x and tables (rare, correct), one launch each.
     if params.norm != "none":  # materialized tables no longer show which dim holds the heads
@@ -730,6 +732,15 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
     return outs
 
 
+def row_checks(positions: Any) -> dict:
+    """The compile options of a direct launch (the kernel's own launcher, outside Inductor): with positions, the
+    kernel's row assert compiled in, as Inductor compiles it into the node it launches (`debug`, from its
+    `assert_indirect_indexing`, with Triton's integer-overflow asserts off as Inductor turns them off). Triton
+    drops `tl.device_assert` from a kernel compiled without `debug`, which on the GPU let an eager call read past
+    the cache where the same call in a compiled graph raised a device-side assert."""
+    return {"debug": True, "sanitize_overflow": False} if positions is not None and not _INTERPRETED else {}
+
+
 def _tracing(xs: Sequence[torch.Tensor]) -> bool:
     """Whether a launch is being traced (torch.compile, make_fx, fake or functional tensors): then the kernel goes
     through `wrap_triton`, the higher-order op a tracer records. Eagerly the kernel's own launcher runs: the HOP,
@@ -748,11 +759,12 @@ class _DirectLaunches:
     alignment Triton specializes on). Its first use is checked once against the JIT launcher's result, outside
     CUDA graph capture; a mismatch or a launcher API this code does not know keeps the JIT launcher."""
 
-    def __init__(self, launches: list, out_dtype: torch.dtype) -> None:
+    def __init__(self, launches: list, out_dtype: torch.dtype, checks: dict) -> None:
         # the kernel takes three sides (q, k, v); absent sides repeat the last, as in `launch`
         self.entries = [[[group[min(i, len(group) - 1)] for i in range(3)], grid, scalars, meta, None, False]
                         for group, grid, scalars, meta in launches]
         self.out_dtype = out_dtype
+        self.checks = checks  # `row_checks`: compile options of the JIT launch, not kernel arguments
 
     def __call__(self, xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any,
                  weights: Any) -> list:
@@ -766,10 +778,10 @@ class _DirectLaunches:
             if checked:
                 runner(*args)
             elif runner and not _capturing():
-                runner = self._checked(runner, args, sides, outs, grid, meta)
+                runner = self._checked(runner, args, sides, outs, grid, {**meta, **self.checks})
                 entry[4:] = (runner, True) if runner else (False, False)
             else:
-                compiled = _rotary_kernel[grid](*args, **meta)
+                compiled = _rotary_kernel[grid](*args, **meta, **self.checks)
                 if runner is None:
                     entry[4] = _compiled_runner(compiled, grid, meta, len(args)) or False
         return outs
@@ -833,7 +845,7 @@ def plan_eager(call: RotaryCall) -> Any:
         outs = [torch.empty(x.shape, dtype=params.out_dtype, device=x.device) for x in xs]
         launches = _make_launches(xs, outs, _Tables(cos, sin, call.positions, weights), params)
         if isinstance(launches, list):
-            return _DirectLaunches(launches, params.out_dtype)
+            return _DirectLaunches(launches, params.out_dtype, row_checks(call.positions))
 
     def run(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any, weights: Any) -> list:
         return launch(list(xs), cos, sin, params, positions, weights)
