@@ -136,23 +136,30 @@ def print_report(report: Any, title: str, plain: bool = False, file: Any = None)
         return
     from rich.markup import escape
 
+    from .passes.report import FROM_CACHE, counted
+
     console = Console(file=file, width=max(140, Console(file=file).width))
-    console.print(f"[bold]{escape(title)}[/bold]: {report.graphs} graph(s), {escape(report.summary())} "
+    console.print(f"[bold]{escape(title)}[/bold]: {counted(report.graphs, 'graph')}, {escape(report.summary())} "
                   "(counted per compiled graph)")
+
+    def cached(graph: int) -> str:
+        return FROM_CACHE.strip() if report.from_cache(graph) else ""
 
     def row(table: Any, *cells: Any) -> None:  # model names and reasons hold brackets: never markup
         table.add_row(*(escape(str(c)) for c in cells))
 
     if report.sites:
         t = Table(title="fused sites")
-        for col in ("#", "graph", "role", "style", "R/D", "tables", "dtypes x/tables/out", "kernel", "source"):
+        for col in ("#", "graph", "role", "style", "R/D", "tables", "dtypes x/tables/out", "norm", "kernel",
+                    "source"):
             t.add_column(col, overflow="fold")
         for i, s in enumerate(report.sites):
             k = report.kernels[s.kernel] if 0 <= s.kernel < len(report.kernels) else None
-            row(t, i, s.graph, s.role, s.style_label(),
-                f"{s.rotated_lanes()}/{s.head_dim}", s.table_form,
-                f"{_dt(s.x_dtype)}/{_dt(s.table_dtype)}/{_dt(s.out_dtype)}",
-                f"{s.kernel} {k.op.split('.')[-1]} [{k.backend}]" if k else "?", short_source(s.source))
+            row(t, i, f"{s.graph}{' [backward]' if s.graph_kind == 'backward' else ''}", s.role, s.style_label(),
+                f"{s.rotated_lanes()}/{s.head_dim}", s.table_form + (" angles" if s.angles else ""),
+                f"{_dt(s.x_dtype)}/{_dt(s.table_dtype)}/{_dt(s.out_dtype)}", s.norm or "-",
+                f"{s.kernel} {k.op.split('.')[-1]} [{k.backend}]" if k else "?",
+                " ".join(filter(None, (short_source(s.source), cached(s.graph)))))
         console.print(t)
     if report.kernels:
         t = Table(title="kernels")
@@ -166,7 +173,7 @@ def print_report(report: Any, title: str, plain: bool = False, file: Any = None)
         for col in ("graph", "node", "reason", "source"):
             t.add_column(col, overflow="fold")
         for m in report.misses:
-            row(t, m.graph, m.node, m.reason, short_source(m.source))
+            row(t, m.graph, m.node, m.reason, " ".join(filter(None, (short_source(m.source), cached(m.graph)))))
         console.print(t)
     if report.host_tables:
         console.print("host tables copied to the device once (not per call): " + escape(", ".join(report.host_tables)))

@@ -64,7 +64,7 @@ def test_explain_prints_the_report(capsys, monkeypatch):
     monkeypatch.chdir(HERE)
     assert cli.main(["explain", "test_cli:tiny_rope", "--plain"]) == 0
     out = capsys.readouterr().out
-    assert "fused 2 sites in 1 kernels, 0 near misses" in out
+    assert "fused 2 sites in 1 kernel, 0 near misses" in out
     assert "rope_fusion.rotary_qk" in out and _rope_line() in out
 
 
@@ -74,8 +74,33 @@ def test_explain_rich_table_and_kwargs(capsys, monkeypatch):
     assert cli.main(["explain", "test_cli:tiny_rope_kwargs"]) == 0
     out = capsys.readouterr().out
     assert "fused sites" in out and "kernels" in out and "rotary_qk" in out and "neox" in out
-    assert "fused 2 sites in 1 kernels" in out
+    assert "fused 2 sites in 1 kernel," in out and "1 graph," in out
     assert "┃" in out or "|" in out  # a table, not the plain listing
+
+
+class AngleAttention(TinyAttention):
+    """TinyAttention taking the angles: the graph computes cos and sin, so the op reads the angles."""
+
+    def forward(self, x, angles):
+        return super().forward(x, angles.cos(), angles.sin())
+
+
+def tiny_rope_angles():
+    model, (x, cos, sin) = tiny_rope()
+    ang = torch.atan2(sin, cos)
+    return AngleAttention().eval(), (x, ang)
+
+
+def test_explain_rich_table_shows_the_norm_and_angles(capsys, monkeypatch):
+    """The rich table has every column of the plain one: the folded QK-norm, and tables read as angles."""
+    pytest.importorskip("rich")
+    monkeypatch.chdir(HERE)
+    assert cli.main(["explain", "test_cli:tiny_rope_angles"]) == 0
+    rich_out = capsys.readouterr().out
+    assert cli.main(["explain", "test_cli:tiny_rope_angles", "--plain"]) == 0
+    plain_out = capsys.readouterr().out
+    assert "angles" in plain_out and "norm rms folded" in plain_out, plain_out
+    assert "norm" in rich_out and "rms folded" in rich_out and "angles" in rich_out, rich_out
 
 
 def test_explain_bad_target(capsys):
@@ -91,7 +116,7 @@ def test_console_script_explain():
     r = subprocess.run(cmd + ["explain", "test_cli:tiny_rope"], cwd=HERE, capture_output=True, text=True,
                        timeout=240, env=dict(os.environ, COLUMNS="160"))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "fused 2 sites in 1 kernels" in r.stdout and "rotary_qk" in r.stdout
+    assert "fused 2 sites in 1 kernel," in r.stdout and "rotary_qk" in r.stdout
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, "examples", "wan_demo.py"))

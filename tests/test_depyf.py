@@ -70,10 +70,10 @@ def test_debug_dumps_graphs_and_report(tmp_path):
     assert "rope_fusion." not in before and "aten.cat" in before
     assert here in before  # the graph printout keeps the model source lines
     assert "torch.ops.rope_fusion.rotary_qk" in after and "aten.cat" not in after
-    assert "fused 2 sites in 1 kernels, 0 near misses" in report
+    assert "fused 2 sites in 1 kernel, 0 near misses" in report
     assert here in report  # fused sites name the model's file:line
     assert "rope_fusion.rotary_qk" in report and "neox" in report
-    assert session.graphs[0].summary == "fused 2 sites in 1 kernels, 0 near misses"
+    assert session.graphs[0].summary == "fused 2 sites in 1 kernel, 0 near misses"
 
 
 def test_debug_reports_near_misses_and_uses_a_configured_pass(tmp_path):
@@ -86,10 +86,10 @@ def test_debug_reports_near_misses_and_uses_a_configured_pass(tmp_path):
         torch.compile(rope_qk, options={"post_grad_custom_post_pass": p})(*_inputs())
     assert len(session.graphs) == 2
     reports = [open(g.report).read() for g in session.graphs]
-    assert "fused 0 sites in 0 kernels, 1 near misses" in reports[0], reports[0]
+    assert "fused 0 sites in 0 kernels, 1 near miss" in reports[0], reports[0]
     assert f"{os.path.basename(__file__)}:{_line_of(near_miss, 'return x * cos')}" in reports[0]
     assert len(p.report.misses) == 1 and p.report.misses[0].reason in reports[0]
-    assert "fused 2 sites in 1 kernels" in reports[1]
+    assert "fused 2 sites in 1 kernel," in reports[1]
     # a second session into the same folder numbers on
     torch._dynamo.reset()
     with rope_fusion.debug(dump) as again:

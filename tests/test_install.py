@@ -117,7 +117,7 @@ def test_install_reaches_compiles_without_options(fresh, caplog):
     # logging: one INFO line per graph on the rope_fusion logger
     lines = [r.getMessage() for r in caplog.records if r.name == "rope_fusion" and r.levelno == logging.INFO]
     assert len(lines) == p.report.graphs, lines
-    assert all(re.search(r"fused 2 sites in 1 kernels, 0 near misses", ln) for ln in lines), lines
+    assert all(re.search(r"fused 2 sites in 1 kernel, 0 near misses", ln) for ln in lines), lines
 
 
 def test_uninstall_stops_it_and_restores_the_previous_pass(fresh):

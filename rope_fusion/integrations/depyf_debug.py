@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..passes import installation as installing
-from ..passes.report import Report
+from ..passes.report import Report, fused_text
 from ..passes.rope_pass import RopeFusionPass, log
 
 _lock = threading.Lock()
@@ -83,7 +83,7 @@ def format_report(report: Report, graph: int, title: str = "") -> str:
     misses = [m for m in report.misses if m.graph == graph]
     errors = [e for e in report.errors if e.graph == graph]
     lines = [title] if title else []
-    lines.append(f"fused {len(sites)} sites in {len(kernels)} kernels, {len(misses)} near misses")
+    lines.append(fused_text(len(sites), len(kernels), len(misses)))
     lines.append("")
     lines.append(f"Sites ({len(sites)}):")
     for i, s in sites:

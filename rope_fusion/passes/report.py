@@ -2,18 +2,35 @@
 
 The report accumulates over every graph the pass sees. Counts are per compiled graph, not per run: a graph
 that Dynamo compiles once and runs for several layers (a block after a graph break) reports its sites once.
-A graph served from Inductor's FX graph cache never reaches the pass; the pass leaves counters in the
-cached artifact (Inductor replays them on a hit), and `cached` reads them, so a warm cache reports
-"reused from the FX graph cache: N sites" instead of nothing. Records are plain dataclasses of strings and
-numbers so that they pickle and print without the graph they came from.
+A graph served from Inductor's FX graph cache never reaches the pass. So that the second run of a script
+reads like the first, the pass stores each graph's records with its cached artifact (`graph_payload`, kept in
+the counters that Inductor saves with a compile and replays on a hit), and a hit adds them back
+(`add_cached_graph`), marked "(from the compile cache)". Records are plain dataclasses of strings and numbers
+so that they pickle and print without the graph they came from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Callable
 
 # Table forms as the report names them: one entry per rotated pair, or one per lane.
 PER_PAIR, PER_LANE = "per-pair", "per-lane"
+# What marks the records of a graph that a compile cache served (the pass did not run on it in this process).
+FROM_CACHE = " (from the compile cache)"
+
+_PLURALS = {"near miss": "near misses"}
+
+
+def counted(n: int, noun: str) -> str:
+    """A count and its noun, singular for one: "1 kernel", "2 sites", "0 near misses"."""
+    return f"{n} {noun if n == 1 else _PLURALS.get(noun, noun + 's')}"
+
+
+def fused_text(sites: int, kernels: int, misses: int) -> str:
+    """What a graph (or a report) fused, as every line of the report says it."""
+    return f"fused {counted(sites, 'site')} in {counted(kernels, 'kernel')}, {counted(misses, 'near miss')}"
 
 
 @dataclasses.dataclass
@@ -92,16 +109,18 @@ class GraphRecord:
     kernels: int = 0
     misses: int = 0
     seconds: float = 0.0  # the pass's own time on this graph (its share of the compile time)
+    from_cache: bool = False  # served by a compile cache: the records are those of the compile that stored it
 
 
 @dataclasses.dataclass
 class CacheReuse:
-    """Graphs served from Inductor's FX graph cache since the report started: the pass did not run on them,
-    their cached code is what it produced when they were first compiled."""
+    """Graphs served from a compile cache since the report started: the pass did not run on them, their cached
+    code is what it produced when they were first compiled, and their records are in the report too."""
 
     graphs: int = 0
     sites: int = 0
     kernels: int = 0
+    misses: int = 0
 
 
 @dataclasses.dataclass
@@ -113,14 +132,18 @@ class Report:
     host_tables: list = dataclasses.field(default_factory=list)  # "graph:input" copied once, not per call
     graph_records: list = dataclasses.field(default_factory=list)
     graphs: int = 0
-    cache_counter: object = dataclasses.field(default=None, repr=False, compare=False)  # set by the pass
+    # Called before the report is read (set by the pass): takes in what a cache hit replayed since.
+    refresh: Callable[[], None] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def clear(self) -> None:
+        self._refresh()  # what was replayed before the clear is cleared with the rest
         for records in (self.sites, self.kernels, self.misses, self.errors, self.host_tables, self.graph_records):
             records.clear()
         self.graphs = 0
-        if self.cache_counter is not None:
-            self.cache_counter.rebase()
+
+    def _refresh(self) -> None:
+        if self.refresh is not None:
+            self.refresh()
 
     @property
     def seconds(self) -> float:
@@ -130,19 +153,34 @@ class Report:
 
     @property
     def cached(self) -> CacheReuse:
-        return self.cache_counter.reused() if self.cache_counter is not None else CacheReuse()
+        """What of the report a compile cache served."""
+        self._refresh()
+        graphs = [g for g in self.graph_records if g.from_cache]
+        return CacheReuse(len(graphs), sum(g.sites for g in graphs), sum(g.kernels for g in graphs),
+                          sum(g.misses for g in graphs))
+
+    def from_cache(self, graph: int) -> bool:
+        """Whether the graph of that index was served by a compile cache."""
+        return 0 <= graph < len(self.graph_records) and self.graph_records[graph].from_cache
 
     def summary(self) -> str:
-        text = f"fused {len(self.sites)} sites in {len(self.kernels)} kernels, {len(self.misses)} near misses"
+        """What fused first; then, where a compile cache served graphs, how much of it came from there."""
         c = self.cached
+        text = fused_text(len(self.sites), len(self.kernels), len(self.misses))
+        if c.graphs and c.graphs == len(self.graph_records):
+            return text + FROM_CACHE
         if c.graphs:
-            text += (f"; reused from the FX graph cache: {c.sites} sites in {c.kernels} kernels "
-                     f"({c.graphs} graphs the pass did not need to see again)")
+            text += (f" ({counted(c.sites, 'site')} in {counted(c.kernels, 'kernel')} and "
+                     f"{counted(c.misses, 'near miss')} of {counted(c.graphs, 'graph')} from the compile cache)")
         return text
 
     def table(self) -> str:
         """A plain-text table of sites, kernels and misses (rich renders the same rows in the CLI)."""
         lines = [self.summary() + " (counted per compiled graph; a graph run for several layers counts once)"]
+
+        def mark(graph: int) -> str:
+            return FROM_CACHE if self.from_cache(graph) else ""
+
         for i, s in enumerate(self.sites):
             k = self.kernels[s.kernel] if 0 <= s.kernel < len(self.kernels) else None
             style = s.style_label()
@@ -151,14 +189,62 @@ class Report:
                 f"{'[backward] ' if s.graph_kind == 'backward' else ''}"
                 f"tables {s.table_form} {s.table_dtype}{' angles' if s.angles else ''}, x {s.x_dtype} -> {s.out_dtype} "
                 f"{k.op if k else '?'}[{k.backend if k else '?'}]{' norm ' + s.norm if s.norm else ''} at {s.source}"
+                f"{mark(s.graph)}"
             )
         for k in self.kernels:
             if k.fallback:
-                lines.append(f"  kernel {k.op}[{k.backend}] fell back: {k.fallback}")
+                lines.append(f"  kernel {k.op}[{k.backend}] fell back: {k.fallback}{mark(k.graph)}")
         for m in self.misses:
-            lines.append(f"  miss {m.node}: {m.reason} at {m.source}")
+            lines.append(f"  miss {m.node}: {m.reason} at {m.source}{mark(m.graph)}")
         if self.host_tables:
             lines.append(f"  host tables copied to the device once: {', '.join(self.host_tables)}")
         for e in self.errors:
-            lines.append(f"  error in graph {e.graph} ({e.outcome}): {e.error}")
+            lines.append(f"  error in graph {e.graph} ({e.outcome}): {e.error}{mark(e.graph)}")
         return "\n".join(lines)
+
+    # -- what travels with a cached graph ---------------------------------------------------------------
+    def graph_payload(self, graph: int) -> str:
+        """The records of one graph as compact JSON, its indices relative to the graph (graph numbers and the
+        sites' and kernels' positions in this report mean nothing in the process that reads it back)."""
+        rec = self.graph_records[graph]
+        sites = [i for i, s in enumerate(self.sites) if s.graph == graph]
+        kernels = [i for i, k in enumerate(self.kernels) if k.graph == graph]
+        site_at, kernel_at = {i: n for n, i in enumerate(sites)}, {i: n for n, i in enumerate(kernels)}
+
+        def plain(record, **changes) -> dict:
+            d = dataclasses.asdict(record)
+            d.pop("graph")
+            d.update(changes)
+            return d
+
+        prefix = f"{graph}:"
+        payload = {
+            "kind": rec.kind, "outcome": rec.outcome,
+            "sites": [plain(self.sites[i], kernel=kernel_at.get(self.sites[i].kernel, -1)) for i in sites],
+            "kernels": [plain(self.kernels[i], sites=[site_at[j] for j in self.kernels[i].sites if j in site_at])
+                        for i in kernels],
+            "misses": [plain(m) for m in self.misses if m.graph == graph],
+            "errors": [plain(e) for e in self.errors if e.graph == graph],
+            "host_tables": [t[len(prefix):] for t in self.host_tables if t.startswith(prefix)],
+        }
+        return json.dumps(payload, separators=(",", ":"), sort_keys=True)
+
+    def add_cached_graph(self, payload: str) -> GraphRecord:
+        """Append the records of a graph that a compile cache served (the inverse of `graph_payload`)."""
+        d = json.loads(payload)
+        index, first_site, first_kernel = self.graphs, len(self.sites), len(self.kernels)
+        sites = [Site(graph=index, **dict(s, shape=tuple(s["shape"]),
+                                          kernel=s["kernel"] + first_kernel if s["kernel"] >= 0 else -1))
+                 for s in d["sites"]]
+        kernels = [Kernel(graph=index, **dict(k, sites=[j + first_site for j in k["sites"]])) for k in d["kernels"]]
+        misses = [Miss(graph=index, **m) for m in d["misses"]]
+        errors = [GraphError(graph=index, **e) for e in d["errors"]]
+        record = GraphRecord(index, d["kind"], d["outcome"], len(sites), len(kernels), len(misses), from_cache=True)
+        self.graphs += 1
+        self.graph_records.append(record)
+        self.sites += sites
+        self.kernels += kernels
+        self.misses += misses
+        self.errors += errors
+        self.host_tables += [f"{index}:{name}" for name in d["host_tables"]]
+        return record

@@ -20,7 +20,9 @@ import gc
 import hashlib
 import logging
 import os
+import threading
 import time
+import weakref
 from typing import Any
 
 import torch.fx as fx
@@ -32,7 +34,7 @@ from .fx_util import deferred_guards, guard_deferred_sizes
 from .grouping import pair_up
 from .kernel_rewrite import find_kernel_matches
 from .provenance import dtype_name, role, rotation_source, source_line
-from .report import PER_LANE, PER_PAIR, CacheReuse, GraphError, GraphRecord, Kernel, Miss, Report, Site
+from .report import FROM_CACHE, PER_LANE, PER_PAIR, GraphError, GraphRecord, Kernel, Miss, Report, Site, fused_text
 from .site_costs import graph_host_bound
 from .sites import find_sites
 
@@ -60,22 +62,35 @@ def source_hash() -> str:
     return h.hexdigest()
 
 
-# -- what a cache hit reuses -------------------------------------------------------------------------------
+# -- what a cache hit replays ------------------------------------------------------------------------------
 
-_LIVE: collections.Counter = collections.Counter()  # what passes recorded while running, per counter key
+# Counter keys that carry one graph's records: the prefix, the options' tag, the records as JSON.
+PAYLOAD_PREFIX = "rope_fusion_graph:"
 
 
-class CacheCounter:
-    """Counts that the pass adds to Inductor's counters while it runs. Inductor stores the counter deltas of
-    a compile in the FX graph cache entry and replays them on a hit, so the counters minus what passes
-    recorded live is what cached graphs brought in."""
+class CacheLedger:
+    """Carries each graph's report records through Inductor's compile caches, to the pass instance that asked.
 
-    FIELDS = ("graphs", "sites", "kernels")
+    On a cache hit (FX graph cache, AOTAutograd cache, a bundled artifact) Inductor runs no post-grad pass, but
+    it adds the counter deltas stored with the compile to `counters["inductor"]`. So the pass, when it runs,
+    adds one counter whose key holds the graph's records (`Report.graph_payload`, tagged with the options);
+    it survives a new process with the cached artifact. The key names no pass instance (that would change
+    nothing in the cache key, but no other process could know the instance): a replay is given to the latest
+    pass that Inductor asked for its `uuid()` with that tag. Inductor asks for it to build the cache key of every
+    compile the pass takes part in, before the lookup that may replay; so two instances with the same options
+    each get the graphs of their own compiles.
 
-    def __init__(self, uuid: str):
-        tag = hashlib.sha256(uuid.encode()).hexdigest()[:16]
-        self.keys = {f: f"rope_fusion_{f}:{tag}" for f in self.FIELDS}
-        self.rebase()
+    Counts of each key that have been handed out (or recorded live) are `seen`; a key counted past that was
+    replayed. Replays are taken in when a compile ends (a Dynamo end-of-compile callback: one log line per
+    graph on a warm run too), when the pass runs or is asked for its uuid, and before a report is read."""
+
+    RECENT = 16  # passes remembered as askers (latest last)
+
+    def __init__(self) -> None:
+        self.seen: collections.Counter = collections.Counter()
+        self.counter: Any = None  # the counters object last read: a new one means the counters were cleared
+        self.recent: list = []  # weak references to the passes asked for their uuid, latest last
+        self.lock = threading.RLock()
 
     @staticmethod
     def _counters() -> collections.Counter:
@@ -83,20 +98,68 @@ class CacheCounter:
 
         return counters["inductor"]
 
-    def rebase(self) -> None:
+    def _current(self) -> collections.Counter:
         c = self._counters()
-        self.base = {f: c[k] - _LIVE[k] for f, k in self.keys.items()}
+        if c is not self.counter:  # `counters.clear()` (test harnesses): what was counted went with it
+            self.counter = c
+            self.seen = collections.Counter()
+        for k in [k for k, n in self.seen.items() if c[k] < n]:  # cleared in place
+            self.seen[k] = c[k]
+        return c
 
-    def add(self, **counts: int) -> None:
-        c = self._counters()
-        for f, n in counts.items():
-            if n:
-                c[self.keys[f]] += n
-                _LIVE[self.keys[f]] += n
+    def recorded(self, tag: str, payload: str) -> None:
+        """A graph the pass just ran on: its records go into the compile's counter deltas."""
+        with self.lock:
+            c = self._current()
+            key = f"{PAYLOAD_PREFIX}{tag}:{payload}"
+            c[key] += 1
+            self.seen[key] += 1
 
-    def reused(self) -> CacheReuse:
-        c = self._counters()
-        return CacheReuse(**{f: max(0, c[k] - _LIVE[k] - self.base[f]) for f, k in self.keys.items()})
+    def asked(self, p: RopeFusionPass) -> None:
+        """Inductor (or vLLM, or a chain) asked `p` for its uuid: a compile with `p` may follow."""
+        with self.lock:
+            self.settle()
+            self.recent = [r for r in self.recent if r() is not None and r() is not p][-self.RECENT + 1:]
+            self.recent.append(weakref.ref(p))
+        _on_compile_end(take_in_cache_replays)
+
+    def settle(self, *_: Any) -> None:
+        """Give each graph replayed since the last call to the pass that asked for it."""
+        with self.lock:
+            c = self._current()
+            fresh = [(k, n - self.seen[k]) for k, n in list(c.items())
+                     if n > self.seen[k] and isinstance(k, str) and k.startswith(PAYLOAD_PREFIX)]
+            for key, times in fresh:
+                self.seen[key] += times
+                tag, _, payload = key[len(PAYLOAD_PREFIX):].partition(":")
+                p = next((p for p in map(lambda r: r(), reversed(self.recent)) if p is not None and p.tag == tag),
+                         None)
+                for _ in range(times if p is not None else 0):
+                    p._replayed(payload)
+
+
+def _on_compile_end(fn: Any) -> None:
+    """Run fn at the end of every Dynamo compile (`torch._dynamo.reset()` drops such callbacks: re-added here
+    each time a compile asks for the uuid). Without the callback API, reports still take replays in when read."""
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:
+        return
+    registered = getattr(callback_handler, "end_callbacks", None)
+    if isinstance(registered, list) and fn not in registered:
+        callback_handler.register_end_callback(fn)
+
+
+_LEDGER = CacheLedger()
+
+
+def take_in_cache_replays(*_: Any) -> None:
+    """Hand the graphs that a compile cache replayed to the passes that compiled them (`Report.refresh`, and
+    the end of every compile); never raises."""
+    try:
+        _LEDGER.settle()
+    except Exception as e:  # a report must stay readable
+        log.debug("rope_fusion: compile-cache records not read: %s: %s", type(e).__name__, e)
 
 
 # -- the pass ----------------------------------------------------------------------------------------------
@@ -106,23 +169,30 @@ class RopeFusionPass(_PassBase):
 
     def __init__(self, backend: str = "auto", fuse_qk: bool = True, cache_host_tables: bool = True,
                  cuda_graphs: bool | None = None) -> None:
-        if backend not in BACKEND_NAMES:
+        if isinstance(backend, (fx.Graph, fx.GraphModule)):  # the class was configured where an instance goes
+            raise TypeError(_misconfigured(backend, "the class RopeFusionPass"))
+        if not isinstance(backend, str) or backend not in BACKEND_NAMES:
             raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
-        if cuda_graphs not in (None, True, False):
+        for name, value in (("fuse_qk", fuse_qk), ("cache_host_tables", cache_host_tables)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        if cuda_graphs not in (None, True, False) or not isinstance(cuda_graphs, (bool, type(None))):
             raise ValueError(f"cuda_graphs must be None, True or False, got {cuda_graphs!r}")
         self.backend = backend
-        self.fuse_qk = bool(fuse_qk)
-        self.cache_host_tables = bool(cache_host_tables)  # ops/host_tables.py
+        self.fuse_qk = fuse_qk
+        self.cache_host_tables = cache_host_tables  # ops/host_tables.py
         # Whether the compiled graph is replayed in CUDA graphs, which changes what a launch costs `auto`
         # (ops/cost_model.py): None reads it from the compile (`replayed_in_cuda_graphs`).
         self.cuda_graphs = cuda_graphs
         self._host_bound = False  # the graph being fused waits on the host (set per graph)
-        self.report = Report()
-        self.report.cache_counter = CacheCounter(self.uuid())
+        self.report = Report(refresh=take_in_cache_replays)
         self._logged: set = set()
 
     # -- CustomGraphPass -------------------------------------------------------------------------
     def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
+        if not isinstance(graph, fx.Graph):
+            raise TypeError(_misconfigured(graph, "a RopeFusionPass"))
+        take_in_cache_replays()  # graphs a cache served before this one come first in the report
         index = self.report.graphs
         self.report.graphs += 1
         record = GraphRecord(index, _graph_kind(graph, is_inference), "nothing to fuse")
@@ -139,6 +209,28 @@ class RopeFusionPass(_PassBase):
             if collecting:
                 gc.enable()
             record.seconds = time.perf_counter() - start
+        try:  # the records travel with the compiled graph into Inductor's caches (CacheLedger)
+            _LEDGER.recorded(self.tag, self.report.graph_payload(index))
+        except Exception as e:  # a report detail, never a reason to fail the compile
+            log.debug("rope_fusion graph %d: records not stored for the compile cache: %s: %s", index,
+                      type(e).__name__, e)
+
+    def _replayed(self, payload: str) -> None:
+        """A compile cache served a graph that this pass fused (or left alone) in an earlier compile."""
+        try:
+            record = self.report.add_cached_graph(payload)
+        except Exception as e:  # records of another version of the package, or damaged: the graph still runs
+            log.debug("rope_fusion: records from the compile cache not read: %s: %s", type(e).__name__, e)
+            return
+        self._log_graph(record)
+
+    def _log_graph(self, record: GraphRecord) -> None:
+        """The one INFO line per graph, the same whether the pass ran on it or a compile cache served it."""
+        outcome = {"partly fused after an error": "; some sites left unfused after an error",
+                   "unchanged after an error": "; left unchanged after an internal error"}.get(record.outcome, "")
+        log.info("rope_fusion graph %d (%s): %s%s%s", record.index, record.kind,
+                 fused_text(record.sites, record.kernels, record.misses), outcome,
+                 FROM_CACHE if record.from_cache else "")
 
     def replayed_in_cuda_graphs(self) -> bool:
         """The `cuda_graphs` option, else whether Inductor will record this compile in CUDA graphs
@@ -180,10 +272,7 @@ class RopeFusionPass(_PassBase):
             record.outcome = "partly fused after an error"
         elif sites:
             record.outcome = "fused"
-        self.report.cache_counter.add(graphs=1, sites=sites, kernels=kernels)
-        log.info("rope_fusion graph %d (%s): fused %d sites in %d kernels, %d near misses%s", index, record.kind,
-                 sites, kernels, misses, "; some sites left unfused after an error" if
-                 record.outcome.startswith("partly") else "")
+        self._log_graph(record)
 
     def _fuse(self, graph: fx.Graph, index: int) -> list:
         matches, misses, acc = find_sites(graph)
@@ -191,7 +280,7 @@ class RopeFusionPass(_PassBase):
         if kernel_matches:
             matches = sorted(matches + kernel_matches, key=lambda m: acc.order[m.node])
         for node, reason in misses + kernel_misses:
-            self.report.misses.append(Miss(index, node.name, reason, source_line(node)))
+            self.report.misses.append(Miss(index, node.name, str(reason), source_line(node)))
         if not matches:
             return []
         try:  # only graphs with sites to cost: the scan of the graph's inputs is not paid by the others
@@ -286,9 +375,24 @@ class RopeFusionPass(_PassBase):
             log.log(level, msg, *args, **kw)
 
     def uuid(self) -> Any:
+        """The package sources and the options, never the instance: the FX graph cache key, which a new
+        process must compute alike. Inductor asks for it at the start of every compile the pass takes part in,
+        which is how a cache hit's records find this instance (CacheLedger)."""
+        try:
+            _LEDGER.asked(self)
+        except Exception as e:  # the report of a warm run may then miss graphs; the key is unaffected
+            log.debug("rope_fusion: compile-cache records not tracked: %s: %s", type(e).__name__, e)
+        return self._options_key()
+
+    def _options_key(self) -> str:
         graphs = "" if self.cuda_graphs is None else f"-g{int(self.cuda_graphs)}"  # None: in Inductor's key
         return (f"rope_fusion-{source_hash()[:32]}-{self.backend}-{int(self.fuse_qk)}"
                 f"-{int(self.cache_host_tables)}{graphs}")
+
+    @property
+    def tag(self) -> str:
+        """The options' short hash that names this pass's records in the compile caches."""
+        return hashlib.sha256(self._options_key().encode()).hexdigest()[:16]
 
     # -- copying and pickling: options travel, the report does not --------------------------------
     def __getstate__(self) -> dict:
@@ -315,4 +419,19 @@ def _graph_kind(graph: fx.Graph, is_inference: bool | None) -> str:
     return "inference" if is_inference else "forward"
 
 
-__all__ = ["RopeFusionPass", "CacheCounter", "source_hash", "log"]
+def _misconfigured(got: Any, what: str) -> str:
+    """What to do instead, when the pass (or its class) was given to torch.compile as something it is not."""
+    import rope_fusion
+
+    ways = ['torch.compile(f, options={"post_grad_custom_post_pass": rope_fusion.RopeFusionPass()})',
+            "rope_fusion.install() before torch.compile(f)"]
+    if callable(getattr(rope_fusion, "backend", None)):
+        ways.append('torch.compile(f, backend=rope_fusion.backend("inductor"))')
+    if isinstance(got, fx.GraphModule):  # Dynamo calls a backend with (GraphModule, example inputs)
+        problem = f"{what} was given as a torch.compile backend; it is an Inductor post-grad pass"
+    else:  # Inductor calls the configured pass with the graph: the class was configured, not an instance
+        problem = f"{what} was called with {type(got).__name__}: configure an instance, RopeFusionPass(), not the class"
+    return f"{problem}. Use {', or '.join(ways)}"
+
+
+__all__ = ["RopeFusionPass", "CacheLedger", "source_hash", "take_in_cache_replays", "log"]

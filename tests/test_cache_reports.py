@@ -1,0 +1,110 @@
+"""A warm compile cache reports what the cold compile did: the same sites, kernels, near misses, table and log
+lines, marked "(from the compile cache)" (issue 34).
+
+On a cache hit Inductor runs no post-grad pass; the pass stores each graph's records with the compiled graph and
+a hit hands them to the pass that asked for the compile. Checked as a user meets it: the same script run twice
+in fresh processes that share one cache directory. In each, a second pass with the same options compiles the
+same model after the first: a cache hit in the same process, whose records go to that second pass only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = r"""
+import dataclasses, json, logging, torch, rope_fusion
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat((-x2, x1), -1)
+
+def model(q, k, cos, sin):
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin   # a RoPE: fuses
+    torch._dynamo.graph_break()                                             # a second graph
+    return q * cos + rotate_half(q) * cos, k * cos + rotate_half(k) * cos   # cos twice: two near misses
+
+lines = []
+class Lines(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+log = logging.getLogger("rope_fusion")
+log.setLevel(logging.INFO)
+log.addHandler(Lines())
+
+torch.manual_seed(0)
+ang = torch.rand(6, 8) * 6
+ang = torch.cat((ang, ang), -1)
+args = (torch.randn(2, 4, 6, 16), torch.randn(2, 2, 6, 16), ang.cos(), ang.sin())
+ref = model(*args)
+
+def compile_and_run(p):
+    torch._dynamo.reset()
+    del lines[:]
+    out = torch.compile(model, options={"post_grad_custom_post_pass": p})(*args)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(out, ref))
+    return list(lines)
+
+def state(p, logged):
+    r = p.report
+    c = r.cached
+    return {"sites": [dataclasses.asdict(s) for s in r.sites], "kernels": [dataclasses.asdict(k) for k in r.kernels],
+            "misses": [dataclasses.asdict(m) for m in r.misses], "table": r.table(), "summary": r.summary(),
+            "cached": [c.graphs, c.sites, c.kernels, c.misses], "graphs": r.graphs, "logged": logged}
+
+first = rope_fusion.RopeFusionPass()
+logged = compile_and_run(first)
+second = rope_fusion.RopeFusionPass()  # the same options: the same cache entries
+logged_second = compile_and_run(second)
+print(json.dumps({"first": state(first, logged), "second": state(second, logged_second)}))
+"""
+
+MARK = " (from the compile cache)"
+
+
+def _run(tmp_path) -> dict:
+    script = tmp_path / "warm_cache_script.py"  # a file: the records name its lines
+    script.write_text(SCRIPT)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), TORCHINDUCTOR_FX_GRAPH_CACHE="1")
+    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _script_line(marker: str) -> str:
+    return f"warm_cache_script.py:{next(i for i, ln in enumerate(SCRIPT.splitlines(), 1) if marker in ln)}"
+
+
+def _records(state: dict) -> tuple:
+    return state["sites"], state["kernels"], state["misses"]
+
+
+def test_a_warm_cache_reports_what_the_cold_compile_did(tmp_path):
+    cold, warm = _run(tmp_path), _run(tmp_path)
+    fresh = cold["first"]
+    # what the pass did when it ran: a q/k pair fused in graph 0, the two near misses of graph 1
+    assert len(fresh["sites"]) == 2 and len(fresh["kernels"]) == 1, fresh["table"]
+    assert [m["graph"] for m in fresh["misses"]] == [1, 1], fresh["table"]
+    assert all(s["source"].endswith(_script_line("# a RoPE")) for s in fresh["sites"]), fresh["table"]
+    assert all(m["source"].endswith(_script_line("# cos twice")) for m in fresh["misses"]), fresh["table"]
+    assert fresh["cached"] == [0, 0, 0, 0] and MARK not in fresh["table"], fresh["table"]
+    assert fresh["summary"] == "fused 2 sites in 1 kernel, 2 near misses", fresh["summary"]
+    assert fresh["logged"] == ["rope_fusion graph 0 (inference): fused 2 sites in 1 kernel, 0 near misses",
+                               "rope_fusion graph 1 (inference): fused 0 sites in 0 kernels, 2 near misses"]
+    # every later report, of this process's second pass and of both passes in the second process, is the same,
+    # each line of it marked as served by the cache
+    for name, state in (("second pass, first process", cold["second"]), ("first pass, second process",
+                        warm["first"]), ("second pass, second process", warm["second"])):
+        assert _records(state) == _records(fresh), name
+        assert state["cached"] == [2, 2, 1, 2], (name, state["table"])
+        assert state["summary"] == fresh["summary"] + MARK, (name, state["summary"])
+        assert state["table"].replace(MARK, "") == fresh["table"], (name, state["table"])
+        assert state["table"].count(MARK) == 1 + 2 + 2, (name, state["table"])  # summary, sites, misses
+        assert state["logged"] == [line + MARK for line in fresh["logged"]], (name, state["logged"])
+        assert state["graphs"] == 2, name
+    assert all("cos and sin are one table" in m["reason"] for m in fresh["misses"]), fresh["table"]
