@@ -324,12 +324,16 @@ class Acceptor:
             if r2 is not None and cb is None:
                 cb = (a, r2)
         if ca is None or cb is None or ca[0] == cb[0]:
-            return self._split_computed(e, xd, xp)
+            return None
         rebuilt = poly.add(poly.scale(poly.mul(poly.atom(ca[0]), xd) or {}, ca[1]),
                         poly.scale(poly.mul(poly.atom(cb[0]), xp) or {}, cb[1]))
         if rebuilt != e and not _close(rebuilt, e):
-            return self._split_computed(e, xd, xp)
+            return None
         return ca, cb
+
+    def _split_lane(self, e, xd, xp):
+        """`_split`, else `_split_computed`: one table atom per x lane, or a computed table's lane."""
+        return self._split(e, xd, xp) or self._split_computed(e, xd, xp)
 
     def _split_computed(self, e, xd, xp):
         """`_split` where the factors of x are tables computed in the graph (`c + c2`, the angle-sum identity
@@ -426,7 +430,7 @@ class Acceptor:
                     if want == entries[base + d] or _close(want, entries[base + d]):
                         continue
                 self.split_note = ""
-                sp = self._split(entries[base + d], xd, xp)
+                sp = self._split_lane(entries[base + d], xd, xp)
                 if sp is None:
                     if self.split_note:
                         return Rejection(TABLES, f"lane {d}: {self.split_note}")
@@ -541,7 +545,7 @@ class Acceptor:
         e0, x0 = entries[head], xl.entry(head)
         self.split_note = ""
         styles = [s for s in _pairings(half)
-                  if self._split(e0, x0, xl.entry(head + s.x_partner(0))) is not None]
+                  if self._split_lane(e0, x0, xl.entry(head + s.x_partner(0))) is not None]
         if not styles and self.split_note:
             return Rejection(TABLES, f"lane {head}: {self.split_note}")
         if not styles:
