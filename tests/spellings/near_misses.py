@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .case import B, Case, D, H, S, full_neox_tables, half_tables, rnd, rope
+from .case import B, Case, D, H, S, complex_freqs, full_neox_tables, half_tables, rnd, rope
 from .catalogue import omni_wan_rope, rotate_half
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
@@ -112,6 +112,26 @@ def lane_zero_never_written(x, cos, sin):
     return out
 
 
+def conj_x_times_freqs(x, freqs):
+    """conj(x) * freqs: each pair reflected (conj(x * conj(freqs))), not rotated."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc.conj() * freqs).flatten(3).type_as(x)
+
+
+def conj_make(dt):
+    return rnd(B, S, H, D, dtype=dt), complex_freqs(S, 1, D // 2)
+
+
+def conj_ref(x, f):
+    return rope(x, f.real, f.imag, interleaved=True, full=False)
+
+
+def gate_from_x(x, cos, sin):
+    """Tables gated by a value of x: computed from x, not a position embedding."""
+    g = torch.sigmoid(x.mean(-1, keepdim=True))
+    return x * (cos * g) + rotate_half(x) * (sin * g)
+
+
 def defined_lanes(out):
     return torch.cat([out[..., :1], out[..., 2:]], -1)
 
@@ -126,6 +146,8 @@ CASES = [
     Case("NM_pairs_at_wrong_lanes", pairs_at_wrong_lanes, il_make, il_ref, None, (bf16,)),
     Case("NM_lane_never_written", lane_never_written, il_make, None, None, (fp32,), compare=defined_lanes),
     Case("NM_lane_zero_never_written", lane_zero_never_written, il_make, il_ref, None, (bf16,)),
+    Case("NM_conj_x_times_freqs", conj_x_times_freqs, conj_make, conj_ref, None, (fp32,)),
+    Case("NM_table_gated_by_x", gate_from_x, neox_make, None, None, (fp32,)),
 ]
 
 # Not one rotation, but holding true rotations inside (an intermediate, or pieces over slices of the lanes):

@@ -76,6 +76,34 @@ def roll_with_sign(x, cos, sin):
     return x * cos + torch.roll(x, D // 2, dims=-1) * sign * sin
 
 
+def negated_tables(x, cos, sin):
+    """The rotation by the angle plus pi: both tables negated in the graph."""
+    return x * (-cos) + rotate_half(x) * (-sin)
+
+
+def negated_tables_ref(x, c, s):
+    return rope(x, -c, -s, interleaved=False, full=True)
+
+
+def roll_negative_shift(x, cos, sin):
+    """rotate_half as a roll back by D/2 (the same swap on D lanes) times a sign vector."""
+    sign = torch.cat([-torch.ones(D // 2, dtype=x.dtype), torch.ones(D // 2, dtype=x.dtype)])
+    return x * cos + torch.roll(x, -(D // 2), -1) * sign * sin
+
+
+# -- tables computed in the graph: cos(a + b), sin(a + b) from the tables of two angles
+def angle_sum_tables(x, c_a, s_a, c_b, s_b):
+    return x * (c_a * c_b - s_a * s_b) + rotate_half(x) * (s_a * c_b + c_a * s_b)
+
+
+def angle_sum_make(dt):
+    return rnd(B, S, H, D, dtype=dt), *full_neox_tables(1, S, 1, D, dtype=dt), *full_neox_tables(1, S, 1, D, dtype=dt)
+
+
+def angle_sum_ref(x, c1, s1, c2, s2):
+    return rope(x, c1 * c2 - s1 * s2, s1 * c2 + c1 * s2, interleaved=False, full=True)
+
+
 # -- NeoX with half tables (gpt-oss form): subtraction as add of a negative
 def x_half_make(dt):
     return rnd(B, S, H, D, dtype=dt), *half_tables(1, S, 1, D // 2, dtype=dt)
@@ -306,6 +334,11 @@ CASES = [
     Case("V_qk_different_tables", qk_different_tables, qk_diff_make, qk_diff_ref, E(2, IL, D, "per-lane", kernels=2)),
     Case("V_four_calls_two_tables", four_calls_two_tables, four_make, four_ref, E(4, IL, D, "per-pair", kernels=2)),
     Case("V_vllm_native_gathered_cache", vllm_native, vllm_make, vllm_ref, E(2, NX, RV, "per-pair")),
+    Case("V_negated_tables", negated_tables, x_neox_make, negated_tables_ref,
+         E(1, NX, D, "per-lane", conj=True), (fp32,)),  # read as the inverse rotation by -cos and sin
+    Case("V_roll_back_with_sign_vector", roll_negative_shift, x_neox_make, x_neox_ref, E(1, NX, D, "per-lane")),
+    Case("V_angle_sum_tables_in_graph", angle_sum_tables, angle_sum_make, angle_sum_ref, E(1, NX, D, "per-lane"),
+         (fp32,)),
 ]
 
 # May fuse (it is a rotation) or be left alone (roll is opaque to the lane algebra): both are correct, but a
