@@ -114,3 +114,37 @@ def test_q_and_k_that_compute_in_different_dtypes_are_separate_launches():
     assert len(rep.sites) == 2 and len(rep.kernels) == 2 and not rep.errors, rep.table()
     _bit_exact(fn, args, out)
     check_numerics(fn, args, out)
+
+
+def norm_in_fp64_rotation_in_fp32(x, w, c, s):
+    xn = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w).float()
+    return xn * c + rot_half(xn) * s
+
+
+def norm_and_rotation_in_fp32_on_fp64_data(x, w, c, s):
+    xf = x.float()
+    xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
+    return (xn * c + rot_half(xn) * s).double()
+
+
+def norm_and_rotation_in_fp64(x, w, c, s):
+    """Both functions above without their casts, on fp64 inputs: the reference (conftest.fp64_eval would keep
+    their `.float()`, and with it an fp32 norm)."""
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    return xn * c + rot_half(xn) * s
+
+
+@pytest.mark.parametrize("fn", [norm_in_fp64_rotation_in_fp32, norm_and_rotation_in_fp32_on_fp64_data])
+def test_a_folded_norm_on_fp64_data_keeps_fp64_math(fn):
+    """Under a folded norm the op cannot round as the graph's fp32 norm does (plain compile does not either), so
+    fp64 data keeps the op's fp64 math: never less accurate than eager, which an fp64 result requires."""
+    torch.manual_seed(0)
+    args = (torch.randn(2, 16, 4, 64, dtype=torch.float64), torch.randn(64, dtype=torch.float64),
+            torch.randn(16, 1, 64), torch.randn(16, 1, 64))
+    out, p = compile_with_pass(fn, *args)
+    rep = p.report
+    assert len(rep.sites) == 1 and rep.sites[0].norm == "rms folded" and not rep.errors, rep.table()
+    ref = norm_and_rotation_in_fp64(*(a.double() for a in args))
+    eager = fn(*args)
+    assert out.dtype == eager.dtype
+    assert rel_err(out, ref) <= rel_err(eager, ref) + torch.finfo(out.dtype).eps

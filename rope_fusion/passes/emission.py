@@ -403,7 +403,10 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
         if gathered is not None:
             cos, sin, positions = gathered
         params = params_of(m0)
-        computes = _group_arithmetic_dtype(group, nodes, depends_on)
+        # the dtype the graph computes the rotation in; under a folded norm the op cannot round as the graph's
+        # norm does (plain compile's does not either) and keeps fp64 wherever the subgraph has it (`wide`):
+        # in fp32 it was then less accurate than eager at times, which the contract does not allow
+        computes = _group_arithmetic_dtype(group, nodes, depends_on) if norms is None else None
         wide = m0.wide if computes is None else computes == torch.float64
         fp64_math = wide and params.out_dtype in (torch.float32, torch.float64)
         if gathered is None:
