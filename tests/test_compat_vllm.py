@@ -1,0 +1,103 @@
+"""rope_fusion.compat.vllm against vLLM 0.33's own rotary layers (`get_rope(...).forward_native`) on the CPU.
+
+`rotary_embedding` rotates query and key in place as vLLM's `_C.rotary_embedding` does; it is checked against the
+layer's `forward_native` on the same cache, within the numerics contract (docs/design.md section 2), for NeoX and
+GPT-J pairs, full and partial rotary, flat [T, H * D] and [T, H, D] inputs, and key None. MRoPE
+(`mrope_rotary_embedding`) against `MRotaryEmbedding.forward_native`, chunked (Qwen2-VL) and interleaved
+(Qwen3-VL) sections and 1-D text positions. vLLM's layers import lazily; without them the tests skip.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+from compat_helpers import assert_pass_matches_dropin, dropin_calls
+from conftest import check_numerics, compile_with_pass
+
+from rope_fusion.compat import vllm as compat_vllm
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+T, HQ, HK, MAX_POS = 7, 4, 2, 64
+
+
+@pytest.fixture(scope="module")
+def make_layer():
+    try:
+        from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+        from vllm.model_executor.layers.rotary_embedding import get_rope
+    except Exception as e:  # missing vLLM or its Python deps
+        pytest.skip(f"vLLM's rotary layers are not importable here: {type(e).__name__}: {e}")
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    cfg.model_config = types.SimpleNamespace(max_model_len=MAX_POS)
+
+    def make(head_size, neox=True, rope=None, dtype=torch.float32):
+        with set_current_vllm_config(cfg):
+            return get_rope(head_size, max_position=MAX_POS, is_neox_style=neox, rope_parameters=rope, dtype=dtype)
+    return make
+
+
+def _cache(layer, query):
+    return layer._match_cos_sin_cache_dtype(query)
+
+
+def _in_place(positions, q, k, layer):
+    """The drop-in as vLLM calls its _C op: on clones, rotated in place, returned."""
+    q, k = q.clone(), None if k is None else k.clone()
+    ret = compat_vllm.rotary_embedding(positions, q, k, layer.head_size, _cache(layer, q), layer.is_neox_style)
+    assert ret is None
+    return q, k
+
+
+@pytest.mark.parametrize("layout", ["flat", "heads", "key-none"])
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding(make_layer, layout, neox, partial, dtype):
+    D = 64
+    layer = make_layer(D, neox, {"partial_rotary_factor": partial} if partial != 1.0 else None, dtype)
+    positions = torch.randint(0, MAX_POS, (T,))
+    shape = (lambda h: (T, h, D)) if layout == "heads" else (lambda h: (T, h * D))
+    q, k = torch.randn(shape(HQ)).to(dtype), torch.randn(shape(HK)).to(dtype)
+    if layout == "key-none":
+        out = _in_place(positions, q, None, layer)
+        assert out[1] is None
+        check_numerics(lambda p, q: layer.forward_native(p, q, None)[0], (positions, q), out[0])
+        return
+    out = _in_place(positions, q, k, layer)
+    check_numerics(lambda p, q, k: layer.forward_native(p, q, k), (positions, q, k), out)
+
+
+def test_rotary_embedding_bad_cache(make_layer):
+    q = torch.randn(T, HQ * 32)
+    with pytest.raises(ValueError, match="rot_dim <= head_size"):
+        compat_vllm.rotary_embedding(torch.zeros(T, dtype=torch.long), q, None, 32, torch.randn(MAX_POS, 64), True)
+
+
+@pytest.mark.parametrize("section,interleaved", [([16, 24, 24], False), ([24, 20, 20], True)])
+@pytest.mark.parametrize("text_only", [False, True])
+def test_mrope(make_layer, section, interleaved, text_only):
+    D = 128
+    layer = make_layer(D, True, {"mrope_section": section, "mrope_interleaved": interleaved})
+    positions = torch.randint(0, MAX_POS, (T,) if text_only else (3, T))
+    q, k = torch.randn(T, HQ * D), torch.randn(T, HK * D)
+
+    def mine(p, q, k):
+        return compat_vllm.mrope_rotary_embedding(p, q, k, D, layer.cos_sin_cache, True, section, interleaved)
+
+    check_numerics(lambda p, q, k: layer.forward_native(p, q, k), (positions, q, k), mine(positions, q, k))
+
+
+@pytest.mark.parametrize("neox,partial", [(True, 1.0), (False, 0.5)])
+def test_pass_emits_dropin_params(make_layer, neox, partial):
+    D = 64
+    layer = make_layer(D, neox, {"partial_rotary_factor": partial} if partial != 1.0 else None)
+    positions = torch.randint(0, MAX_POS, (T,))
+    q, k = torch.randn(T, HQ * D), torch.randn(T, HK * D)
+    fn = lambda p, q, k: layer.forward_native(p, q, k)  # noqa: E731
+    out, p = compile_with_pass(fn, positions, q, k)
+    check_numerics(fn, (positions, q, k), out)
+    calls = dropin_calls(lambda p, q, k: _in_place(p, q, k, layer), positions, q, k)
+    assert_pass_matches_dropin(p.report, calls, 2, p.report.table())
