@@ -8,12 +8,14 @@ of their own computation, with the most specific reason.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
 from . import lane_rules  # noqa: F401  (registers the transfer rules)
 from .lanes import LaneInterpreter, LaneValue
-from .matcher import Acceptor, Match, looks_like_rotation
+from .matcher import SCAN_LANES, Acceptor, Match, looks_like_rotation
 
 aten = torch.ops.aten
 
@@ -120,11 +122,12 @@ def near_misses(acc: Acceptor, accepted: dict, rejected: dict) -> list[tuple[fx.
         return []
     interp = acc.interp
     held = _inside_proofs(interp, accepted, rejected) | _built_on(interp, accepted, rejected)
-    remaining = [n for n in rejected if n not in held]
+    remaining = [n for n in rejected if n not in held and _pairs_lanes(interp.values.get(n))]
     below = _rejected_below(interp, set(remaining))
+    inner = set().union(*below.values())  # rejected values that another is computed from
     out, reported = [], set()
     for node in remaining:
-        if any(node in below[r] for r in remaining if r is not node):
+        if node in inner:
             continue  # not the outermost of its chain
         chain = [node, *below[node]]
         best = max(chain, key=lambda n: (getattr(rejected[n], "stage", 0), acc.order[n]))
@@ -132,6 +135,45 @@ def near_misses(acc: Acceptor, accepted: dict, rejected: dict) -> list[tuple[fx.
             reported.add(best)
             out.append((best, rejected[best]))
     return out
+
+
+def _pairs_lanes(v) -> bool:
+    """Whether some lane adds two products that each read one lane of one tensor, two lanes less than a row of
+    the value apart (x[d]*C and x[p]*S, as a RoPE's lanes do, within a head); True for a value without lanes.
+    A row is the last grid dim, or the last two where the last is a pair (interleaved, complex).
+
+    The screen that sends values to the acceptor is coarser, and linear by design (`looks_like_rotation`); it
+    also passes values that are no rotation and no RoPE written wrong, which must not read as near misses
+    (they did in CLVP, Wan and LTX once misses were no longer hidden by any fused rotation in the graph): a
+    gated unit of one projection, `h * gelu(g)` of its two halves, whose decomposed GELU sums products that
+    each read both h[d] and g[d]; and a DiT's modulation, `norm(x) * (1 + scale) + shift` with scale and shift
+    chunks of one tensor (`table + embedding` per chunk), whose products read chunks a row or more apart.
+    Run on rejected values only, with at most `PRODUCTS` products a lane."""
+    if not isinstance(v, LaneValue):
+        return True
+    grid = v.grid
+    width = (grid[-1] if grid[-1] > 2 else math.prod(grid[-2:])) if grid else 1
+    for e in v.entries[:SCAN_LANES]:
+        reads = []  # per product: source -> the one lane of it the product reads (sources read once)
+        for mono in e or ():
+            if len(mono) < 2:
+                continue
+            count: dict = {}
+            for atom in mono:
+                count[atom[:3]] = count.get(atom[:3], 0) + 1
+            reads.append({atom[:3]: atom[3] for atom in mono if count[atom[:3]] == 1})
+            if len(reads) == PRODUCTS:
+                break
+        for i, first in enumerate(reads):
+            for second in reads[i + 1:]:
+                for src, lane in first.items():
+                    other = second.get(src)
+                    if other is not None and 0 < abs(lane - other) < width:
+                        return True
+    return False
+
+
+PRODUCTS = 16  # products of a lane that `_pairs_lanes` compares pairwise (a RoPE lane has two)
 
 
 def _computed(interp: LaneInterpreter, node: fx.Node) -> bool:
