@@ -12,6 +12,6 @@ options (docs/compat.md maps every one):
 The modules import nothing from their upstreams: they run where the upstream is not installed.
 """
 
-from . import diffusers, flash_attn, transformers, vllm  # noqa: F401
+from . import diffusers, flash_attn, transformers, vllm, vllm_omni  # noqa: F401
 
-__all__ = ["diffusers", "flash_attn", "transformers", "vllm"]
+__all__ = ["diffusers", "flash_attn", "transformers", "vllm", "vllm_omni"]
