@@ -51,6 +51,16 @@ def test_wan(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_helios_against_diffusers(dtype):
+    helios = pytest.importorskip("diffusers.models.transformers.transformer_helios")
+    x = torch.randn(B, S, H, D).to(dtype)
+    lanes = (torch.rand(B, S, D // 2) * 6).repeat_interleave(2, -1)
+    freqs_cis = torch.cat((lanes.cos(), lanes.sin()), -1)  # [B, S, 2D]: cos, then sin
+    out = vllm_omni.apply_rotary_emb_helios(x, freqs_cis)
+    check_numerics(helios.apply_rotary_emb_transposed, (x, freqs_cis), out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("batched_tables", [False, True])
 @pytest.mark.parametrize("rotary_dim", [D, D // 2])

@@ -4,6 +4,8 @@ Implementations Across Models" lists; docs/compat.md maps the rest).
 - `apply_rotary_emb_wan(hidden_states, freqs_cos, freqs_sin)` (Wan 2.2): x [B, S, H, D], full-width tables
   repeated per pair; upstream reads cos from the even lanes and sin from the odd ones, and so does this: the
   op takes the strided views `freqs_cos[..., 0::2]` / `freqs_sin[..., 1::2]` as half tables of interleaved pairs.
+- `apply_rotary_emb_helios(hidden_states, freqs_cis)` (Helios, diffusers' `apply_rotary_emb_transposed`):
+  freqs_cis holds the full-width cos, then the full-width sin, on its last dim; otherwise Wan's pairing.
 - `apply_rotary_emb_qwen(x, freqs_cis, use_real=True, use_real_unbind_dim=-1)` (Qwen-Image): diffusers' function
   for x [B, S, H, D]: real tables broadcast as [1, 1, S, D]; complex freqs_cis unsqueezed at dim 1.
 - `apply_rotary_emb_torch(x, cos, sin, interleaved=False)` (the shared `diffusion/layers/rope.py`, flash-attn's
@@ -22,6 +24,11 @@ def apply_rotary_emb_wan(hidden_states: torch.Tensor, freqs_cos: torch.Tensor,
                          freqs_sin: torch.Tensor) -> torch.Tensor:
     return library.apply_rotary(hidden_states, freqs_cos[..., 0::2], freqs_sin[..., 1::2], interleaved=True,
                                 rotary_dim=hidden_states.shape[-1])
+
+
+def apply_rotary_emb_helios(hidden_states: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    cos, sin = freqs_cis.unsqueeze(-2).chunk(2, dim=-1)
+    return apply_rotary_emb_wan(hidden_states, cos, sin)
 
 
 def apply_rotary_emb_qwen(x: torch.Tensor, freqs_cis: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
