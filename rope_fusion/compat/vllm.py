@@ -16,8 +16,10 @@ from ..ops import library
 
 
 def _heads(t: torch.Tensor, num_tokens: int, head_size: int) -> torch.Tensor:
-    if t.shape[-1] % head_size and t.dim() <= 2:
-        raise ValueError(f"a tensor of shape {tuple(t.shape)} does not split into heads of {head_size}")
+    """[T, H * D] or [T, H, D] as [T, H, D] (a view where the strides allow, as vLLM's `view`)."""
+    if t.numel() % (num_tokens * head_size):
+        raise ValueError(f"a tensor of shape {tuple(t.shape)} does not split into {num_tokens} tokens of heads of "
+                         f"{head_size}")
     return t.reshape(num_tokens, -1, head_size)
 
 
@@ -36,6 +38,9 @@ def _rotate(query: torch.Tensor, key: torch.Tensor | None, head_size: int, cos: 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, head_size: int,
                      cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
     """vLLM's `_C.rotary_embedding`: rotates query and key in place; key may be None (cross-layer KV sharing).
+
+    In place means the op's result is copied back into query and key (one extra write of each), as the op is
+    functional; a caller that can take new tensors uses `mrope_rotary_embedding` with 1-D positions instead.
 
     positions: [T] (or [B, S], flattened as vLLM does); query [T, H * D] or [T, H, D]; cos_sin_cache
     [max_position, rot_dim] with rot_dim <= head_size."""
