@@ -61,7 +61,9 @@ def test_every_site_fuses_forward_and_backward(name, inner):
     compiled = torch.compile(model, backend=be)
     fused_out, fused_grads = _step(model, inputs, compiled)
     torch._dynamo.reset()
-    eager_out, eager_grads = _step(model, inputs, torch.compile(model, backend="aot_eager_decomp_partition"))
+    decomposed_out, decomposed_grads = _step(model, inputs,
+                                             torch.compile(model, backend="aot_eager_decomp_partition"))
+    eager_out, eager_grads = _step(model, inputs, model)
     model64 = model.double()
     ref_out, ref_grads = _step(model64, {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point()
                                          else v for k, v in inputs.items()}, model64)
@@ -80,10 +82,13 @@ def test_every_site_fuses_forward_and_backward(name, inner):
 
     assert len(fused_out) == len(ref_out) and len(fused_grads) == len(ref_grads) > 0
     eps = torch.finfo(torch.float32).eps
-    for what, fused, eager, ref in (("output", fused_out, eager_out, ref_out),
-                                    ("gradient", fused_grads, eager_grads, ref_grads)):
-        for i, (f, e, x) in enumerate(zip(fused, eager, ref)):
-            assert _rel(f, x) <= _rel(e, x) + eps, f"{what} {i}: {_rel(f, x):.3g} > {_rel(e, x):.3g} + eps"
+    # the contract against what the model gets without the pass: eager, or compiled through AOTAutograd with
+    # Inductor's whole decomposition table (the backend keeps some ops whole, so either summation order is fair)
+    for what, fused, eager, decomposed, ref in (("output", fused_out, eager_out, decomposed_out, ref_out),
+                                                ("gradient", fused_grads, eager_grads, decomposed_grads, ref_grads)):
+        for i, (f, e, d, x) in enumerate(zip(fused, eager, decomposed, ref)):
+            base = max(_rel(e, x), _rel(d, x))
+            assert _rel(f, x) <= base + eps, f"{what} {i}: {_rel(f, x):.3g} > {base:.3g} + eps"
 
 
 def _qk(q, k, cos, sin):
