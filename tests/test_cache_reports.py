@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
@@ -84,6 +86,7 @@ def _records(state: dict) -> tuple:
     return state["sites"], state["kernels"], state["misses"]
 
 
+@pytest.mark.slow  # two fresh processes, each a real compile
 def test_a_warm_cache_reports_what_the_cold_compile_did(tmp_path):
     cold, warm = _run(tmp_path), _run(tmp_path)
     fresh = cold["first"]

@@ -21,6 +21,8 @@ from conftest import rel_err
 
 from examples.distributed_attention import Case, Sizes, make_inputs
 
+pytestmark = pytest.mark.slow  # one two-rank launch of about 30 s: CI runs it with -m slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "distributed_attention.py")
 WORLD = 2

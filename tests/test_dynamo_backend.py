@@ -48,8 +48,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-@pytest.mark.parametrize("name,inner", [("wan", "eager"), ("helios", "aot_eager"), ("flux", "eager"),
-                                        ("llama", "aot_eager")])
+@pytest.mark.parametrize("name,inner", [("wan", "eager"),  # the rest are real-model compiles of a minute: -m slow
+                                        pytest.param("helios", "aot_eager", marks=pytest.mark.slow),
+                                        pytest.param("flux", "eager", marks=pytest.mark.slow),
+                                        pytest.param("llama", "aot_eager", marks=pytest.mark.slow)])
 def test_every_site_fuses_forward_and_backward(name, inner):
     entry = by_name(name)
     torch.manual_seed(0)
