@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 
+import pytest
 import torch
 
 import rope_fusion
@@ -108,3 +110,30 @@ def check_unchanged(fn, args, out, compare=None, context: str = "") -> None:
         eps = torch.finfo(b.dtype).eps
         torch.testing.assert_close(compare(a), compare(b), rtol=8 * eps, atol=8 * eps,
                                    msg=lambda m, i=i: f"output {i}: {m}\n{context}")
+
+
+_TRITON_LANGUAGE = ("triton.language", "triton.language.core", "triton.language.math", "triton.language.standard")
+
+
+@pytest.fixture(autouse=True)
+def _triton_language_restored():
+    """Triton's interpreter patches `triton.language`'s builtins while it runs a kernel, and some runs leave them
+    patched (seen after tests/test_eager_op.py: 68 builtins of triton.language.core). A compiled kernel analysed
+    later (torch's TTIR analysis of flash-attn's rotary_kernel in tests/test_kernel_*.py) then fails, so every
+    test gets the modules back as it found them."""
+    saved = {}
+    for name in _TRITON_LANGUAGE:
+        mod = sys.modules.get(name)
+        if mod is not None:
+            saved[name] = (mod, dict(vars(mod)))
+    tensor = getattr(sys.modules.get("triton.language.core"), "tensor", None)
+    tensor_attrs = dict(vars(tensor)) if tensor is not None else None
+    yield
+    for mod, attrs in saved.values():
+        for k, v in attrs.items():
+            if vars(mod).get(k, v) is not v:
+                setattr(mod, k, v)
+    if tensor is not None:
+        for k, v in tensor_attrs.items():
+            if vars(tensor).get(k, v) is not v:
+                setattr(tensor, k, v)
