@@ -7,11 +7,15 @@ on an NPU graph, a site becomes those ops in the graph, not the bridge op of ker
 it runs. The case analysis is the bridge's (kernels/npu.py: `apply_layout`, `rotary_mul_layout`, the documented
 layouts, dtypes, head dims and sizes), made on the fake values of the graph before any node is created:
 
-- q and k of one launch, NeoX ('half'), fully rotated, head dim 64 or 128, one dtype throughout:
-  `npu_apply_rotary_pos_emb(q, k, cos, sin, layout, "half")` with layout BSND (4-D) or TND (3-D). TorchAir's GE
-  converter lists BSH/BSND/SBND/BNSD and no TND, so under GE a [T, N, D] pair is passed as BSND [1, T, N, D]
-  (the same memory). The op writes q and k in place: it gets fresh contiguous copies, and tables expanded to
-  its [B, S, 1, D] / [T, 1, D] form.
+- under TorchAir's graph mode (GE) only, q and k of one launch, NeoX ('half'), fully rotated, head dim 64 or
+  128, one dtype throughout: `npu_apply_rotary_pos_emb(q, k, cos, sin, layout, "half")` with layout BSND (4-D)
+  or TND (3-D). GE's converter lists BSH/BSND/SBND/BNSD and no TND, so a [T, N, D] pair is passed as BSND
+  [1, T, N, D] (the same memory). The op writes q and k in place: it gets fresh contiguous copies, and tables
+  expanded to its [B, S, 1, D] / [T, 1, D] form. Its schema declares no alias, yet it returns its inputs; a graph
+  that runs node by node (npugraph_ex, aclgraph, vllm-ascend's fusion pass manager) goes through AOTAutograd's
+  first-call check of custom ops, which rejects such an op (torch 2.13: an error where
+  `error_on_custom_op_aliasing` is set, as it is when `CI` is, a deprecation warning otherwise). GE converts the
+  node and never dispatches it, so only GE takes it; elsewhere q and k are one `npu_rotary_mul` each.
 - otherwise one `npu_rotary_mul(x, r1, r2, mode)` per tensor, mode 'half' or 'interleave', on x padded to 4-D with
   views and tables of full width (half tables duplicated, `[c, c]` or `c0 c0 c1 c1 ...`: a table-sized copy),
   where `rotary_mul_layout` finds a documented BNSD/BSND/SBND layout for x and the table; a partial rotation
@@ -90,7 +94,7 @@ def _plan(call: RotaryCall, fake_mode, ge: bool) -> tuple:
     if cos.dtype != sin.dtype:
         raise NotTaken(f"cos is {cos.dtype} and sin {sin.dtype}: the NPU ops take one table dtype")
     kw = dict(interleaved=p.interleaved, rotary_dim=p.rotary_dim, full_tables=p.full_tables, out_dtype=p.out_dtype)
-    if len(xs) == 2:
+    if len(xs) == 2 and ge:  # only GE: see the module docstring on the op's aliasing
         layout = npu.apply_layout(*xs, cos, sin, **kw)
         if layout is not None:
             return "apply", layout
