@@ -16,7 +16,7 @@ graph has changed, and a graph it leaves alone gets no guard from it. A data-dep
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -177,3 +177,19 @@ def chain_back(node: fx.Node, through) -> list:
         node = node.args[0]
         out.append(node)
     return out
+
+
+def nearest_upstream(node: fx.Node, found: Callable[[fx.Node], bool], limit: int) -> fx.Node | None:
+    """The nearest node at or before `node` (breadth first through every input) for which `found` holds, within
+    `limit` nodes visited, else None: a bounded look back that keeps a wide graph cheap."""
+    seen, queue, i = {node}, [node], 0
+    while i < len(queue) and i < limit:
+        n = queue[i]
+        i += 1
+        if found(n):
+            return n
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                queue.append(a)
+    return None

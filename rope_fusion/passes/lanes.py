@@ -452,16 +452,7 @@ class LaneInterpreter:
 
 def _reaches(node: fx.Node, names: tuple, limit: int) -> bool:
     """Whether `node` is computed from an op named in `names`, within `limit` nodes searched back."""
-    seen, stack = {node}, [node]
-    while stack and len(seen) <= limit:
-        n = stack.pop()
-        if _op_name(n) in names:
-            return True
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                stack.append(a)
-    return False
+    return fx_util.nearest_upstream(node, lambda n: _op_name(n) in names, limit) is not None
 
 
 def _node_is_wide(node) -> bool:

@@ -853,14 +853,8 @@ def _reads_lane(e: dict | None, xd: dict) -> bool:
 
 def _one_more(mono: tuple, sub: tuple):
     """The atom that `mono` has beyond the monomial `sub`, or None."""
-    if len(mono) != len(sub) + 1:
-        return None
-    rest = list(mono)
-    for a in sub:
-        if a not in rest:
-            return None
-        rest.remove(a)
-    return rest[0]
+    rest = _without(mono, sub) if len(mono) == len(sub) + 1 else None
+    return rest[0] if rest else None
 
 
 def _carried_from(x: fx.Node) -> list:

@@ -13,6 +13,8 @@ import re
 import torch
 import torch.fx as fx
 
+from .fx_util import nearest_upstream
+
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ROLES = (("q", re.compile(r"^(?:x?q|quer(?:y|ies))(?:_.*)?$|^.*_(?:q|query)$")),
@@ -47,17 +49,8 @@ def source_line(node: fx.Node) -> str:
 def arithmetic_node(node: fx.Node, limit: int = 64) -> fx.Node:
     """The nearest add/mul with a stack trace at or before `node`: the replaced node may be a view or transpose
     that the model applies afterwards (attention dispatch code), which is not where the RoPE was written."""
-    seen, queue, i = {node}, [node], 0
-    while i < len(queue) and i < limit:
-        n = queue[i]
-        i += 1
-        if n.target in _ARITHMETIC and n.meta.get("stack_trace"):
-            return n
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                queue.append(a)
-    return node
+    found = nearest_upstream(node, lambda n: n.target in _ARITHMETIC and bool(n.meta.get("stack_trace")), limit)
+    return node if found is None else found
 
 
 def rotation_source(node: fx.Node) -> str:
