@@ -3,12 +3,15 @@
 flash-attn's layout: x [B, S, H, D] (or packed [T, H, D] with `cu_seqlens`), tables cos/sin [S_ro, R/2] with
 R = 2 * cos.shape[-1] <= D; lanes past R pass through. Sequence b's token s reads table row
 s + seqlen_offsets (an int, or one offset per sequence, [B]). A plain int offset slices the tables; per-sequence
-offsets and packed sequences become per-token positions, which the op gathers (its `positions` form), so the
-tables are never expanded.
+offsets become per-token positions, which the op gathers (its `positions` form), so the tables are never
+expanded. Packed sequences go to the op's own packed form (`cu_seqlens`, `seqlen_offsets`), which derives each
+token's row.
 
 One difference, on purpose: flash-attn's kernel rotates a row past the end of the tables by cos=1, sin=0 (it
 leaves it unrotated). Here such a row raises: an offset past the tables is a caller's bug, and a silent
-pass-through would hide it. A static int offset is checked here; gathered positions are bounds-checked by the op.
+pass-through would hide it. A static int offset is checked here; gathered positions and packed sequences' rows
+are bounds-checked by the op. So is a token that no sequence of `cu_seqlens` holds, which flash-attn leaves
+unwritten.
 """
 
 from __future__ import annotations
@@ -16,19 +19,6 @@ from __future__ import annotations
 import torch
 
 from ..ops import library
-
-
-def _sequence_positions(cu_seqlens: torch.Tensor, total: int, offsets: int | torch.Tensor) -> torch.Tensor:
-    """Each packed token's table row: its index within its sequence plus its sequence's offset."""
-    tokens = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    n_seq = cu_seqlens.shape[0] - 1
-    seq = (torch.searchsorted(cu_seqlens, tokens, right=True) - 1).clamp_(0, max(n_seq - 1, 0))
-    positions = tokens - cu_seqlens[seq]
-    if isinstance(offsets, torch.Tensor):
-        positions = positions + offsets.to(positions.dtype)[seq]
-    else:
-        positions = positions + offsets
-    return positions
 
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
@@ -64,8 +54,8 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
     else:
         if x.dim() != 3:
             raise ValueError(f"x must be [total_seqlen, nheads, headdim] with cu_seqlens, got {tuple(x.shape)}")
-        positions = _sequence_positions(cu_seqlens, x.shape[0], seqlen_offsets)[:, None]  # [T, 1] against [T, H]
-        out = library.apply_rotary(x, cos, sin, positions=positions, interleaved=interleaved, rotary_dim=rotary_dim)
+        out = library.apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets,
+                                   interleaved=interleaved, rotary_dim=rotary_dim)
     if inplace:
         x[..., :rotary_dim].copy_(out[..., :rotary_dim])
         return x

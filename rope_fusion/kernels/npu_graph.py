@@ -20,7 +20,8 @@ layouts, dtypes, head dims and sizes), made on the fake values of the graph befo
   views and tables of full width (half tables duplicated, `[c, c]` or `c0 c0 c1 c1 ...`: a table-sized copy),
   where `rotary_mul_layout` finds a documented BNSD/BSND/SBND layout for x and the table; a partial rotation
   rotates the head slice and concatenates the tail, a pass-through head is concatenated in front, conjugate
-  negates sin, cache rows picked by positions are gathered first, angle tables take cos and sin (fp32) first.
+  negates sin, cache rows picked by positions are gathered first (packed sequences: by the positions that
+  ops/packed.py's ATen ops derive from cu_seqlens, emitted before them), angle tables take cos and sin (fp32) first.
 - anything else (a folded norm, de-interleaved output, NeoX within blocks, symbolic sizes, x of more than 4 dims,
   a table broadcast the docs do not list, dtypes outside fp16/bf16/fp32) raises `NotTaken` with the reason, before
   any node is made; the caller decides what the site becomes (kept as the rope_fusion op, or left unfused).
@@ -38,6 +39,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..ops import packed
 from ..ops.schema import RotaryCall
 from ..passes.fx_util import as_int
 from . import npu
@@ -82,12 +84,13 @@ def _plan(call: RotaryCall, fake_mode, ge: bool) -> tuple:
         raise NotTaken("the NPU ops pair NeoX lanes across the whole rotary dim, not within blocks")
     vals = [x.meta["val"] for x in call.xs]
     cos, sin = call.cos.meta["val"], call.sin.meta["val"]
-    if any(_static(v.shape) is None for v in (*vals, cos, sin)) or (
-            call.positions is not None and _static(call.positions.meta["val"].shape) is None):
+    rows = call.positions.meta["val"].shape if call.positions is not None else \
+        packed.positions_shape(vals[0]) if call.cu_seqlens is not None else None
+    if any(_static(v.shape) is None for v in (*vals, cos, sin)) or (rows is not None and _static(rows) is None):
         raise NotTaken("symbolic sizes: the NPU ops' layout rules need concrete sizes")
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        if call.positions is not None:
-            cos, sin = (t.new_empty((*call.positions.meta["val"].shape, t.shape[-1])) for t in (cos, sin))
+        if rows is not None:
+            cos, sin = (t.new_empty((*rows, t.shape[-1])) for t in (cos, sin))
         if p.angle_tables:
             cos = sin = cos.new_empty(cos.shape, dtype=torch.float32)
         xs = [v[..., p.rotary_offset:] for v in vals]
@@ -124,8 +127,11 @@ def emit(em, call: RotaryCall, like: fx.Node, ge: bool = False) -> list:
     c = lambda target, *args, **kwargs: em.call(target, args, kwargs, like=like)
 
     cos, sin = call.cos, call.sin
-    if call.positions is not None:  # the cache rows as the graph's own indexing gathers them
-        cos, sin = (c(aten.index.Tensor, t, [call.positions]) for t in (cos, sin))
+    positions = call.positions
+    if call.cu_seqlens is not None:
+        positions = packed.graph_positions(em, call.xs[0], call.cu_seqlens, call.seqlen_offsets, like)
+    if positions is not None:  # the cache rows as the graph's own indexing gathers them
+        cos, sin = (c(aten.index.Tensor, t, [positions]) for t in (cos, sin))
     if p.angle_tables:  # the tables are cos and sin of one angle tensor, computed in fp32
         angle = c(prims.convert_element_type.default, cos, torch.float32)
         cos, sin = c(aten.cos.default, angle), c(aten.sin.default, angle)

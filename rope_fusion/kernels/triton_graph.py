@@ -11,6 +11,9 @@ The node records its inputs' fake values as `eager_input_vals`: the launch was p
 strides (they are constants of the call), and only with eager values does Inductor require exact strides
 of a user kernel's inputs; without them it keeps just their stride order, free to hand the kernel a
 re-laid-out copy (a dense copy of a strided view, say) whose strides the kernel would misread.
+
+Packed sequences (`cu_seqlens`) are traced with their positions (ops/packed.py): the ATen ops that derive them
+become nodes before the kernel, which takes them as positions. Under symbolic sizes such a call is not planned.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch._higher_order_ops.triton_kernel_wrap import (
     triton_kernel_wrapper_mutation,
 )
 
+from ..ops.packed import unpacked
 from ..ops.schema import RotaryCall
 from .triton_rotary import launch
 
@@ -58,7 +62,7 @@ def emit_triton(graph: fx.Graph, fake_mode: Any, call: RotaryCall, like: fx.Node
         full = [None] * len(call.tensors())
         for slot, a in zip(slots, args):
             full[slot] = a
-        c = RotaryCall.parse(full, call.params.kwargs(), n)
+        c = unpacked(RotaryCall.parse(full, call.params.kwargs(), n))  # packed sequences: their positions, traced
         return tuple(launch(c.xs, c.cos, c.sin, c.params, c.positions, c.norm_weights))
 
     with fake_mode, enable_python_dispatcher():
@@ -180,8 +184,8 @@ class _SymbolicPlan:
     def of(cls, call: RotaryCall, inputs: list, vals: list, fake_mode: Any) -> _SymbolicPlan | None:
         from .triton_rotary import NORM_FIRST, _make_launches, _Tables
 
-        if fake_mode is None or fake_mode.shape_env is None:
-            return None
+        if fake_mode is None or fake_mode.shape_env is None or call.cu_seqlens is not None:
+            return None  # packed sequences: positions derived on the stand-ins would not be the graph's
         env = fake_mode.shape_env
         try:
             hint = [([_hint(env, d) for d in v.shape], [_hint(env, d) for d in v.stride()]) for v in vals]

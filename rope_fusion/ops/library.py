@@ -23,8 +23,18 @@ from typing import Any
 import torch
 
 from .optional_backends import load_backends
+from .packed import eager_op, packed_positions, unpacked
 from .reference import partner_lanes, rotary_reference, table_grads
-from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, RotaryParams, check_call, op_schema, optional_tensor_names
+from .schema import (
+    OP_NAMES,
+    PACKED_NAMES,
+    TENSOR_NAMES,
+    RotaryCall,
+    RotaryParams,
+    check_call,
+    op_schema,
+    optional_tensor_names,
+)
 
 log = logging.getLogger("rope_fusion")
 
@@ -39,7 +49,8 @@ def _result(outs: Sequence[torch.Tensor]) -> Any:
 
 
 def reference_outputs(call: RotaryCall) -> list:
-    """The reference applied to every x of a call."""
+    """The reference applied to every x of a call (packed sequences: at their derived positions)."""
+    call = unpacked(call)
     kw = call.params.kwargs()
     return [rotary_reference(x, call.cos, call.sin, positions=call.positions, norm_weight=call.weight(i),
                              **kw).contiguous() for i, x in enumerate(call.xs)]
@@ -57,6 +68,7 @@ def _eager(impl: Impl | None, arity: int) -> Callable[..., Any]:
     def run(*args: Any, **kw: Any) -> Any:
         call = RotaryCall.parse(args, kw, arity)
         check_call(call)  # a direct call deserves the ValueError, not a kernel's failure
+        call = unpacked(call)  # packed sequences: every implementation takes their positions
         outs = impl(call) if impl is not None else None
         return _result(outs if outs is not None else reference_outputs(call))
     return run
@@ -73,7 +85,7 @@ def _setup_context(arity: int) -> Callable[..., None]:
         # x is needed only for the tables' gradients or a norm's; saving it otherwise costs activation memory
         keep_x = ctx.tables_need_grad or ctx.via_reference
         ctx.save_for_backward(*(call.tensors() if keep_x else
-                                (None,) * arity + (call.cos, call.sin, call.positions)))
+                                dataclasses.replace(call, xs=[None] * arity, norm_weights=None).tensors()))
     return setup
 
 
@@ -84,32 +96,37 @@ def _backward(ctx: Any, *grads: Any) -> tuple:
     recomputed here."""
     saved = ctx.saved_tensors
     call = RotaryCall.parse(saved, ctx.params.kwargs(), ctx.arity)
-    n_inputs = len(call.xs) + 3 + len(call.xs)  # xs, cos, sin, positions, one norm weight per x
+    # xs, cos, sin, positions, one norm weight per x, cu_seqlens, seqlen_offsets
+    n_inputs = len(call.xs) + 3 + len(call.xs) + 2
     if ctx.via_reference:
         return _recomputed_grads(call, grads, n_inputs)
     p = ctx.params
     back_sin = partner_lanes(call.sin, p.interleaved, p.rotary_blocks) if p.full_tables else call.sin
     inverse = [p.replace(conjugate=not p.conjugate, out_dtype=dtype) for dtype in ctx.x_dtypes]
+    packed = dict(cu_seqlens=call.cu_seqlens, seqlen_offsets=call.seqlen_offsets) if call.cu_seqlens is not None \
+        else {}
     if len(grads) > 1 and None not in grads and all(q == inverse[0] for q in inverse):  # q, k (v): one launch
-        gx = list(OPS[len(grads) - 1](*grads, call.cos, back_sin, call.positions, **inverse[0].kwargs()))
+        gx = list(OPS[len(grads) - 1](*grads, call.cos, back_sin, call.positions, **packed, **inverse[0].kwargs()))
     else:
-        gx = [None if g is None else ROTARY(g, call.cos, back_sin, call.positions, **q.kwargs())
+        gx = [None if g is None else ROTARY(g, call.cos, back_sin, call.positions, **packed, **q.kwargs())
               for g, q in zip(grads, inverse)]
     gcos = gsin = None
     if ctx.tables_need_grad:
+        positions = unpacked(call).positions
         gcos, gsin = table_grads(grads, call.xs, call.cos, call.sin, interleaved=p.interleaved,
                                  rotary_dim=p.rotary_dim, full_tables=p.full_tables, conjugate=p.conjugate,
-                                 positions=call.positions, rotary_blocks=p.rotary_blocks,
+                                 positions=positions, rotary_blocks=p.rotary_blocks,
                                  rotary_offset=p.rotary_offset)
     return (*gx, gcos, gsin, *[None] * (n_inputs - len(gx) - 2))
 
 
 def _recomputed_grads(call: RotaryCall, grads: tuple, n_inputs: int) -> tuple:
-    inputs = [*call.xs, call.cos, call.sin, call.positions, *call.norm_weights]
+    inputs = [*call.xs, call.cos, call.sin, call.positions, *call.norm_weights, call.cu_seqlens, call.seqlen_offsets]
     leaves = [t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in inputs]
     n = len(call.xs)
     with torch.enable_grad():
-        redo = RotaryCall(leaves[:n], leaves[n], leaves[n + 1], call.params, leaves[n + 2], leaves[n + 3:])
+        redo = RotaryCall(leaves[:n], leaves[n], leaves[n + 1], call.params, leaves[n + 2], leaves[n + 3:2 * n + 3],
+                          *leaves[2 * n + 3:])
         outs = reference_outputs(redo)
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
         wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -207,10 +224,17 @@ _DERIVED = ("rotary_dim", "out_dtype")  # None: derived from x
 
 
 def tensor_keywords(arity: int) -> tuple[str, ...]:
-    """The public functions' tensor keywords: positions, `norm_weight` (one weight for every rotated tensor,
-    or one per tensor) and, for q/k(/v), each tensor's own `<name>_norm_weight` (the op schema's names)."""
+    """The public functions' tensor keywords: positions, the packed sequences' cu_seqlens and seqlen_offsets,
+    `norm_weight` (one weight for every rotated tensor, or one per tensor) and, for q/k(/v), each tensor's own
+    `<name>_norm_weight` (the op schema's names)."""
     names = optional_tensor_names(arity)
-    return (names[0], "norm_weight", *(names[1:] if arity > 1 else ()))
+    own = names[1:1 + arity] if arity > 1 else ()
+    return (names[0], *PACKED_NAMES, "norm_weight", *own)
+
+
+# the public annotations of the tensor keywords that are not a plain optional tensor
+_KEYWORD_TYPES = {"norm_weight": torch.Tensor | Sequence[torch.Tensor | None] | None,
+                  "seqlen_offsets": torch.Tensor | int | None}
 
 
 def option_parameters(arity: int, params_type: type = RotaryParams) -> list[inspect.Parameter]:
@@ -219,7 +243,7 @@ def option_parameters(arity: int, params_type: type = RotaryParams) -> list[insp
     hints = typing.get_type_hints(params_type)
     out = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=torch.Tensor | None)
            for n in tensor_keywords(arity)]
-    out[1] = out[1].replace(annotation=torch.Tensor | Sequence[torch.Tensor | None] | None)
+    out = [p.replace(annotation=_KEYWORD_TYPES[p.name]) if p.name in _KEYWORD_TYPES else p for p in out]
     for f in dataclasses.fields(params_type):
         if f.default is not dataclasses.MISSING:
             default = f.default
@@ -252,6 +276,12 @@ def field_docs(params_type: type = RotaryParams) -> dict[str, str]:
 _TENSOR_DOCS = {
     "positions": "int32/int64 positions: cos and sin are [max_positions, width] caches and the tables are their "
                  "rows cos[positions], which broadcast against x like plain tables ([T, 1] for x [T, H, D]).",
+    "cu_seqlens": "int32/int64 [batch + 1]: x packs sequences back to back, [total_tokens, ..., D], sequence b "
+                  "holding tokens cu_seqlens[b] <= t < cu_seqlens[b + 1] (0 first, total_tokens last; flash-attn's "
+                  "varlen form). Token t rotates by row t - cu_seqlens[b] (+ seqlen_offsets) of the [max_positions, "
+                  "width] caches cos and sin; a row outside the caches, or a token outside every sequence, raises.",
+    "seqlen_offsets": "with cu_seqlens: the row of each sequence's first token, an int for every sequence or an "
+                      "int32/int64 [batch] tensor (default 0).",
     "norm_weight": "the norm's weight (broadcast against the lanes), for every rotated tensor; or a sequence "
                    "of one per tensor.",
 }
@@ -349,11 +379,16 @@ def _apply(xs: tuple, cos: torch.Tensor, sin: torch.Tensor, options: dict) -> An
         unknown = sorted(set(options) - keywords)
         raise TypeError(f"unknown option(s) {unknown}; expected {sorted(keywords)}")
     positions = options.pop("positions", None)
+    cu_seqlens, offsets = options.pop("cu_seqlens", None), options.pop("seqlen_offsets", None)
+    if offsets is not None and not isinstance(offsets, torch.Tensor):
+        cos, sin = _offset_caches(cos, sin, offsets, cu_seqlens)
+        offsets = None
     own = [options.pop(f"{n}_norm_weight", None) for n in TENSOR_NAMES[arity]] if arity > 1 else [None]
     weights = _weights(arity, options.pop("norm_weight", None), own)
-    tensors = (*xs, cos, sin, positions, *(weights or ()))
+    tensors = (*xs, cos, sin, positions, *(weights or ()), cu_seqlens, offsets)
     if torch.compiler.is_compiling() or not all(_is_plain(t) for t in tensors):  # traced, fake, a subclass
-        return _via_op(xs, cos, sin, positions, weights, _resolve(xs, options))
+        return _via_op(RotaryCall(list(xs), cos, sin, _resolve(xs, options), positions, weights, cu_seqlens,
+                                  offsets))
     try:
         key = (arity, tuple(sorted(options.items())), weights is None, tuple(_geometry(t) for t in tensors))
         plan = _EAGER_PLANS.get(key)
@@ -362,28 +397,46 @@ def _apply(xs: tuple, cos: torch.Tensor, sin: torch.Tensor, options: dict) -> An
     direct = _direct(tensors)
     if plan is None:
         params = _resolve(xs, options)
-        call = RotaryCall(list(xs), cos, sin, params, positions, weights)
+        call = RotaryCall(list(xs), cos, sin, params, positions, weights, cu_seqlens, offsets)
         check_call(call)
         if not direct:  # the op runs (and checks) this call; plan the direct path when one comes
-            return _via_op(xs, cos, sin, positions, weights, params)
+            return _via_op(call)
         load_backends()  # device kernels (Triton on CUDA) register on import
-        plan = _Eager(params, device_runner(call))
+        plan = _Eager(params, device_runner(unpacked(call)))  # packed sequences: planned with their positions
         if key is not None:
             if len(_EAGER_PLANS) >= _MAX_PLANS:
                 _EAGER_PLANS.clear()
             _EAGER_PLANS[key] = plan
     if direct:
+        if cu_seqlens is not None:  # each call's positions from its cu_seqlens, then the positions path
+            positions = packed_positions(eager_op, cu_seqlens, offsets, xs[0].shape[0], xs[0].dim(), xs[0].device)
         outs = plan.run(xs, cos, sin, positions, weights)
         return outs[0] if arity == 1 else tuple(outs)
-    return _via_op(xs, cos, sin, positions, weights, plan.params)
+    return _via_op(RotaryCall(list(xs), cos, sin, plan.params, positions, weights, cu_seqlens, offsets))
 
 
-def _via_op(xs: tuple, cos: torch.Tensor, sin: torch.Tensor, positions: Any, weights: Any,
-            params: RotaryParams) -> Any:
-    call = RotaryCall(list(xs), cos, sin, params, positions, weights)
+def _offset_caches(cos: torch.Tensor, sin: torch.Tensor, offset: Any, cu_seqlens: Any) -> tuple:
+    """An int `seqlen_offsets` shifts the rows of every sequence alike: the caches from that row on (views), so
+    the op's rows and their bounds check are those of the shifted caches."""
+    if isinstance(offset, bool) or not isinstance(offset, (int, torch.SymInt)):
+        raise TypeError(f"seqlen_offsets must be an int or an int32/int64 [batch] tensor, got {type(offset).__name__}")
+    if cu_seqlens is None:
+        raise ValueError("seqlen_offsets are the offsets of packed sequences: they need cu_seqlens")
+    if offset < 0:
+        raise ValueError(f"seqlen_offsets={offset}: a row offset must be >= 0")
+    if offset == 0:
+        return cos, sin
+    for arg, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"with cu_seqlens, {arg} is a [max_positions, width] cache, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    return cos[offset:], sin[offset:]
+
+
+def _via_op(call: RotaryCall) -> Any:
     check_call(call)
     load_backends()  # device kernels (Triton on CUDA) register on import
-    return OPS[len(xs) - 1](*call.tensors(), **params.kwargs())
+    return OPS[len(call.xs) - 1](*call.tensors(), **call.params.kwargs())
 
 
 _KEYWORDS = {arity: frozenset(p.name for p in option_parameters(arity)) for arity in TENSOR_NAMES}

@@ -2,7 +2,9 @@
 
 The inner function loads x at the lane and at its partner (index arithmetic with ModularIndexing, so
 every load stays in bounds) and the tables at the lane or pair index; a cache row picked by positions is a
-checked indirect index, so a position outside [0, rows) raises as plain compile does. Inductor then fuses
+checked indirect index, so a position outside [0, rows) raises as plain compile does. Packed sequences
+(`cu_seqlens`) get their positions from ops/packed.py's arithmetic applied to Inductor's own lowerings, then
+take the same path. Inductor then fuses
 the node with its neighbours (casts, norms) into one generated kernel. On the GPU this form of access is
 slower than the hand-written Triton kernel (docs/design.md section 3), so there it is chosen only where the
 cost model says fusing with neighbours wins.
@@ -18,6 +20,7 @@ from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import ModularIndexing
 
 from .library import OPS
+from .packed import packed_positions
 from .schema import RotaryCall, RotaryParams
 
 
@@ -129,15 +132,29 @@ def _rms_norm(x, p: RotaryParams, weight, cd):
     return xn
 
 
+def _packed_positions(call: RotaryCall):
+    """The positions of packed sequences as Inductor IR: the op's rule (ops/packed.py) on Inductor's lowerings of
+    the ATen ops it is spelled in, so the gathers of the sequence starts are checked as Inductor checks its own."""
+    from torch._inductor.lowering import lowerings
+
+    x = call.xs[0]
+    size = x.get_size()
+    return packed_positions(lambda target, *a, **kw: lowerings[target](*a, **kw), call.cu_seqlens,
+                            call.seqlen_offsets, size[0], len(size), x.get_device())
+
+
 def _lowering(arity: int):
     def lower(*args, **kw):
         call = RotaryCall.parse(args, kw, arity)
         p = call.params
+        positions = call.positions
+        if call.cu_seqlens is not None:
+            positions = _packed_positions(call)
         outs = []
         for i, x in enumerate(call.xs):
             if p.norm != "none":
                 x = _rms_norm(x, p, call.weight(i), _compute_dtype(x, call.cos, call.sin, p.out_dtype))
-            outs.append(_rotary_pointwise(x, call.cos, call.sin, p, call.positions))
+            outs.append(_rotary_pointwise(x, call.cos, call.sin, p, positions))
         return outs[0] if len(outs) == 1 else tuple(outs)
     return lower
 

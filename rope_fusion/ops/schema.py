@@ -86,7 +86,9 @@ def op_schema(arity: int) -> str:
     `(Tensor x, Tensor cos, Tensor sin, Tensor? positions=None, *, bool interleaved, ...) -> Tensor`.
 
     `positions` (optional): the tables are a cache gathered per token, `cos[positions]` (the vLLM / flash-attn
-    convention of a [max_pos, width] cache); the gathered tables broadcast against x like plain ones."""
+    convention of a [max_pos, width] cache); the gathered tables broadcast against x like plain ones.
+    `cu_seqlens`, `seqlen_offsets` (optional, last, so that positional calls of the other tensors keep their
+    places): x packs sequences, and the positions are derived from where each starts (ops/packed.py)."""
     hints = typing.get_type_hints(RotaryParams)
     options = ", ".join(f"{_SCHEMA_TYPES[hints[f.name]]} {f.name}{_default(f)}"
                         for f in dataclasses.fields(RotaryParams))
@@ -102,9 +104,13 @@ def _default(f: dataclasses.Field) -> str:
     return f'="{f.default}"' if isinstance(f.default, str) else f"={f.default!r}"
 
 
+PACKED_NAMES = ("cu_seqlens", "seqlen_offsets")
+
+
 def optional_tensor_names(arity: int) -> tuple:
-    """The optional tensor arguments after the tables: positions, then one norm weight per rotated tensor."""
-    return ("positions", *(f"{n}_norm_weight" for n in TENSOR_NAMES[arity]))
+    """The optional tensor arguments after the tables: positions, one norm weight per rotated tensor, then the
+    packed sequences' cu_seqlens and seqlen_offsets."""
+    return ("positions", *(f"{n}_norm_weight" for n in TENSOR_NAMES[arity]), *PACKED_NAMES)
 
 
 @dataclasses.dataclass
@@ -117,6 +123,8 @@ class RotaryCall:
     params: RotaryParams
     positions: torch.Tensor | None = None
     norm_weights: list | None = None  # one per x (None entries: no weight)
+    cu_seqlens: torch.Tensor | None = None  # packed sequences (ops/packed.py): [batch + 1] starts
+    seqlen_offsets: torch.Tensor | None = None  # and [batch] first rows
 
     @classmethod
     def parse(cls, args: Sequence[Any], kw: dict, arity: int) -> RotaryCall:
@@ -125,11 +133,12 @@ class RotaryCall:
         extra = dict(zip(names, args[arity + 2:]))
         extra.update({n: kw.pop(n) for n in names if n in kw})
         return cls(list(args[:arity]), args[arity], args[arity + 1], RotaryParams(**kw), extra.get("positions"),
-                   [extra.get(n) for n in names[1:]])
+                   [extra.get(n) for n in names[1:1 + arity]], extra.get("cu_seqlens"), extra.get("seqlen_offsets"))
 
     def tensors(self) -> tuple:
         """The op's positional tensor arguments, trailing Nones dropped."""
-        out = [*self.xs, self.cos, self.sin, self.positions, *(self.norm_weights or [None] * len(self.xs))]
+        out = [*self.xs, self.cos, self.sin, self.positions, *(self.norm_weights or [None] * len(self.xs)),
+               self.cu_seqlens, self.seqlen_offsets]
         while out[-1] is None:
             out.pop()
         return tuple(out)
@@ -145,20 +154,24 @@ def math_dtype(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
     return torch.float64 if wide and out_dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def gathered_shape(table: torch.Tensor, positions: torch.Tensor | None) -> tuple:
-    """The shape of a table as the op reads it: `table[positions]` when positions are given."""
+def gathered_shape(table: torch.Tensor, positions: torch.Tensor | tuple | None) -> tuple:
+    """The shape of a table as the op reads it: `table[positions]` when positions (or their shape) are given."""
     if positions is None:
         return tuple(table.shape)
-    return (*positions.shape, table.shape[-1])
+    return (*(positions if isinstance(positions, tuple) else positions.shape), table.shape[-1])
 
 
 def check_call(call: RotaryCall) -> None:
-    check_args(call.xs, call.cos, call.sin, call.params, call.positions, call.norm_weights)
+    check_args(call.xs, call.cos, call.sin, call.params, call.positions, call.norm_weights, call.cu_seqlens,
+               call.seqlen_offsets)
 
 
 def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
-               positions: torch.Tensor | None = None, norm_weights: Sequence | None = None) -> None:
+               positions: torch.Tensor | None = None, norm_weights: Sequence | None = None,
+               cu_seqlens: torch.Tensor | None = None, seqlen_offsets: torch.Tensor | None = None) -> None:
     """Raise ValueError naming the offending argument; shapes may be symbolic (fake tensors)."""
+    from .packed import check_packed, positions_shape
+
     names = TENSOR_NAMES[len(xs)]
     if params.norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {params.norm!r}")
@@ -185,6 +198,15 @@ def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                              "of an even width")
     if params.norm == "rms_across_heads" and any(x.dim() < 2 for x in xs):
         raise ValueError("norm='rms_across_heads' needs x with a heads dim ([..., H, D])")
+    for name, x in zip(names, xs):
+        if x.dim() < 1:
+            raise ValueError(f"{name} must have at least one dimension (the head dim), got a 0-dim tensor")
+    check_packed(xs, names, positions, cu_seqlens, seqlen_offsets)
+    if cu_seqlens is not None:
+        for arg, t in (("cos", cos), ("sin", sin)):
+            if t.dim() != 2:
+                raise ValueError(f"with cu_seqlens, {arg} is a [max_positions, width] cache, got shape "
+                                 f"{tuple(t.shape)}")
     if positions is not None:
         if positions.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"positions must be int32 or int64, got {positions.dtype}")
@@ -193,9 +215,6 @@ def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
         for arg, t in (("cos", cos), ("sin", sin)):
             if t.dim() != 2:
                 raise ValueError(f"with positions, {arg} is a [max_positions, width] cache, got shape {tuple(t.shape)}")
-    for name, x in zip(names, xs):
-        if x.dim() < 1:
-            raise ValueError(f"{name} must have at least one dimension (the head dim), got a 0-dim tensor")
     devices = {f"{n}": t.device for n, t in zip((*names, "cos", "sin"), (*xs, cos, sin))}
     if len(set(devices.values())) > 1:
         on = ", ".join(f"{n} on {d}" for n, d in devices.items())
@@ -219,9 +238,10 @@ def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
         if off + r > x.shape[-1]:
             what = f"rotary_offset + rotary_dim = {off} + {r}" if off else f"rotary_dim={r}"
             raise ValueError(f"{what} exceeds the head dim of {name} (shape {tuple(x.shape)})")
+        rows = positions if cu_seqlens is None else positions_shape(x)
         for arg, t in (("cos", cos), ("sin", sin)):
-            shape = gathered_shape(t, positions)
-            what = f"{arg}[positions] of shape {shape}" if positions is not None else f"{arg} of shape {shape}"
+            shape = gathered_shape(t, rows)
+            what = f"{arg}[positions] of shape {shape}" if rows is not None else f"{arg} of shape {shape}"
             if t.dim() < 1 or t.shape[-1] != width:
                 raise ValueError(f"{arg} must have last dim {width} (rotary_dim={r}, "
                                  f"full_tables={params.full_tables}), got shape {tuple(t.shape)}")

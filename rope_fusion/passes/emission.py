@@ -398,10 +398,12 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
         else:
             xs = inputs = [x_input(em, nodes, m) for m in group]
             weights = None
-        positions = None
+        positions = cu_seqlens = seqlen_offsets = None
+        # (cos, sin, positions), or with packed sequences (cos, sin, None, cu_seqlens, seqlen_offsets)
         gathered = m0.tables(em) if m0.tables is not None else gathered_tables(em, nodes, m0, m0.node)
         if gathered is not None:
-            cos, sin, positions = gathered
+            cos, sin, positions, *packed = gathered
+            cu_seqlens, seqlen_offsets = packed or (None, None)
         params = params_of(m0)
         # the dtype the graph computes the rotation in; under a folded norm the op cannot round as the graph's
         # norm does (plain compile's does not either) and keeps fp64 wherever the subgraph has it (`wide`):
@@ -432,7 +434,7 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
                             _narrowed(em, sin, m0.node) if sin is not cos else None)
             sin = cos if sin is None else sin
         backend, fallback = choose(site_spec(xs, cos, sin, params, m0, positions))
-        call = RotaryCall(xs, cos, sin, params, positions, weights)
+        call = RotaryCall(xs, cos, sin, params, positions, weights, cu_seqlens, seqlen_offsets)
         outs = backend.emit(em, call, m0.node)
         if outs is None:  # declined at emission (under auto only): the lowering, never a slower opaque call
             fallback = f"{backend.name}: {em.declined or 'declined at emission'}; the lowering instead"

@@ -32,8 +32,18 @@ rows s < seqlen of every (batch, head) program: p = s + SEQLEN_OFFSETS (int) or 
 cos/sin row p of the [seqlen_ro, R/2] tables, read contiguously (row stride R/2), as cos=1, sin=0 when
 p >= seqlen_ro; math in fp32 (`.to(tl.float32)`), stored to OUT's dtype; lanes >= R of OUT are not written.
 
-What is verified from the graph before a site is claimed: not varlen; X and OUT are 4-D of one shape and the
-eight stride arguments are their real strides (size-1 dims excepted); seqlen (and nheads) equal X's; the grid
+Varlen (IS_VARLEN, CU_SEQLENS [B + 1]): X and OUT are packed [T, H, D]; the program of sequence b covers rows
+s < min(cu_seqlens[b + 1] - cu_seqlens[b], grid rows) of the tokens from cu_seqlens[b] on, with `seqlen` the
+caller's max_seqlen, and reads table row s + offset as above. A site is then the op's packed form (cu_seqlens,
+docs/design.md section 2): the same rows, on the contract flash-attn's wrapper states (every sequence at most
+max_seqlen long, cu_seqlens covering the T tokens). Where a caller breaks it the kernel leaves tokens unwritten
+(garbage in `empty_like`); the op rotates a longer sequence's tokens too, and raises for a token outside every
+sequence.
+
+What is verified from the graph before a site is claimed: X and OUT are 4-D of one shape (varlen: 3-D, and the
+kernel's varlen addressing is in its source, `varlen_markers`; CU_SEQLENS a contiguous int32/int64 [B + 1]) and
+the stride arguments are their real strides (size-1 dims excepted; a varlen launch's batch strides are never
+read); seqlen (and nheads) equal X's (varlen: seqlen is max_seqlen); the grid
 covers exactly the programs the kernel needs (axes from the source; unmasked axes equal, masked ones at least);
 BLOCK_K (v1) a power of two >= R; R even, 0 < R <= D; COS and SIN are [seqlen_ro, R/2] with row stride R/2
 and seqlen_ro equals their row count; an int offset satisfies 0 <= offset and offset + S <= seqlen_ro (so no
@@ -50,10 +60,9 @@ with name != "OUT" (torch's all-inputs-mutated fallback when its TTIR analysis c
 the kernel stores only through OUT, which is checked in its source. The site's output dtype is OUT's
 (`site.node.meta["val"].dtype`).
 
-Not expressible (reported): IS_VARLEN / cu_seqlens (which rows the kernel writes, and at which positions,
-depends on the values of cu_seqlens and on max_seqlen at run time); in-place `triton_kernel_wrapper_mutation`
-(no result node; custom post-grad passes see the functional form); autotuned launches (several grids);
-anything the checks above reject.
+Not expressible (reported): a varlen kernel whose source lacks the verified varlen addressing; in-place
+`triton_kernel_wrapper_mutation` (no result node; custom post-grad passes see the functional form); autotuned
+launches (several grids); anything the checks above reject.
 """
 
 from __future__ import annotations
@@ -75,6 +84,7 @@ from .kernel_sites import (
     LOOKS_ROTARY,
     KernelMiss,
     KernelSite,
+    contiguous,
     contiguous_rows,
     eq,
     ge,
@@ -104,6 +114,7 @@ class _FaVariant:
     arg_names: tuple
     constexprs: frozenset
     markers: tuple  # whitespace-free source fragments that must all appear
+    varlen_markers: tuple = ()  # and, for a varlen launch, these: the rows and the x/OUT addressing of a sequence
 
 
 _FA_VARIANTS = (
@@ -122,6 +133,9 @@ _FA_VARIANTS = (
          "rk_swap=rk+((rk+1)%2)*2-1", "rk_repeat=tl.arange(0,BLOCK_K)//2",
          "COS=COS+(rm_cs[:,None]*rotary_dim_half+rk_repeat[None,:])",
          "out=tl.where(rk[None,:]%2==0,x0_cos-x1_sin,x0_cos+x1_sin)"),
+        ("start_idx=tl.load(CU_SEQLENS+pid_batch)", "seqlen=tl.load(CU_SEQLENS+pid_batch+1)-start_idx",
+         "X=X+start_idx*stride_x_seqlen+pid_head*stride_x_nheads",
+         "OUT=OUT+start_idx*stride_out_seqlen+pid_head*stride_out_nheads", "ifpid_m*BLOCK_M>=seqlen:return"),
     ),
     _FaVariant(
         "v2",
@@ -139,6 +153,8 @@ _FA_VARIANTS = (
          "x0,x1=tl.split(tl.reshape(x,[BLOCK_H,BLOCK_M,BLOCK_K//2,2]))",
          "o=tl.reshape(tl.join(o0,o1),[BLOCK_H,BLOCK_M,BLOCK_K])",
          "mask=(rh[:,None,None]<nheads)&(rm[None,:,None]<seqlen)"),
+        ("start_idx=tl.load(CU_SEQLENS+pid_batch)", "seqlen=tl.load(CU_SEQLENS+pid_batch+1)-start_idx",
+         "X=X+start_idx*stride_x_seqlen", "OUT=OUT+start_idx*stride_out_seqlen"),
     ),
 )
 
@@ -326,8 +342,11 @@ def _tail_is_x(out: torch.fx.Node, x: torch.fx.Node, r: int, d: int, ndim: int) 
     return _tail_slice_of(src, x, r, d, ndim)
 
 
-def _check_strides(args: dict, prefix: str, t: torch.Tensor, what: str) -> None:
-    for i, dim in enumerate(("batch", "seqlen", "nheads", "headdim")):
+def _check_strides(args: dict, prefix: str, t: torch.Tensor, what: str, varlen: bool = False) -> None:
+    """The stride arguments are t's real strides; a varlen launch's t is [T, H, D], and the kernel never reads its
+    batch strides."""
+    dims = ("seqlen", "nheads", "headdim") if varlen else ("batch", "seqlen", "nheads", "headdim")
+    for i, dim in enumerate(dims):
         if known(t.shape[i] == 1):
             continue
         if not eq(args[f"stride_{prefix}_{dim}"], t.stride(i)):
@@ -350,9 +369,15 @@ def flash_attn_site(node: torch.fx.Node, fk: FlashAttnKernel, group: int) -> Ker
     if missing:
         raise KernelMiss(f"arguments {missing} missing from the launch (autotuned configs are not supported)")
 
-    if args["CU_SEQLENS"] is not None or static_bool(args["IS_VARLEN"], "IS_VARLEN"):
-        raise KernelMiss("flash-attn rotary_kernel with IS_VARLEN: cu_seqlens and max_seqlen are not supported "
-                         "(which rows are rotated, and at which positions, depends on their run-time values)")
+    varlen = static_bool(args["IS_VARLEN"], "IS_VARLEN")
+    if varlen != (args["CU_SEQLENS"] is not None):
+        raise KernelMiss(f"IS_VARLEN={varlen} with CU_SEQLENS {'absent' if varlen else 'given'}")
+    if varlen:
+        src = re.sub(r"\s+", "", getattr(unwrap_jit(_kernel_of(node)), "src", "") or "")
+        missing = [m for m in v.varlen_markers if m not in src]
+        if missing or not v.varlen_markers:
+            raise KernelMiss(f"IS_VARLEN: the kernel's varlen addressing differs from the verified one (lacks "
+                             f"{missing[0] if missing else 'its markers'!r})")
     outs = getitems(node, "OUT")
     if not outs:
         return None  # result unused: nothing to replace
@@ -366,13 +391,24 @@ def flash_attn_site(node: torch.fx.Node, fk: FlashAttnKernel, group: int) -> Ker
             raise KernelMiss(f"{nm} is not a tensor node ({nd!r})")
     x, out = tensor_of(x_node, "X"), tensor_of(out_node, "OUT")
     cos, sin = tensor_of(cos_node, "COS"), tensor_of(sin_node, "SIN")
-    if x.dim() != 4 or tuple(out.shape) != tuple(x.shape):
-        raise KernelMiss(f"X {tuple(x.shape)} / OUT {tuple(out.shape)}: expected both [B, S, H, D] of one shape")
+    ndim = 3 if varlen else 4
+    if x.dim() != ndim or tuple(out.shape) != tuple(x.shape):
+        want = "[T, H, D] (varlen)" if varlen else "[B, S, H, D]"
+        raise KernelMiss(f"X {tuple(x.shape)} / OUT {tuple(out.shape)}: expected both {want} of one shape")
     for nm, t in (("X", x), ("OUT", out), ("COS", cos), ("SIN", sin)):
         if t.dtype not in FLOATS:
             raise KernelMiss(f"{nm} has dtype {t.dtype}; the kernel computes in fp32 and the fused op is exact only "
                              f"for fp16/bf16/fp32 inputs")
-    b, s, h, d = x.shape
+    cu_node = None
+    if varlen:  # x [T, H, D]; the batch is cu_seqlens' [B + 1]; `seqlen` is max_seqlen, the rows a program covers
+        cu_node = see_through(args["CU_SEQLENS"])
+        cu = tensor_of(cu_node, "CU_SEQLENS")
+        if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or not contiguous(cu):
+            raise KernelMiss(f"CU_SEQLENS {cu.dtype} {tuple(cu.shape)}: expected a contiguous int32/int64 [B + 1]")
+        h, d = x.shape[1:]
+        b, s = cu.shape[0] - 1, static_int(args["seqlen"], "max_seqlen")
+    else:
+        b, s, h, d = x.shape
     head_dim = static_int(d, "X's head dim")
 
     # rotary dim and block sizes
@@ -388,10 +424,10 @@ def flash_attn_site(node: torch.fx.Node, fk: FlashAttnKernel, group: int) -> Ker
             raise KernelMiss(f"nheads={value_of(args['nheads'])} is not X's head count {h}")
     if r <= 0 or r % 2 or r > head_dim:
         raise KernelMiss(f"rotary_dim={r} must be even and in (0, head_dim={head_dim}]")
-    if not eq(args["seqlen"], s):
+    if not varlen and not eq(args["seqlen"], s):
         raise KernelMiss(f"seqlen={value_of(args['seqlen'])} is not X's sequence length {s}")
-    _check_strides(args, "x", x, "X")
-    _check_strides(args, "out", out, "OUT")
+    _check_strides(args, "x", x, "X", varlen)
+    _check_strides(args, "out", out, "OUT", varlen)
 
     # tables: [seqlen_ro, R/2], read with row stride R/2
     for nm, t in (("COS", cos), ("SIN", sin)):
@@ -437,15 +473,15 @@ def flash_attn_site(node: torch.fx.Node, fk: FlashAttnKernel, group: int) -> Ker
         seqlen_offset = off_i
 
     # lanes >= R of the result
-    if r < head_dim and out_node is not x_node and not _tail_is_x(out_node, x_node, r, head_dim, 4):
+    if r < head_dim and out_node is not x_node and not _tail_is_x(out_node, x_node, r, head_dim, ndim):
         raise KernelMiss(f"the output buffer's lanes >= rotary_dim={r} are not x's (expected inplace=True or the "
                          f"wrapper's output[..., rotary_dim:].copy_(x[..., rotary_dim:]))")
 
     return KernelSite(
-        kind="flash_attn.rotary_kernel", node=outs[0], x=x_node, layout="bshd", head_dim=head_dim, rotary_dim=r,
-        interleaved=static_bool(args["INTERLEAVED"], "INTERLEAVED"),
+        kind="flash_attn.rotary_kernel", node=outs[0], x=x_node, layout="thd" if varlen else "bshd", head_dim=head_dim,
+        rotary_dim=r, interleaved=static_bool(args["INTERLEAVED"], "INTERLEAVED"),
         conjugate=static_bool(args["CONJUGATE"], "CONJUGATE"),
-        cos=cos_node, sin=sin_node, seqlen_offset=seqlen_offset, cu_seqlens=None, max_seqlen=None,
+        cos=cos_node, sin=sin_node, seqlen_offset=seqlen_offset, cu_seqlens=cu_node, max_seqlen=s if varlen else None,
         cos_sin_cache=None, positions=None, group=group, tail_from_x=True)
 
 

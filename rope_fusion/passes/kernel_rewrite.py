@@ -10,6 +10,10 @@ builder that emits the op's table arguments in the graph when the site's group i
   the tables padded with one row (cos=1, sin=0) at index seqlen_ro: a row the kernel would read past the table
   rotates by the identity, as its masked load (other=1.0 / 0.0) does. (A negative offset is undefined behaviour in
   the kernel, which reads before the table; here it reads row 0.)
+- flash-attn varlen (x [T, H, D], cu_seqlens [B + 1]): the op's packed form. An int offset o: the tables from row
+  o on and the op's `cu_seqlens` (flash-attn's host check o + max_seqlen <= seqlen_ro, verified, keeps every row
+  of a sequence within max_seqlen in the table). Offsets [B]: the positions that the op would derive
+  (ops/packed.py's ATen ops, emitted here), clamped into the tables padded with the identity row, as above.
 - vLLM `_C.rotary_embedding` / flashinfer: cos = cache[:, :R/2], sin = cache[:, R/2:] (views) and positions
   unsqueezed to [T, 1] ([B, S, 1] for [B, S] positions), so that cos[positions] broadcasts over the heads of x as the
   op reads it; a flat [T, H*D] x is split into heads by the Match's `blocks`.
@@ -43,6 +47,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..ops import packed
 from .flash_attn_sites import FlashAttnKernel, identify_launch, see_through, triton_wrappers
 from .kernel_scan import find_kernel_sites
 from .kernel_sites import KernelSite, eq, known
@@ -79,8 +84,6 @@ class _NotConvertible(Exception):
 
 def kernel_match(site: KernelSite) -> Match:
     """The Match of one kernel site (tables built by `tables(emitter)` when its group is planned)."""
-    if site.cu_seqlens is not None:
-        raise _NotConvertible("varlen rotary kernel calls are not converted")
     x = site.x.meta["val"]
     r, half = site.rotary_dim, site.rotary_dim // 2
     if site.layout in FLAT_LAYOUTS:
@@ -94,17 +97,17 @@ def kernel_match(site: KernelSite) -> Match:
         cos = TableRef(site.cos.name, 1, False, 0, 1, half)
         sin = TableRef(site.sin.name, 1, False, 0, 1, half)
         tables, key = _flash_attn_tables(site), _flash_attn_key(site)
-        extra = site.seqlen_offset
+        extra = (site.seqlen_offset, site.cu_seqlens)
     else:
         cache = site.cos_sin_cache.name
         cos = TableRef(cache, 1, False, 0, 1, half)
         sin = TableRef(cache, 1, False, half, 1, half)
         tables, key = _cache_tables(site), _cache_key(site)
-        extra = site.positions
+        extra = (site.positions,)
     return Match(node=site.node, value_k=1, blocks=blocks, x_name=site.x.name, x_k=1, x_as_real=False,
                  head_dim=site.head_dim, rotary_dim=r, interleaved=site.interleaved, full_tables=False,
                  conjugate=site.conjugate, cos=cos, sin=sin, wide=False, offset=site.rotary_offset, tables=tables,
-                 table_key=key, table_inputs=(extra,) if isinstance(extra, fx.Node) else (), origin=site.kind)
+                 table_key=key, table_inputs=tuple(e for e in extra if isinstance(e, fx.Node)), origin=site.kind)
 
 
 # -- keys --------------------------------------------------------------------------------------------------------
@@ -120,17 +123,21 @@ def _size_key(size: Any) -> Any:
 def _flash_attn_key(site: KernelSite) -> tuple:
     off = site.seqlen_offset
     off_key = ("tensor", off) if isinstance(off, fx.Node) else ("int", int(off))
-    return (FLASH_ATTN, site.cos, site.sin, off_key, _size_key(site.x.meta["val"].shape[1]), 4)
+    if site.cu_seqlens is not None:  # packed: the rows are those of the sequences of one cu_seqlens
+        return (FLASH_ATTN, site.cos, site.sin, off_key, _size_key(site.x.meta["val"].shape[0]), "thd",
+                site.cu_seqlens)
+    return (FLASH_ATTN, site.cos, site.sin, off_key, _size_key(site.x.meta["val"].shape[1]), "bshd", None)
 
 
 def fixed_row_tables(m: Match) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The tables a flash-attn site with an int offset o reads, as fake views of its cos and sin nodes in the op's
     shape: `cos[o:o+S].unsqueeze(-2)` ([S, 1, R/2] against x [B, S, H, D]), what `_flash_attn_tables` emits. None
-    for other sites (tensor offsets, vLLM's cache by positions): their rows depend on run-time values. Grouping
+    for other sites (tensor offsets, packed sequences, vLLM's cache by positions): their rows depend on run-time
+    values. Grouping
     compares these views with a native site's table views (storage, offset, strides) to pair the two; call it in
     the graph's fake mode."""
     key = m.table_key
-    if not (isinstance(key, tuple) and key and key[0] == FLASH_ATTN and key[3][0] == "int"):
+    if not (isinstance(key, tuple) and key and key[0] == FLASH_ATTN and key[3][0] == "int" and key[6] is None):
         return None
     cos, sin, off = key[1], key[2], key[3][1]
     seqlen = m.node.meta["val"].shape[1]
@@ -147,6 +154,9 @@ Tables = Callable[[Any], tuple]
 
 
 def _flash_attn_tables(site: KernelSite) -> Tables:
+    if site.cu_seqlens is not None:
+        return _varlen_tables(site)
+
     def tables(em) -> tuple:
         like = site.node
         seqlen = em.size_args(site.x, range(1, 2), like)[0]
@@ -170,6 +180,31 @@ def _flash_attn_tables(site: KernelSite) -> Tables:
         pos = em.call(aten.clamp_max.default, (em.call(aten.clamp_min.default, (pos, 0), like=like), limit), like=like)
         pos = em.call(aten.unsqueeze.default, (pos, -1), like=like)  # [B, S, 1]: over the heads of x [B, S, H, D]
         _check_before(off, pos)
+        cos = em.call(aten.constant_pad_nd.default, (site.cos, [0, 0, 0, 1], 1.0), like=like)
+        sin = em.call(aten.constant_pad_nd.default, (site.sin, [0, 0, 0, 1], 0.0), like=like)
+        return cos, sin, pos
+    return tables
+
+
+def _varlen_tables(site: KernelSite) -> Tables:
+    """(cos, sin, None, cu_seqlens, None) for an int offset: the op derives the rows; (padded cos, padded sin,
+    positions) for offsets [B]: the op's rows, clamped into the identity row at index seqlen_ro."""
+    def tables(em) -> tuple:
+        like = site.node
+        off = site.seqlen_offset
+        if not isinstance(off, fx.Node):
+            cos, sin = site.cos, site.sin
+            if off:
+                rows = site.cos.meta["val"].shape[0]
+                end = rows if isinstance(rows, int) else em.size_args(site.cos, range(1), like)[0]
+                cos, sin = (em.call(aten.slice.Tensor, (t, 0, off, end), like=like) for t in (cos, sin))
+            return cos, sin, None, site.cu_seqlens, None
+        pos = packed.graph_positions(em, site.x, site.cu_seqlens, off, like)  # [T, 1] over x's [T, H]
+        _check_before(off, pos)
+        _check_before(site.cu_seqlens, pos)
+        rows = site.cos.meta["val"].shape[0]
+        limit = rows if isinstance(rows, int) else em.size_args(site.cos, range(1), like)[0]
+        pos = em.call(aten.clamp_max.default, (em.call(aten.clamp_min.default, (pos, 0), like=like), limit), like=like)
         cos = em.call(aten.constant_pad_nd.default, (site.cos, [0, 0, 0, 1], 1.0), like=like)
         sin = em.call(aten.constant_pad_nd.default, (site.sin, [0, 0, 0, 1], 0.0), like=like)
         return cos, sin, pos
