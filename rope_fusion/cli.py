@@ -11,6 +11,9 @@
     rope-fusion coverage [ARGS...]
         run the model-zoo coverage table (tests/zoo/coverage.py of a source checkout; needs diffusers and
         transformers).
+    rope-fusion calibrate [--tokens N] [--rows SUBSTRINGS] [--dry]
+        time the kernel rows on this GPU and write its factor table (next to `auto`'s decision cache), which
+        `auto`'s table fallback then reads; exit 2 without a GPU.
 
 Subcommands are registered with `@command(name, help, configure)` on a function `(args) -> int`;
 `configure(parser)` adds its arguments. A `passthrough` command gets the raw rest of the command line as
@@ -275,6 +278,48 @@ def bench(args: Any) -> int:
          _rest_options, passthrough=True)
 def coverage(args: Any) -> int:
     return _run_checkout_module(os.path.join("tests", "zoo", "coverage.py"), list(args.args))
+
+
+# -- calibrate ----------------------------------------------------------------------------------------
+
+def _calibrate_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per row (default 8192)")
+    p.add_argument("--rows", default="", help="comma-separated substrings of the row names to run (default all)")
+    p.add_argument("--dry", action="store_true", help="print the table, do not write it")
+
+
+@command("calibrate", "time the kernel rows on this GPU and write its factor table for auto's fallback",
+         _calibrate_options)
+def calibrate(args: Any) -> int:
+    if not gpu_present():
+        print("rope-fusion calibrate: no GPU here (torch.cuda.is_available() is False): the factor table is "
+              "measured on the GPU it is for", file=sys.stderr)
+        return 2
+    import torch
+
+    from .passes import auto_decisions
+    from .passes.calibration import ROWS
+    from .passes.calibration import calibrate as run_rows
+
+    wanted = [w.strip() for w in args.rows.split(",") if w.strip()]
+    rows = tuple(r for r in ROWS if not wanted or any(w in r.name for w in wanted))
+    if not rows:
+        print(f"rope-fusion calibrate: no row matches {args.rows!r}; rows: {[r.name for r in ROWS]}",
+              file=sys.stderr)
+        return 2
+    device = f"cuda:{torch.cuda.current_device()}"
+    factors, records = run_rows(device=device, tokens=args.tokens, rows=rows)
+    print(f"{'row':32s} {'floor us':>9s} {'triton':>8s} {'inductor':>9s} {'left':>7s}  (x the floor)")
+    for r in records:
+        cells = [f"{r['factor'][v]:.2f}" if v in r["factor"] else "-" for v in ("triton", "inductor", "left")]
+        print(f"{r['row']:32s} {r['us']['floor']:9.1f} {cells[0]:>8s} {cells[1]:>9s} {cells[2]:>7s}")
+        for v, why in r["skipped"].items():
+            print(f"    {v} not counted: {why}")
+    if args.dry:
+        return 0
+    path = auto_decisions.write_factors(device, factors, {r["row"]: r for r in records})
+    print(f"wrote {path} ({auto_decisions.device_name(device)})")
+    return 0
 
 
 if __name__ == "__main__":

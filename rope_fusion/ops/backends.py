@@ -42,6 +42,8 @@ class SiteSpec:
     table_dtype: torch.dtype  # the real dtype of the table view the op reads
     params: RotaryParams
     cost: SiteCost | None = None  # what `auto`'s cost model needs (ops/cost_model.py)
+    # the site as graph nodes, for `auto` to time its choices (passes/auto_timing.py `AutoSite`); not compared
+    measure: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def arity(self) -> int:
@@ -113,15 +115,19 @@ class LeftToInductor(Exception):
     """`auto`'s cost model estimates that the model's own code, compiled by Inductor, is faster here."""
 
 
-def choose_backend(requested: str, spec: SiteSpec) -> tuple[Backend, list[str]]:
+def choose_backend(requested: str, spec: SiteSpec,
+                   decision: tuple[str, str] | None = None) -> tuple[Backend, list[str]]:
     """The backend for one site and, when it is not the one asked for, why each better one was passed over
     (`auto` passing over a backend for its own rule is not a fallback and gives no reasons). Under `auto` on
-    a GPU the cost model decides, and may raise LeftToInductor: the site is better not fused."""
+    a GPU the cost model decides, unless `decision` ((choice, why): what `auto` measured on the device,
+    passes/auto_timing.py) is given; either may raise LeftToInductor: the site is better not fused."""
     load_backends()
     if requested == "auto":
         order = AUTO_ORDER.get(spec.device_type, ["inductor"])
-        if spec.device_type == "cuda" and spec.cost is not None:
-            best, why = cheapest(spec.cost)
+        if decision is None and spec.device_type == "cuda" and spec.cost is not None:
+            decision = cheapest(spec.cost)
+        if decision is not None:
+            best, why = decision
             if best == "left":
                 raise LeftToInductor(why)
             order = [best]

@@ -86,6 +86,54 @@ GATHERED_LOWERING_FACTOR = {"neox": 1.8}
 
 
 @dataclasses.dataclass(frozen=True)
+class Factors:
+    """One device's factor table: the dicts above by name. `H200` is the default; `rope-fusion calibrate`
+    (passes/calibration.py) writes a table measured on the current GPU, which `auto`'s table fallback then reads
+    (passes/auto_decisions.py). A calibrated table names only the entries it measured; the rest are the H200's."""
+
+    triton: dict
+    triton_padded: dict
+    lowering: dict
+    left: dict
+    left_gathered: dict
+    left_norm: dict
+    left_norm_padded: dict
+    gathered_norm: dict
+    gathered_lowering: dict
+    source: str = "the H200 table (ops/cost_model.py)"
+
+    def to_json(self) -> dict:
+        """The dicts with tuple keys written as "norm/style"."""
+        return {f.name: ({"/".join(k) if isinstance(k, tuple) else k: v for k, v in getattr(self, f.name).items()}
+                         if isinstance(getattr(self, f.name), dict) else getattr(self, f.name))
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, data: dict, source: str) -> Factors:
+        """A table from `to_json`'s form over the H200's: unknown names or keys raise ValueError (a table for
+        another version of this module is not read as this one)."""
+        changes: dict = {"source": source}
+        for name, entries in data.items():
+            if name == "source":
+                continue
+            base = getattr(H200, name, None)
+            if not isinstance(base, dict) or not isinstance(entries, dict):
+                raise ValueError(f"factor table: unknown entry {name!r}")
+            merged = dict(base)
+            for key, value in entries.items():
+                k = tuple(key.split("/")) if "/" in key else key
+                if k not in base or not isinstance(value, (int, float)) or not value > 0:
+                    raise ValueError(f"factor table: {name}[{key!r}] = {value!r} is not a factor of this table")
+                merged[k] = float(value)
+            changes[name] = merged
+        return dataclasses.replace(H200, **changes)
+
+
+H200 = Factors(TRITON_FACTOR, TRITON_PADDED_FACTOR, LOWERING_FACTOR, LEFT_FACTOR, LEFT_GATHERED_FACTOR,
+               LEFT_NORM_FACTOR, LEFT_NORM_PADDED_FACTOR, GATHERED_NORM_FACTOR, GATHERED_LOWERING_FACTOR)
+
+
+@dataclasses.dataclass(frozen=True)
 class SiteCost:
     """What the estimate needs, from the site as the op would read it."""
 
@@ -106,37 +154,38 @@ class SiteCost:
     host_bound: bool = False
 
 
-def _left_factor(c: SiteCost) -> float:
+def _left_factor(c: SiteCost, f: Factors) -> float:
     spelled = "neox" if c.style.startswith("neox") else "interleaved"
     if c.norm == "rms" and c.gathered:
-        return GATHERED_NORM_FACTOR["left"]
+        return f.gathered_norm["left"]
     if c.norm == "rms" and c.padded and c.style in ("neox", "interleaved"):
-        return LEFT_NORM_PADDED_FACTOR[spelled]
+        return f.left_norm_padded[spelled]
     if c.norm != "none":
-        return LEFT_NORM_FACTOR[c.norm, spelled] if c.style in ("neox", "interleaved") \
-            else LEFT_FACTOR[c.style] + 0.5
+        return f.left_norm[c.norm, spelled] if c.style in ("neox", "interleaved") \
+            else f.left[c.style] + 0.5
     if c.gathered:
-        return LEFT_GATHERED_FACTOR[spelled]
-    return LEFT_FACTOR[c.style]
+        return f.left_gathered[spelled]
+    return f.left[c.style]
 
 
-def estimates(c: SiteCost) -> dict[str, float]:
-    """Estimated bytes-equivalents of the three choices."""
+def estimates(c: SiteCost, factors: Factors | None = None) -> dict[str, float]:
+    """Estimated bytes-equivalents of the three choices (by the H200's factors unless `factors` is given)."""
+    f = factors or H200
     x = float(c.x_bytes or 0)
     spelled = "neox" if c.style.startswith("neox") else "interleaved"
     materialise = 2.0 * c.table_bytes / max(1, c.table_users) if c.tables_computed else 0.0
     table_reads = 0.0 if c.tables_computed else float(c.table_bytes)
-    triton = (TRITON_PADDED_FACTOR if c.padded else TRITON_FACTOR)[c.norm]
+    triton = (f.triton_padded if c.padded else f.triton)[c.norm]
     if c.norm == "rms" and c.gathered:
-        lowering = GATHERED_NORM_FACTOR["inductor"]
-    elif c.norm == "none" and c.gathered and spelled in GATHERED_LOWERING_FACTOR:
-        lowering = GATHERED_LOWERING_FACTOR[spelled]
+        lowering = f.gathered_norm["inductor"]
+    elif c.norm == "none" and c.gathered and spelled in f.gathered_lowering:
+        lowering = f.gathered_lowering[spelled]
     else:
-        lowering = LOWERING_FACTOR[c.norm, spelled]
+        lowering = f.lowering[c.norm, spelled]
     gpu = {
         "triton": triton * (x + c.table_bytes) + materialise + c.x_fused_upstream_bytes + LAUNCH_BYTES,
         "inductor": lowering * x + table_reads + LAUNCH_BYTES * c.tensors,
-        "left": _left_factor(c) * x + table_reads + LAUNCH_BYTES * c.tensors,
+        "left": _left_factor(c, f) * x + table_reads + LAUNCH_BYTES * c.tensors,
     }
     if not c.host_bound:
         return gpu
@@ -146,13 +195,14 @@ def estimates(c: SiteCost) -> dict[str, float]:
     return {k: max(v, host[k] * BYTES_PER_US) for k, v in gpu.items()}
 
 
-def cheapest(c: SiteCost) -> tuple[str, str]:
-    """("triton" | "inductor" | "left", why) for a CUDA site under `auto`."""
+def cheapest(c: SiteCost, factors: Factors | None = None) -> tuple[str, str]:
+    """("triton" | "inductor" | "left", why) for a CUDA site under `auto`, by `factors` (default: the H200's)."""
     if c.x_bytes is None:  # no bytes to weigh: what was measured for a symbolic token count
         return "triton", "sizes known only at run time: the kernel, its grid the token count"
-    est = estimates(c)
+    est = estimates(c, factors)
     fused = min(("triton", "inductor"), key=est.get)
     best = fused if est[fused] < (1 - MARGIN) * est["left"] else "left"
     shown = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(est.items(), key=lambda kv: kv[1]))
     mode = ", launches costed as host time (a host-bound graph, no CUDA graphs)" if c.host_bound else ""
-    return best, f"estimated MiB-equivalents: {shown}{mode}"
+    table = f" ({factors.source})" if factors is not None and factors is not H200 else ""
+    return best, f"estimated MiB-equivalents: {shown}{mode}{table}"

@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from ..ops.backends import Backend, SiteSpec, get_backend
 from ..ops.schema import OP_NAMES, TENSOR_NAMES, RotaryCall, RotaryParams
+from .auto_timing import AutoSite
 from .fx_util import CASTS, as_int, chain_back
 from .gathers import gather_of, op_positions
 from .grouping import arithmetic_dtype, out_dtype
@@ -433,8 +434,9 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
             xs, cos, sin = ([_narrowed(em, t, m0.node) for t in xs], _narrowed(em, cos, m0.node),
                             _narrowed(em, sin, m0.node) if sin is not cos else None)
             sin = cos if sin is None else sin
-        backend, fallback = choose(site_spec(xs, cos, sin, params, m0, positions))
         call = RotaryCall(xs, cos, sin, params, positions, weights, cu_seqlens, seqlen_offsets)
+        spec = dataclasses.replace(site_spec(xs, cos, sin, params, m0, positions), measure=AutoSite(group, call))
+        backend, fallback = choose(spec)
         outs = backend.emit(em, call, m0.node)
         if outs is None:  # declined at emission (under auto only): the lowering, never a slower opaque call
             fallback = f"{backend.name}: {em.declined or 'declined at emission'}; the lowering instead"

@@ -125,6 +125,10 @@ class FxPass(RopeFusionPass):
     def uuid(self) -> Any:
         return f"{super().uuid()}-fx{int(self.npu_ops)}"
 
+    def _decisions_key(self) -> str:
+        """Its choice is fixed (`_choose`): neither measured nor read from `auto`'s decisions on disk."""
+        return ""
+
     def __getstate__(self) -> dict:
         return {"fuse_qk": self.fuse_qk, "cache_host_tables": self.cache_host_tables, "npu_ops": self.npu_ops}
 

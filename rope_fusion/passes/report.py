@@ -77,6 +77,7 @@ class Kernel:
     backend: str
     sites: list  # indices into Report.sites
     fallback: str = ""  # why the backend that was asked for did not take the site
+    choice: str = ""  # how `auto` chose on a device it measures: "measured ...", "cached ..." or "table: ..."
 
 
 @dataclasses.dataclass
@@ -194,6 +195,8 @@ class Report:
         for k in self.kernels:
             if k.fallback:
                 lines.append(f"  kernel {k.op}[{k.backend}] fell back: {k.fallback}{mark(k.graph)}")
+            if k.choice:
+                lines.append(f"  kernel {k.op}[{k.backend}] auto: {k.choice}{mark(k.graph)}")
         for m in self.misses:
             lines.append(f"  miss {m.node}: {m.reason} at {m.source}{mark(m.graph)}")
         if self.host_tables:

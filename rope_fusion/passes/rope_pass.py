@@ -28,7 +28,7 @@ from typing import Any
 import torch.fx as fx
 
 from ..ops.backends import BACKEND_NAMES, LeftToInductor, SiteSpec, choose_backend
-from . import emission
+from . import auto_timing, emission
 from .emission import Emitter, GraphTransaction
 from .fx_util import deferred_guards, guard_deferred_sizes
 from .grouping import pair_up
@@ -168,12 +168,12 @@ class RopeFusionPass(_PassBase):
     """Find every RoPE it can prove in a post-grad graph and replace it (or each q/k pair) with one fused op."""
 
     def __init__(self, backend: str = "auto", fuse_qk: bool = True, cache_host_tables: bool = True,
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, measure: bool = True) -> None:
         if isinstance(backend, (fx.Graph, fx.GraphModule)):  # the class was configured where an instance goes
             raise TypeError(_misconfigured(backend, "the class RopeFusionPass"))
         if not isinstance(backend, str) or backend not in BACKEND_NAMES:
             raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
-        for name, value in (("fuse_qk", fuse_qk), ("cache_host_tables", cache_host_tables)):
+        for name, value in (("fuse_qk", fuse_qk), ("cache_host_tables", cache_host_tables), ("measure", measure)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         if cuda_graphs not in (None, True, False) or not isinstance(cuda_graphs, (bool, type(None))):
@@ -184,6 +184,9 @@ class RopeFusionPass(_PassBase):
         # Whether the compiled graph is replayed in CUDA graphs, which changes what a launch costs `auto`
         # (ops/cost_model.py): None reads it from the compile (`replayed_in_cuda_graphs`).
         self.cuda_graphs = cuda_graphs
+        # `auto` times its choices on the compile's GPU (passes/auto_timing.py); False: the factor table decides
+        self.measure = measure
+        self._choices: dict = {}  # the first replaced node of a group -> how `auto` chose it (the report)
         self._host_bound = False  # the graph being fused waits on the host (set per graph)
         self.report = Report(refresh=take_in_cache_replays)
         self._logged: set = set()
@@ -192,6 +195,8 @@ class RopeFusionPass(_PassBase):
     def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
         if not isinstance(graph, fx.Graph):
             raise TypeError(_misconfigured(graph, "a RopeFusionPass"))
+        if auto_timing.measuring():  # a candidate's standalone compile inside this pass: plain Inductor
+            return
         take_in_cache_replays()  # graphs a cache served before this one come first in the report
         index = self.report.graphs
         self.report.graphs += 1
@@ -275,6 +280,7 @@ class RopeFusionPass(_PassBase):
         self._log_graph(record)
 
     def _fuse(self, graph: fx.Graph, index: int) -> list:
+        self._choices.clear()
         matches, misses, acc = find_sites(graph)
         kernel_matches, kernel_misses = find_kernel_matches(graph)
         if kernel_matches:
@@ -318,13 +324,44 @@ class RopeFusionPass(_PassBase):
     def _choose(self, spec: SiteSpec):
         if spec.cost is not None:
             spec = dataclasses.replace(spec, cost=dataclasses.replace(spec.cost, host_bound=self._host_bound))
-        backend, reasons = choose_backend(self.backend, spec)
+        decision = self._auto_decision(spec)
+        backend, reasons = choose_backend(self.backend, spec, decision)
         fallback = "; ".join(reasons)
         if fallback:
             self._log_once(("fallback", fallback), logging.WARNING,
                            "rope_fusion: backend %r did not take a site, using %r (%s)", self.backend,
                            backend.name, fallback)
         return backend, fallback
+
+    def _auto_decision(self, spec: SiteSpec) -> tuple[str, str] | None:
+        """Under `auto` on a device that measures (CUDA): the measured or cached choice, else the factor table's
+        (a calibrated one where present), with why it was not measured. None elsewhere: the fixed order."""
+        site = spec.measure
+        if self.backend != "auto" or site is None or not auto_timing.measured_device(spec.device_type):
+            return None
+        from ..ops.backends import AUTO_ORDER, get_backend
+        from ..ops.cost_model import cheapest
+        from .auto_decisions import calibrated_factors
+
+        device = site.call.xs[0].meta["val"].device
+        on, why_not = auto_timing.enabled(self.measure)
+        if on:
+            candidates = [n for n in AUTO_ORDER.get(spec.device_type, ["inductor"])
+                          if get_backend(n) is not None and get_backend(n).supports(spec) is None]
+            outcome = auto_timing.decide(site, device, candidates, self.replayed_in_cuda_graphs())
+            if outcome.choice is not None:
+                self._choices[site.group[0].node] = outcome.why
+                return outcome.choice, outcome.why
+            why_not = outcome.why
+        else:
+            auto_timing.STATS["table"] += 1
+        if spec.cost is None or device.type != "cuda":  # the table is a GPU's: elsewhere the fixed order
+            self._choices[site.group[0].node] = f"fixed order, not measured: {why_not}"
+            return None
+        best, why = cheapest(spec.cost, calibrated_factors(device))
+        why = f"{why}; table, not measured: {why_not}"
+        self._choices[site.group[0].node] = why
+        return best, why
 
     def _record(self, index: int, p: emission.PlannedGroup, nodes: dict) -> None:
         kernel = len(self.report.kernels)
@@ -340,7 +377,8 @@ class RopeFusionPass(_PassBase):
                 shape=tuple(str(s) for s in m.node.meta["val"].shape), source=rotation_source(m.node),
                 kernel=kernel, role=role(m.node), graph_kind=self.report.graph_records[index].kind,
                 origin=m.origin, norm=p.norm, blocks=m.rotary_blocks, offset=m.offset, angles=p.angle_tables))
-        self.report.kernels.append(Kernel(index, p.op_name, p.backend, ids, p.fallback))
+        choice = self._choices.pop(p.group[0].node, "")
+        self.report.kernels.append(Kernel(index, p.op_name, p.backend, ids, p.fallback, choice))
 
     def _cache_tables(self, graph: fx.Graph, index: int, planned: list) -> None:
         """Host tables of fused sites: cached device copies (their own transaction: a failure keeps the sites)."""
@@ -382,12 +420,22 @@ class RopeFusionPass(_PassBase):
             _LEDGER.asked(self)
         except Exception as e:  # the report of a warm run may then miss graphs; the key is unaffected
             log.debug("rope_fusion: compile-cache records not tracked: %s: %s", type(e).__name__, e)
-        return self._options_key()
+        return self._options_key() + self._decisions_key()
+
+    def _decisions_key(self) -> str:
+        """What `auto` could read from disk and compile by (measured decisions, calibrated tables: their content
+        hash) and whether it measures: a graph compiled under other decisions must not be served."""
+        if self.backend != "auto":
+            return ""
+        from .auto_decisions import fingerprint
+
+        on, _ = auto_timing.enabled(self.measure)
+        return f"-m{int(on)}-d{fingerprint()}"
 
     def _options_key(self) -> str:
         graphs = "" if self.cuda_graphs is None else f"-g{int(self.cuda_graphs)}"  # None: in Inductor's key
         return (f"rope_fusion-{source_hash()[:32]}-{self.backend}-{int(self.fuse_qk)}"
-                f"-{int(self.cache_host_tables)}{graphs}")
+                f"-{int(self.cache_host_tables)}{graphs}{'' if self.measure else '-nomeasure'}")
 
     @property
     def tag(self) -> str:
@@ -397,14 +445,14 @@ class RopeFusionPass(_PassBase):
     # -- copying and pickling: options travel, the report does not --------------------------------
     def __getstate__(self) -> dict:
         return {"backend": self.backend, "fuse_qk": self.fuse_qk, "cache_host_tables": self.cache_host_tables,
-                "cuda_graphs": self.cuda_graphs}
+                "cuda_graphs": self.cuda_graphs, "measure": self.measure}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(backend={self.backend!r}, fuse_qk={self.fuse_qk}, "
-                f"cache_host_tables={self.cache_host_tables}, cuda_graphs={self.cuda_graphs})")
+                f"cache_host_tables={self.cache_host_tables}, cuda_graphs={self.cuda_graphs}, measure={self.measure})")
 
 
 def _graph_kind(graph: fx.Graph, is_inference: bool | None) -> str:
