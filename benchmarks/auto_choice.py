@@ -40,7 +40,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 import torch  # noqa: E402
 
 import rope_fusion  # noqa: E402
-from rope_fusion.passes import auto_timing, calibration  # noqa: E402
+from rope_fusion.passes import auto_clock, auto_timing, calibration  # noqa: E402
 
 VISION = calibration.Row("vision D=80 fp32 math (32768x16x80)", "neox", "none", 80, 16, 16,
                          {"triton": ("triton_padded", "none")})
@@ -102,7 +102,7 @@ def run_row(row: calibration.Row, graphs: bool, device: str, tokens: int, dtype:
     p = rope_fusion.RopeFusionPass(cuda_graphs=graphs, measure=False)
     rec["off_s"] = first_call(compiled(site, p), args)
     rec["table"] = choice_of(p)
-    timer = auto_timing.default_timer(graphs)
+    timer = auto_clock.default_timer(graphs)
     rec["us"] = {}
     for name, p in (("plain", None), ("triton", rope_fusion.RopeFusionPass(backend="triton", measure=False)),
                     ("inductor", rope_fusion.RopeFusionPass(backend="inductor", measure=False))):

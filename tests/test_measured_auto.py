@@ -23,7 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import rope_fusion
 from rope_fusion.cli import main as cli_main
 from rope_fusion.ops import cost_model
-from rope_fusion.passes import auto_decisions, auto_timing
+from rope_fusion.passes import auto_decisions, auto_region, auto_timing
 
 
 def rotate_half(x):
@@ -307,13 +307,13 @@ def test_the_left_region_holds_what_inductor_fuses_into_the_rotation_and_starts_
     args = (torch.randn(8, 64), torch.randn(64, 64), torch.rand(32), torch.arange(8.0), torch.rand(16))
     gm = make_fx(block, decomposition_table=select_decomp_table())(*args)
     out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
-    body, inputs = auto_timing.region([out])
+    body, inputs = auto_region.region([out])
     targets = {str(n.target) for n in body}
     assert {"aten.rsqrt.default", "aten.cos.default", "aten.sin.default"} <= targets, targets
     assert not any("mm" in str(n.target) for n in body)
     kinds = sorted(n.op if n.op == "placeholder" else str(n.target) for n in inputs)
     assert kinds == ["aten.mm.default", "placeholder", "placeholder", "placeholder"], kinds  # norm_w, positions, freqs
-    assert len(body) <= auto_timing.MAX_REGION_NODES
+    assert len(body) <= auto_region.MAX_REGION_NODES
 
 
 def test_calibrate_writes_a_table_the_fallback_reads(cache_root, monkeypatch):

@@ -35,11 +35,8 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import operator
 import os
-import statistics
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,40 +44,30 @@ import torch
 import torch.fx as fx
 
 from . import auto_decisions
+from .auto_clock import default_timer
 from .auto_decisions import Decision
+from .auto_region import NotMeasured, canonical, copy_region, region, starts_region
 
 log = logging.getLogger("rope_fusion")
 
 MARGIN = 0.02  # a fused candidate must take at most (1 - MARGIN) of "left"'s time
-MAX_REGION_NODES = 256  # a region larger than this is not extracted (the table decides)
-TARGET_SECONDS = 2e-3  # each timed repeat runs about this long
-REPEATS = 5  # the median of this many repeats is a candidate's time
 ENV = "ROPE_FUSION_MEASURE"  # "0" turns measuring off
 
 # Device types whose compiles measure. CUDA only by default (CPU and NPU compiles keep their fixed choice);
 # tests add "cpu" so that extraction, standalone compiles and timing really run.
 _MEASURE_DEVICE_TYPES: tuple = ("cuda",)
 
-# timer(candidate, run) -> seconds per call of `run`; None: `default_timer`. Tests replace it to steer choices.
+# timer(candidate, run) -> seconds per call of `run`; None: auto_clock's `default_timer`. Tests replace it to steer
+# choices.
 TIMER: Callable[[str, Callable[[], Any]], float] | None = None
 
 STATS: collections.Counter = collections.Counter()  # "timed" signatures, "cached" hits, "table" fallbacks
 
 _STATE = threading.local()
 
-aten = torch.ops.aten
-# Producers whose output is in memory whatever consumes it: where a region starts.
-_MATERIALISED = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-                 aten.convolution.default, aten._scaled_mm.default, aten._int_mm.default}
-
-
 def measuring() -> bool:
     """Whether this thread is compiling a candidate: the pass must do nothing there."""
     return getattr(_STATE, "depth", 0) > 0
-
-
-class NotMeasured(Exception):
-    """Why a site could not be measured: the factor table decides, and the report says this."""
 
 
 @dataclasses.dataclass
@@ -117,90 +104,6 @@ def enabled(option: bool) -> tuple[bool, str]:
 
 def measured_device(device_type: str) -> bool:
     return device_type in _MEASURE_DEVICE_TYPES
-
-
-# -- extracting the site's region and the candidates' inputs ---------------------------------------------
-
-def _starts_region(n: fx.Node) -> bool:
-    """Whether n is in memory whatever reads it: an input of the extracted region, not part of it."""
-    if n.op != "call_function":
-        return True
-    target = n.target
-    if target is operator.getitem:
-        return _starts_region(n.args[0])
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
-        return True
-    if target in _MATERIALISED or target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
-        return True
-    return False
-
-
-def _static(val: Any) -> bool:
-    if isinstance(val, torch.Tensor):
-        return all(type(d) is int for d in (*val.shape, *val.stride())) and type(val.storage_offset()) is int
-    return not isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool))
-
-
-def region(outputs: list) -> tuple[list, list]:
-    """(body, inputs): the nodes computing `outputs` from what is in memory anyway, in topological order, and
-    those inputs in the order first met. Raises NotMeasured for a region too large or with symbolic sizes."""
-    body: list = []
-    inputs: list = []
-    state: dict = {}
-    for out in outputs:
-        stack = [(out, False)]
-        while stack:
-            n, done = stack.pop()
-            if done:
-                body.append(n)
-                continue
-            if n in state:
-                continue
-            if not _static(n.meta.get("val")):
-                raise NotMeasured(f"{n.name} has a symbolic size")
-            if _starts_region(n):
-                state[n] = "input"
-                inputs.append(n)
-                continue
-            state[n] = "body"
-            if len(state) > MAX_REGION_NODES:
-                raise NotMeasured(f"the site's region is over {MAX_REGION_NODES} nodes")
-            stack.append((n, True))
-            stack.extend((a, False) for a in reversed(n.all_input_nodes) if a not in state)
-    return body, inputs
-
-
-def _copy(body: list, inputs: list) -> tuple[fx.Graph, dict]:
-    """A new graph with a placeholder per input and a copy of every body node (meta, fake values included)."""
-    g = fx.Graph()
-    env: dict = {}
-    for i, n in enumerate(inputs):
-        p = g.placeholder(f"in{i}")
-        p.meta["val"] = n.meta.get("val")
-        env[n] = p
-    for n in body:
-        env[n] = g.node_copy(n, lambda a: env[a])
-    return g, env
-
-
-def canonical(g: fx.Graph) -> str:
-    """The graph's computation with nodes numbered by position (not by name), the inputs' geometry included:
-    the same region in every layer of a model reads alike."""
-    index: dict = {}
-    lines = []
-
-    def arg(a: Any) -> Any:
-        return f"%{index[a]}" if isinstance(a, fx.Node) else a
-
-    for i, n in enumerate(g.nodes):
-        index[n] = i
-        val = n.meta.get("val")
-        geometry = ""
-        if n.op == "placeholder" and isinstance(val, torch.Tensor):
-            geometry = f"{tuple(val.shape)}/{tuple(val.stride())}+{val.storage_offset()}/{val.dtype}/{val.device.type}"
-        lines.append(f"{n.op} {getattr(n.target, '__name__', n.target) if n.op != 'placeholder' else ''} "
-                     f"{fx.node.map_aggregate(n.args, arg)} {fx.node.map_aggregate(n.kwargs, arg)} {geometry}")
-    return "\n".join(lines)
 
 
 def _real(val: torch.Tensor, int_bound: int) -> torch.Tensor:
@@ -267,14 +170,14 @@ def _call_tensors(call: Any) -> list:
 
 def build(site: AutoSite, cuda_graphs: bool) -> _Built:
     for o in site.outputs:
-        if _starts_region(o):  # a rotary kernel already in the graph: no region of its own to time
+        if starts_region(o):  # a rotary kernel already in the graph: no region of its own to time
             raise NotMeasured(f"{o.name} is a rotary kernel already in the graph, not arithmetic")
     body, inputs = region(site.outputs)
-    left, env = _copy(body, inputs)
+    left, env = copy_region(body, inputs)
     left.output(tuple(env[o] for o in site.outputs))
     tensors = [t for t in _call_tensors(site.call) if t is not None]
     ubody, uinputs = region(list(dict.fromkeys(tensors)))
-    upstream, uenv = _copy(ubody, uinputs)
+    upstream, uenv = copy_region(ubody, uinputs)
     outs = list(dict.fromkeys(tensors))
     upstream.output(tuple(uenv[t] for t in outs))
     slots = [outs.index(t) if t is not None else None for t in _call_tensors(site.call)]
@@ -304,15 +207,32 @@ def _runner(name: str, built: _Built, site: AutoSite, real: dict) -> Callable[[]
         # the op after the same input nodes, lowered by Inductor: one graph, as in the fused compile
         return _compile(_with_op(built, site, OPS), [real[n] for n in built.upstream_inputs])
     if name == "triton":
-        up = _compile(built.upstream, [real[n] for n in built.upstream_inputs])
-        first = call_of(list(up()))
-        run = device_runner(first)
+        args = [real[n] for n in built.upstream_inputs]
+        fixed = _views_of_inputs(built.upstream, args)
+        if fixed is not None:  # nothing to compute before the kernel: its arguments are views of the inputs
+            c = call_of(fixed)
+            run = device_runner(c)
+            return lambda: run(c.xs, c.cos, c.sin, c.positions, c.norm_weights)
+        up = _compile(built.upstream, args)
+        run = device_runner(call_of(list(up())))
 
         def triton_run() -> Any:
             c = call_of(list(up()))
             return run(c.xs, c.cos, c.sin, c.positions, c.norm_weights)
         return triton_run
     raise NotMeasured(f"no way to time the candidate {name!r}")
+
+
+def _views_of_inputs(g: fx.Graph, args: list) -> list | None:
+    """The graph's outputs, run eagerly once, where every node is a view and every output shares an input's
+    storage (nothing the compiled graph would compute or copy); else None."""
+    if not all(n.op in ("placeholder", "output") or getattr(n.target, "is_view", False) for n in g.nodes):
+        return None
+    outs = list(fx.GraphModule({}, g)(*args))
+    storages = {a.untyped_storage().data_ptr() for a in args}
+    if not all(o.untyped_storage().data_ptr() in storages for o in outs if isinstance(o, torch.Tensor)):
+        return None
+    return outs
 
 
 def _with_op(built: _Built, site: AutoSite, ops: tuple) -> fx.Graph:
@@ -332,44 +252,6 @@ def _with_op(built: _Built, site: AutoSite, ops: tuple) -> fx.Graph:
     node = g.call_function(ops[arity - 1], tuple(tensors), site.call.params.kwargs())
     g.output(node)
     return g
-
-
-def default_timer(cuda_graphs: bool) -> Callable[[str, Callable[[], Any]], float]:
-    """Seconds per call: CUDA-graph replay when the compiled graph will be replayed, else a timed loop of calls
-    (launches and host time included, synchronized once per repeat); the median of `REPEATS`."""
-    def timer(name: str, run: Callable[[], Any]) -> float:
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        for _ in range(3):
-            run()
-        if cuda:
-            torch.cuda.synchronize()
-        if cuda and cuda_graphs:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                run()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            step = graph.replay
-        else:
-            step = run
-
-        def once(n: int) -> float:
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                step()
-            if cuda:
-                torch.cuda.synchronize()
-            return (time.perf_counter() - t0) / n
-
-        first = once(1)
-        n = max(3, min(2000, int(TARGET_SECONDS / max(first, 1e-7))))
-        return statistics.median(once(n) for _ in range(REPEATS))
-    return timer
 
 
 def _inputs(built: _Built, site: AutoSite) -> dict:
@@ -449,5 +331,5 @@ def _text(how: str, d: Decision) -> str:
     return f"{how} {d.describe()}, chose {d.choice} ({rule})"
 
 
-__all__ = ["AutoSite", "MARGIN", "NotMeasured", "Outcome", "STATS", "TIMER", "decide", "default_timer", "enabled",
-           "measure", "measured_device", "measuring", "pick", "region"]
+__all__ = ["AutoSite", "MARGIN", "NotMeasured", "Outcome", "STATS", "TIMER", "decide", "enabled", "measure",
+           "measured_device", "measuring", "pick", "region"]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..ops.cost_model import H200, Factors
-from . import auto_timing
+from .auto_clock import default_timer
 
 _EPS = 1e-6
 
@@ -116,7 +116,7 @@ def calibrate(device: str = "cuda", tokens: int = 8192, dtype: torch.dtype = tor
     """Time every row's variants and the floor; the table (over the H200's) and one record per row."""
     from .rope_pass import RopeFusionPass
 
-    timer = timer or auto_timing.default_timer(cuda_graphs=device.startswith("cuda"))
+    timer = timer or default_timer(cuda_graphs=device.startswith("cuda"))
     changes: dict = {}
     records = []
     for row in rows:
