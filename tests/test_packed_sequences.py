@@ -388,3 +388,35 @@ def test_flash_attn_varlen_launches_become_one_fused_site(offs):
     if offs != "tensor":  # and both are the packed rotation
         for o, x in zip(fused, (q, k)):
             close(o, per_sequence(x, cos, sin, cu, off, **opts(False, 32)), torch.float32)
+
+
+# -- on a GPU: the Triton kernel launched directly, and a varlen site as its user-kernel node -------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("offs", ["int", "tensor"])
+def test_gpu_eager_and_compiled_varlen_site(offs):
+    """Eagerly the Triton kernel at the derived positions; compiled, flash-attn's varlen launches of q and k become
+    one rotary_qk on the Triton backend (its user-kernel node, the positions' ATen ops before it), both the packed
+    rotation."""
+    from conftest import compile_with_pass
+    from test_kernel_sites import _vllm_rotary_module
+
+    (q, k), cu, cos, sin = packed_batch(LENGTHS, heads=(4, 2), head_dim=64, rows=48, width=16)
+    off = 5 if offs == "int" else torch.tensor([0, 30, 3, 11], dtype=torch.int32)
+    want = [per_sequence(x, cos, sin, cu, off, **opts(False, 32)) for x in (q, k)]
+    dev = [t.cuda() for t in (q, k, cos, sin, cu)] + [off.cuda() if isinstance(off, torch.Tensor) else off]
+    for _ in range(2):  # planned, then the plan reused
+        got = rope_fusion.apply_rotary_qk(*dev[:4], cu_seqlens=dev[4], seqlen_offsets=dev[5], rotary_dim=32)
+        for g, w in zip(got, want):
+            close(g.cpu(), w, torch.float32)
+    R = _vllm_rotary_module()
+
+    def f(q, k, cos, sin, cu, off):
+        kw = dict(seqlen_offsets=off, cu_seqlens=cu, max_seqlen=max(LENGTHS))
+        return R.apply_rotary(q, cos, sin, **kw) * 1, R.apply_rotary(k, cos, sin, **kw) * 1
+
+    out, p = compile_with_pass(f, *dev, backend="triton")
+    assert [(kk.op, kk.backend) for kk in p.report.kernels] == [("rope_fusion.rotary_qk", "triton")], \
+        p.report.table()
+    for o, w in zip(out, want):
+        close(o.cpu(), w, torch.float32)

@@ -197,7 +197,10 @@ _NO_KERNEL_LOGGED: set = set()
 
 def device_runner(call: RotaryCall) -> Runner:
     """How a validated call geometry runs eagerly on its device: the device's planned launch, its kernel per call,
-    or the reference (the CPU; a GPU whose kernel module did not import says so once)."""
+    or the reference (the CPU; a GPU whose kernel module did not import says so once). A runner takes positions:
+    a call of packed sequences is planned as `packed.unpacked(call)`, and each run is given its derived positions."""
+    if call.cu_seqlens is not None:
+        raise ValueError("device_runner plans calls with positions: pass packed.unpacked(call) for packed sequences")
     device = call.xs[0].device.type
     kernel = DEVICE_KERNELS.get(device)
     if kernel is None:
