@@ -58,10 +58,11 @@ class Clock:
     def __init__(self) -> None:
         self.times: dict = {}
         self.calls: list = []
+        self.outputs: dict = {}
         self.fail: Exception | None = None
 
     def __call__(self, name, run):
-        run()
+        self.outputs[name] = run()
         self.calls.append(name)
         if self.fail is not None:
             raise self.fail
@@ -93,6 +94,9 @@ def test_a_fast_fused_candidate_is_taken_and_a_slow_one_leaves_the_site(clock):
     assert [k.backend for k in p.report.kernels] == ["inductor"] and len(p.report.sites) == 2, p.report.table()
     assert p.report.kernels[0].choice.startswith("measured inductor 5.0 us, left 10.0 us"), p.report.table()
     check_numerics(rope_qk, args, out)
+    # the candidates timed compute the site: the op's lowering as the region left to Inductor does
+    for fused, left in zip(clock.outputs["inductor"], clock.outputs["left"]):
+        torch.testing.assert_close(fused, left, rtol=1e-5, atol=1e-5)
 
     os.unlink(auto_decisions.decisions_path())
     clock.calls.clear()

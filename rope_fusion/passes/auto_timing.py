@@ -64,6 +64,7 @@ TIMER: Callable[[str, Callable[[], Any]], float] | None = None
 STATS: collections.Counter = collections.Counter()  # "timed" signatures, "cached" hits, "table" fallbacks
 
 _STATE = threading.local()
+_WARNED: set = set()  # kinds of timing failures logged as a warning (once each)
 
 def measuring() -> bool:
     """Whether this thread is compiling a candidate: the pass must do nothing there."""
@@ -322,7 +323,12 @@ def decide(site: AutoSite, device: torch.device, candidates: list[str], cuda_gra
     except Exception as e:  # never a reason to fail the compile: the table decides
         STATS["table"] += 1
         why = str(e) if isinstance(e, NotMeasured) else f"timing failed: {type(e).__name__}: {e}"
-        log.debug("rope_fusion: site not measured (%s)", why)
+        if isinstance(e, NotMeasured) or type(e).__name__ in _WARNED:
+            log.debug("rope_fusion: site not measured (%s)", why)
+        else:  # unexpected: once per kind, so a GPU run shows it without the report
+            _WARNED.add(type(e).__name__)
+            log.warning("rope_fusion: auto could not time a site, the factor table decides (%s)", why,
+                        exc_info=log.isEnabledFor(logging.DEBUG))
         return Outcome(None, "table", why)
 
 
