@@ -390,6 +390,26 @@ def test_flash_attn_varlen_launches_become_one_fused_site(offs):
             close(o, per_sequence(x, cos, sin, cu, off, **opts(False, 32)), torch.float32)
 
 
+def test_flash_attn_varlen_with_a_dynamic_token_count():
+    """q and k split from one packed projection whose token count is dynamic: one rotary_qk all the same."""
+    pytest.importorskip("triton")
+    from test_kernel_rewrite import assert_same, plain_and_fused
+    from test_kernel_sites import _vllm_rotary_module
+
+    R = _vllm_rotary_module()
+    (qk,), cu, cos, sin = packed_batch(LENGTHS, heads=(6,), head_dim=64, rows=16, width=16)
+
+    def f(qk, cos, sin, cu):
+        q, k = qk[:, :4], qk[:, 4:]
+        kw = dict(seqlen_offsets=2, cu_seqlens=cu, max_seqlen=max(LENGTHS))
+        return R.apply_rotary(q, cos, sin, **kw) * 1, R.apply_rotary(k, cos, sin, **kw) * 1
+
+    plain, _, fused, _, cap = plain_and_fused(f, qk, cos, sin, cu, dynamic_dims={0: 0})
+    rep = cap.p.report
+    assert rep.misses == [] and [kk.op for kk in rep.kernels] == ["rope_fusion.rotary_qk"], rep.table()
+    assert_same(fused, plain)
+
+
 # -- on a GPU: the Triton kernel launched directly, and a varlen site as its user-kernel node -------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -115,7 +115,7 @@ def _exactly(a: Any, b: Any) -> bool:
         return True
     if guard_or_false(a != b):
         return False
-    torch._check(a == b, lambda: f"sizes {a} and {b} of packed sequences differ")
+    torch._check(a == b)  # no message: Dynamo traces this check and cannot convert a closure
     return True
 
 
