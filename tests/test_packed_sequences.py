@@ -144,6 +144,20 @@ def test_compiled_lowering(interleaved, rotary_dim, full, offs, dtype):
         close(g, per_sequence(x, cos, sin, cu, off, **kw), dtype)
 
 
+def test_compiled_lowering_dynamic_token_count():
+    """Compiled with dynamic=True, batches of other lengths and counts: the derived positions follow the sizes."""
+    def fn(q, k, cos, sin, cu, off):
+        return rope_fusion.apply_rotary_qk(q, k, cos, sin, cu_seqlens=cu, seqlen_offsets=off, rotary_dim=16)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    for seed, lengths in enumerate(([3, 5, 2], [4, 4, 1, 7])):
+        (q, k), cu, cos, sin = packed_batch(lengths, seed=seed)
+        off = torch.arange(len(lengths)) * 3
+        for g, x in zip(compiled(q, k, cos, sin, cu, off), (q, k)):
+            close(g, per_sequence(x, cos, sin, cu, off, **opts(False, 16)), torch.float32)
+
+
 # -- the Triton kernel under Triton's interpreter ------------------------------------------------------------
 
 @pytest.fixture
