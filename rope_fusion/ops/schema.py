@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .packed import check_packed, positions_shape
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # Python annotation -> torch schema type of a keyword-only parameter.
@@ -170,8 +172,6 @@ def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                positions: torch.Tensor | None = None, norm_weights: Sequence | None = None,
                cu_seqlens: torch.Tensor | None = None, seqlen_offsets: torch.Tensor | None = None) -> None:
     """Raise ValueError naming the offending argument; shapes may be symbolic (fake tensors)."""
-    from .packed import check_packed, positions_shape
-
     names = TENSOR_NAMES[len(xs)]
     if params.norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {params.norm!r}")
