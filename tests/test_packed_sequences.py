@@ -367,8 +367,9 @@ def test_bad_shapes_raise_value_error():
 
 # -- flash-attn's varlen launch in a compiled graph ----------------------------------------------------------
 
-@pytest.mark.parametrize("offs", ["none", "int", "tensor"])
-def test_flash_attn_varlen_launches_become_one_fused_site(offs):
+@pytest.mark.parametrize("offs,interleaved,inplace", [("none", False, False), ("int", False, False),
+                                                     ("tensor", False, False), ("int", True, True)])
+def test_flash_attn_varlen_launches_become_one_fused_site(offs, interleaved, inplace):
     """q and k rotated by two launches of vLLM's copy of flash-attn's rotary kernel (varlen): one rotary_qk,
     compared with the kernels themselves (interpreted) in the plain compile. Int offsets: the op's cu_seqlens;
     tensor offsets, whose rows past the tables the kernel rotates by the identity: the positions the op would
@@ -383,10 +384,11 @@ def test_flash_attn_varlen_launches_become_one_fused_site(offs):
     # (sequence 2, 9 tokens from row 10, reaches past the 16 rows)
 
     def f(q, k, cos, sin, cu, off):
-        kw = dict(seqlen_offsets=off, cu_seqlens=cu, max_seqlen=max(LENGTHS))
+        kw = dict(seqlen_offsets=off, cu_seqlens=cu, max_seqlen=max(LENGTHS), interleaved=interleaved,
+                  inplace=inplace)
         return R.apply_rotary(q, cos, sin, **kw) * 1, R.apply_rotary(k, cos, sin, **kw) * 1
 
-    plain, _, fused, _, cap = plain_and_fused(f, q, k, cos, sin, cu, off)
+    plain, plain_args, fused, fused_args, cap = plain_and_fused(f, q, k, cos, sin, cu, off)
     rep = cap.p.report
     assert rep.errors == [] and rep.misses == [], rep.table()
     assert len(rep.sites) == 2 and [kk.op for kk in rep.kernels] == ["rope_fusion.rotary_qk"], rep.table()
@@ -399,9 +401,10 @@ def test_flash_attn_varlen_launches_become_one_fused_site(offs):
     else:
         assert call.cu_seqlens is not None and call.cu_seqlens.op == "placeholder" and call.positions is None
     assert_same(fused, plain)
+    assert_same(fused_args, plain_args)  # inplace: q and k written back alike
     if offs != "tensor":  # and both are the packed rotation
         for o, x in zip(fused, (q, k)):
-            close(o, per_sequence(x, cos, sin, cu, off, **opts(False, 32)), torch.float32)
+            close(o, per_sequence(x, cos, sin, cu, off, **opts(interleaved, 32)), torch.float32)
 
 
 def test_flash_attn_varlen_with_a_dynamic_token_count():
