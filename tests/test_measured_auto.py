@@ -338,3 +338,17 @@ def test_calibrate_writes_a_table_the_fallback_reads(cache_root, monkeypatch):
     auto_decisions.write_factors("cpu", factors, {r["row"]: r for r in records})
     read = auto_decisions.calibrated_factors("cpu")
     assert read.lowering["none", "neox"] == pytest.approx(2.0) and read.source == "calibrated on cpu"
+
+
+
+def test_a_packed_call_is_not_timed():
+    """The candidates pass x, the tables, positions and weights; a packed call's rows come from cu_seqlens, so
+    timing it would time another computation (flash-attn varlen launches, the one packed form the pass meets,
+    are rotary kernels already in the graph and are not timed either)."""
+    from rope_fusion.ops.schema import RotaryCall, RotaryParams
+
+    q, cos = torch.randn(12, 2, 32), torch.randn(8, 16)
+    call = RotaryCall([q], cos, cos, RotaryParams(interleaved=False, rotary_dim=32, full_tables=False, conjugate=False,
+                                                     out_dtype=torch.float32), cu_seqlens=torch.tensor([0, 5, 12]))
+    with pytest.raises(auto_region.NotMeasured, match="packed sequences"):
+        auto_timing.build(auto_timing.AutoSite((), call), cuda_graphs=False)

@@ -11,10 +11,10 @@ graph and that it computes the rotation, not torch_npu's kernels or any Ascend h
 
 Checked: under TorchAir's graph mode q and k in BSND and TND (vLLM's token layout) become one
 `npu_apply_rotary_pos_emb`, TND passed as BSND (GE has no TND converter); in graphs that run node by node, where
-AOTAutograd's aliasing check would reject that op, one `npu_rotary_mul` per tensor; BNSD (Flux, Wan), interleaved pairs and partial rotary
-become `npu_rotary_mul` per tensor in 'half' / 'interleave' with full-width tables; a backward graph's conjugate
-rotation too; a site the ops cannot take keeps the rope_fusion op with the reason, and under GE is left
-unfused with the reason. Results meet the numerics contract.
+AOTAutograd's aliasing check would reject that op, one `npu_rotary_mul` per tensor; BNSD (Flux, Wan), interleaved
+pairs and partial rotary become `npu_rotary_mul` per tensor in 'half' / 'interleave' with full-width tables; a
+backward graph's conjugate rotation too; a site the ops cannot take keeps the rope_fusion op with the reason, and
+under GE is left unfused with the reason. Results meet the numerics contract.
 """
 
 from __future__ import annotations

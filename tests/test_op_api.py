@@ -230,3 +230,22 @@ def test_rotary_qkv_rotates_three_tensors_like_one_each():
     assert torch.autograd.gradcheck(lambda q, k, v: torch.ops.rope_fusion.rotary_qkv(q, k, v, c, s, **kw), (q, k, v))
     with pytest.raises(ValueError, match="q and v must share the head dim"):
         torch.ops.rope_fusion.rotary_qkv(q, k, v[..., :6], c, s, **kw)
+
+
+def test_the_public_op_compiles_in_a_full_graph_before_any_eager_call():
+    """Tracing the public function must not import the device kernels (Dynamo cannot trace an import): a
+    fresh process compiles it with fullgraph=True first, then the compiled graph runs the op's kernel."""
+    import subprocess
+    import sys
+
+    code = ("import torch, rope_fusion\n"
+            "q, c, s = torch.randn(12, 2, 32), torch.randn(12, 1, 16), torch.randn(12, 1, 16)\n"
+            "f = torch.compile(lambda q, c, s: rope_fusion.apply_rotary_qk(q, q * 2, c, s), fullgraph=True)\n"
+            "a, b = f(q, c, s)\n"
+            "def r(x, c, s):\n"
+            "    return rope_fusion.ops.reference.rotary_reference(x, c, s, interleaved=False, rotary_dim=32,\n"
+            "                                                      full_tables=False)\n"
+            "torch.testing.assert_close(a.double(), r(q.double(), c.double(), s.double()), rtol=1e-5, atol=1e-5)\n"
+            "torch.testing.assert_close(b.double(), r(2 * q.double(), c.double(), s.double()), rtol=1e-5, atol=1e-5)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]

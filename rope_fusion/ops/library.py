@@ -68,6 +68,7 @@ def _eager(impl: Impl | None, arity: int) -> Callable[..., Any]:
     def run(*args: Any, **kw: Any) -> Any:
         call = RotaryCall.parse(args, kw, arity)
         check_call(call)  # a direct call deserves the ValueError, not a kernel's failure
+        load_backends()  # a compiled graph may run the op before any eager call imported the device kernels
         call = unpacked(call)  # packed sequences: every implementation takes their positions
         outs = impl(call) if impl is not None else None
         return _result(outs if outs is not None else reference_outputs(call))
@@ -438,7 +439,8 @@ def _offset_caches(cos: torch.Tensor, sin: torch.Tensor, offset: Any, cu_seqlens
 
 def _via_op(call: RotaryCall) -> Any:
     check_call(call)
-    load_backends()  # device kernels (Triton on CUDA) register on import
+    if not torch.compiler.is_compiling():  # Dynamo cannot trace an import: the op's eager kernel loads them
+        load_backends()  # device kernels (Triton on CUDA) register on import
     return OPS[len(call.xs) - 1](*call.tensors(), **call.params.kwargs())
 
 

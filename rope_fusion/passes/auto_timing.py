@@ -170,6 +170,10 @@ def _call_tensors(call: Any) -> list:
 
 
 def build(site: AutoSite, cuda_graphs: bool) -> _Built:
+    if site.call.cu_seqlens is not None or site.call.seqlen_offsets is not None:
+        # the candidates below pass x, the tables, positions and weights; a packed call's rows come from its
+        # sequence starts, which they would drop
+        raise NotMeasured("packed sequences (cu_seqlens): not timed")
     for o in site.outputs:
         if starts_region(o):  # a rotary kernel already in the graph: no region of its own to time
             raise NotMeasured(f"{o.name} is a rotary kernel already in the graph, not arithmetic")
