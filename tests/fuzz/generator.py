@@ -356,6 +356,8 @@ class _Gen:
                                                                            self.p(0.35)) or self.p(0.12))
         if self.special == "fp64_angles_lowp":
             computed, gathered = True, False
+        if self.nonrot == "same_table":  # only table inputs pass one tensor as both cos and sin
+            computed = gathered = False
         seq = [d for d in self.y_dims[:-1] if d.name == "S"]
         if computed and [d.name for d in dims] != ["S"]:
             dims[:] = seq
