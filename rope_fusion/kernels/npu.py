@@ -42,7 +42,7 @@ import torch
 from ..ops.backends import Backend, SiteSpec, emit_op_call, register_backend
 from ..ops.library import define_rotary_ops
 from ..ops.reference import gather_rows, rms_norm, rotary_reference
-from ..ops.schema import RotaryCall
+from ..ops.schema import ROTATION_FIELDS, RotaryCall
 
 log = logging.getLogger("rope_fusion")
 
@@ -179,12 +179,21 @@ def rotary_qk_via_apply(q, k, cos, sin, *, layout, full_tables, conjugate):
 
 # -- the ops the pass emits ------------------------------------------------------------------------------
 
+# The parameters `_impl` handles: the rotation's, and the transforms it applies around the ops or refuses.
+BRIDGE_FIELDS = (*ROTATION_FIELDS, "norm", "norm_eps", "deinterleave", "rotary_blocks", "rotary_offset",
+                 "angle_tables")
+
+
 def _impl(call: RotaryCall) -> list | None:
     """q and k through one npu_apply_rotary_pos_emb where allowed, else npu_rotary_mul per tensor; None (the
     reference) for a tensor whose case the documented constraints exclude. Cache rows picked by positions
     are gathered first and a norm prologue runs first (the NPU ops take plain tables and x); a pass-through
     head is split off and put back (the NPU ops rotate from lane 0)."""
     xs, cos, sin, params = call.xs, call.cos, call.sin, call.params
+    unknown = params.unhandled(BRIDGE_FIELDS)
+    if unknown:  # a parameter this bridge does not know: the reference serves, nothing is dropped
+        _fallback(f"the parameter(s) {unknown}", "the torch_npu bridge does not handle them")
+        return None
     if params.deinterleave or params.rotary_blocks > 1:  # pairs the NPU ops do not know: the reference serves
         _fallback("a de-interleaved (NeoX-ordered) result of interleaved pairs" if params.deinterleave else
                   "NeoX pairs within rotary_blocks", "no torch_npu RoPE op has this pairing")
@@ -208,10 +217,10 @@ def _impl(call: RotaryCall) -> list | None:
 def _rotated(call: RotaryCall) -> list:
     """The rotation of a call without positions, norm or pass-through head, through the NPU ops."""
     xs, cos, sin, params = call.xs, call.cos, call.sin, call.params
-    kw = {k: v for k, v in params.kwargs().items()
-          if k not in ("norm", "norm_eps", "deinterleave", "rotary_blocks", "rotary_offset", "angle_tables")}
+    kw = params.rotation_kwargs()  # `_impl` took the norm, the head, the gather and angle tables off
     if len(xs) == 2:
-        layout = apply_layout(*xs, cos, sin, **{k: v for k, v in kw.items() if k != "conjugate"})
+        layout = apply_layout(*xs, cos, sin, interleaved=params.interleaved, rotary_dim=params.rotary_dim,
+                              full_tables=params.full_tables, out_dtype=params.out_dtype)
         if layout is not None:
             return list(rotary_qk_via_apply(*xs, cos, sin, layout=layout, full_tables=params.full_tables,
                                             conjugate=params.conjugate))
@@ -263,5 +272,5 @@ if torch._C._get_privateuse1_backend_name() == "npu":  # torch_npu is loaded: se
 
     register_device_kernel("npu", _impl)
 
-__all__ = ["OP_NAMESPACE", "NPU_OPS", "ROTARY_NPU", "ROTARY_QK_NPU", "ROTARY_QKV_NPU", "supports", "full_width",
-           "rotary_mul_layout", "apply_layout", "stats"]
+__all__ = ["BRIDGE_FIELDS", "OP_NAMESPACE", "NPU_OPS", "ROTARY_NPU", "ROTARY_QK_NPU", "ROTARY_QKV_NPU", "supports",
+           "full_width", "rotary_mul_layout", "apply_layout", "stats"]

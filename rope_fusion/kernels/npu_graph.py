@@ -76,6 +76,9 @@ def _static(shape) -> tuple | None:
 def _plan(call: RotaryCall, fake_mode, ge: bool) -> tuple:
     """Which op takes the call: ("apply", layout) or ("rotary_mul", None); raises NotTaken."""
     p = call.params
+    unknown = p.unhandled(npu.BRIDGE_FIELDS)  # the same parameters as the bridge: each handled or refused below
+    if unknown:
+        raise NotTaken(f"the parameter(s) {unknown}: not mapped onto the NPU ops")
     if p.norm != "none":
         raise NotTaken("a folded QK-norm: the NPU ops rotate x as it is")
     if p.deinterleave:

@@ -81,8 +81,8 @@ def _setup_context(arity: int) -> Callable[..., None]:
         ctx.arity, ctx.params = arity, call.params
         ctx.x_dtypes = [x.dtype for x in call.xs]
         ctx.tables_need_grad = call.cos.requires_grad or call.sin.requires_grad
-        # backward through the reference: a norm, a de-interleaved output, tables given as angles
-        ctx.via_reference = call.params.norm != "none" or call.params.deinterleave or call.params.angle_tables
+        # backward through the reference: a norm, a de-interleaved output, tables given as angles, anything new
+        ctx.via_reference = not call.params.closed_form_backward
         # x is needed only for the tables' gradients or a norm's; saving it otherwise costs activation memory
         keep_x = ctx.tables_need_grad or ctx.via_reference
         ctx.save_for_backward(*(call.tensors() if keep_x else

@@ -78,9 +78,36 @@ class RotaryParams:
     def replace(self, **changes: Any) -> RotaryParams:
         return dataclasses.replace(self, **changes)
 
+    def rotation_kwargs(self) -> dict[str, Any]:
+        """The fields a plain rotation of x by its tables reads (`ROTATION_FIELDS`), by name."""
+        return {name: getattr(self, name) for name in ROTATION_FIELDS}
+
+    def unhandled(self, handled: Sequence[str]) -> list[str]:
+        """The fields outside `handled` that are away from their default (or have none): what code that takes
+        only `handled` would drop. Code names what it handles, not what it leaves out, so a field added to the
+        schema later is refused where it is not handled yet, never passed on or dropped unseen."""
+        out = []
+        for f in dataclasses.fields(self):
+            if f.name not in handled and (f.default is dataclasses.MISSING or getattr(self, f.name) != f.default):
+                out.append(f.name)
+        return out
+
+    @property
+    def closed_form_backward(self) -> bool:
+        """Whether the gradient of x is the conjugate rotation of the output's gradient: true of a plain rotation
+        with a pass-through head or per-axis blocks (`CLOSED_FORM_FIELDS`); a norm, a de-interleaved output, angle
+        tables and any field not listed there send the backward through the reference."""
+        return not self.unhandled(CLOSED_FORM_FIELDS)
+
     @property
     def table_width(self) -> int:
         return self.rotary_dim if self.full_tables else self.rotary_dim // 2
+
+
+# What a rotation of x by its tables reads; every other field is a transform around it.
+ROTATION_FIELDS = ("interleaved", "rotary_dim", "full_tables", "conjugate", "out_dtype")
+# The fields under which the gradient is still the conjugate rotation (norm_eps matters only with a norm).
+CLOSED_FORM_FIELDS = (*ROTATION_FIELDS, "norm_eps", "rotary_blocks", "rotary_offset")
 
 
 def op_schema(arity: int) -> str:
