@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from . import lanes, poly
-from .fx_util import as_int, chain_back, concrete_ints, meta, same_dim
+from .fx_util import as_int, chain_back, concrete_ints, meta, nearest_upstream, same_dim
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -32,6 +32,8 @@ _X_CARRIERS = {
     aten.view_as_complex.default,
 }
 # Ops that read only a tensor's sizes: a table built from `arange(x.shape[1])` does not depend on x's values.
+_PROJECTIONS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                aten.convolution.default, aten._scaled_mm.default}
 _SIZE_QUERIES = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default}
 
 
@@ -296,8 +298,10 @@ class Acceptor:
         for xl in cands:
             unique.setdefault((xl.name, xl.k, xl.as_real, xl.entries is None), xl)
         cands = list(unique.values())
-        # a source tensor before a computed one: x, not its rotate_half, is what the op should read
-        cands.sort(key=lambda xl: xl.entries is not None)
+        # a projection's output before a tensor no matmul computed: in a product of two complex tensors of one
+        # shape (a key of one head times freqs_cis) either factor rotates the other, and x is the activation;
+        # then a source tensor before a computed one: x, not its rotate_half, is what the op should read
+        cands.sort(key=lambda xl: (not self._projected(xl.name), xl.entries is not None))
         for xl in cands:
             r = self._accept_x(node, v, m, n, nblocks, xl)
             if isinstance(r, Match):
@@ -305,6 +309,11 @@ class Acceptor:
             if r.stage >= best.stage:
                 best = r
         return best
+
+    def _projected(self, name: str) -> bool:
+        """Whether a matmul or convolution computes the node (within a few ops upstream): an activation."""
+        node = self.interp.nodes.get(name)
+        return node is not None and nearest_upstream(node, lambda n: n.target in _PROJECTIONS, 32) is not None
 
     def _split(self, e, xd, xp):
         """e == c1*a*xd + c2*b*xp for atoms a, b: return ((a, c1), (b, c2)) or None."""

@@ -452,9 +452,7 @@ add(
         "axes_lens": [128, 128, 128], "cap_feat_dim": 32}, lambda: {
         "hidden_states": _r(2, 4, 16, 16), "encoder_hidden_states": _r(2, 16, 32), "timestep": torch.tensor([0.5, 0.5]),
         "encoder_attention_mask": torch.ones(2, 16, dtype=torch.bool)}),
-        # q and k no longer share a launch here since table views are compared dim by dim with size-1 dims in
-        # place (an open regression of the count, not of the numbers, which are checked first)
-        8, 7, 1, _df_src("transformer_lumina2.py"),
+        8, 4, 4, _df_src("transformer_lumina2.py"),
         "transformer_lumina2.py Lumina2AttnProcessor2_0: apply_rotary_emb(query/key, use_real=False) (C2) in "
         "noise_refiner (1) + context_refiner (1) + layers (2) = 4 blocks", dtypes=("float32",)),
     Entry("omnigen", _df("OmniGenTransformer2DModel", {
@@ -475,7 +473,7 @@ add(
         "n_refiner_layers": 1, "n_heads": 1, "n_kv_heads": 2, "qk_norm": True, "cap_feat_dim": 16,
         "rope_theta": 256.0, "t_scale": 1000.0, "axes_dims": [8, 4, 4], "axes_lens": [256, 32, 32]}, lambda: {
         "x": [_r(16, 1, 16, 16)], "cap_feats": [_r(16, 16)], "t": torch.tensor([0.5])}),
-        6, 6, 0, "transformer_z_image.py",
+        6, 3, 3, "transformer_z_image.py",
         "transformer_z_image.py ZSingleStreamAttnProcessor: apply_rotary_emb(query/key, freqs_cis) (complex, "
         "M12) in noise_refiner (1) + context_refiner (1) + layers (1) = 3 blocks", dtypes=("float32",)),
     Entry("cosmos", _df("CosmosTransformer3DModel", {
