@@ -340,6 +340,60 @@ def test_unsqueeze_unsupported(g):
     assert all(next(iter(e.values())) == -1.0 for e in v.entries)
 
 
+def _matrix(g, batch: int) -> fx.Node:
+    """stack([c, -s, s, c], -1) of [batch, 3, 2] tables, as post-grad graphs spell it: unsqueeze + cat."""
+    c, s = g.input("c", batch, 3, 2), g.input("s", batch, 3, 2)
+    parts = [g.op(aten.unsqueeze.default, t, -1) for t in (c, g.op(aten.neg.default, s), s, c)]
+    return g.op(aten.cat.default, parts, -1)
+
+
+def test_unsqueeze_between_leading_dims_of_a_computed_value(g):
+    # a rotation matrix given a heads dim in front of its sequence dim: with a batch of 1 every atom keeps its
+    # right-aligned meaning, and the lanes (c, -s, s, c) stay as they are
+    m = _matrix(g, 1)
+    heads = g.op(aten.unsqueeze.default, m, 1)
+    v = g.value(heads)
+    assert v.shape == (1, 1, 3, 2, 4) and v.k == 2 and v.entries == g.value(m).entries
+
+
+def test_unsqueeze_between_leading_dims_identifies_equal_lanes(g):
+    # with a batch of 2 the tables' batch dim would align with the new unit dim: the result is a source, whose
+    # lanes that the matrix proves equal (c and c) or negated (-s and s) share one atom, positive first
+    m = _matrix(g, 2)
+    heads = g.op(aten.unsqueeze.default, m, 1)
+    v = g.value(heads)
+    name = heads.name
+    want = []
+    for j in range(2):
+        a, b = atom(name, 4 * j, k=2), atom(name, 4 * j + 2, k=2)
+        want += [{(a,): 1.0}, {(b,): -1.0}, {(b,): 1.0}, {(a,): 1.0}]
+    check(v, (2, 1, 3, 2, 4), 2, want)
+    assert g.interp.identified[name] is g.value(m)
+    # a computed value with no two related lanes stays a plain source
+    x = g.input("x", 2, 3, 4)
+    unrelated = g.op(aten.unsqueeze.default, g.op(aten.mul.Tensor, x, g.input("cos", 2, 3, 4)), 1)
+    assert g.value(unrelated) is None
+
+
+@covers(aten.sum.dim_IntList)
+def test_sum_over_a_pair(g):
+    # a 2x2 matrix applied to pairs as a product and a sum: (m * x.view(3, 1, 2)).sum(-1)
+    x, m = g.input("x", 3, 2), g.input("m", 2, 2)
+    pairs = g.op(aten.view.default, x, [3, 1, 2])  # a view in front of plain lanes: a source of its own
+    product = g.op(aten.mul.Tensor, m, pairs)
+    x0, x1 = atom(pairs.name, 0, k=2), atom(pairs.name, 1, k=2)
+    rows = [{(atom("m", 2 * r, k=2), x0): 1.0, (atom("m", 2 * r + 1, k=2), x1): 1.0} for r in range(2)]
+    check(g.value(g.op(aten.sum.dim_IntList, product, [-1])), (3, 2), 1, rows)
+    check(g.value(g.op(aten.sum.dim_IntList, product, [-1], True)), (3, 2, 1), 2, rows)
+
+
+def test_sum_over_many_lanes_or_a_leading_dim_is_a_source(g):
+    x = g.input("x", 3, 8)
+    assert g.value(g.op(aten.sum.dim_IntList, x, [-1])) is None  # a statistic over 8 lanes
+    assert g.value(g.op(aten.sum.dim_IntList, x, [0])) is None  # a leading dim that is no pair
+    assert g.value(g.op(aten.sum.dim_IntList, g.input("y", 3000, 2), [-1])) is None  # its row dim is too wide
+
+
 @covers(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
 def test_squeeze(g):
     x = g.input("x", 2, 4)

@@ -27,6 +27,7 @@ from .lanes import (
     lane_dims,
     lane_rule,
     row_major_strides,
+    small_sum_dims,
 )
 
 aten = torch.ops.aten
@@ -216,6 +217,43 @@ def rule_addcmul(interp, node):
     return _pointwise(interp, node, node.args[:3], fn)
 
 
+@lane_rule(aten.sum.dim_IntList)
+def rule_sum(interp, node):
+    """A sum over grid dims of at most `lanes.SMALL_SUM_LANES` lanes adds their entries (a 2x2 matrix applied to
+    pairs as a product and a sum, Kandinsky's `(F * x.reshape(..., D/2, 1, 2)).sum(-1)`); a sum over a leading
+    dim or over many lanes (a norm's statistic, attention's softmax) is a new source.
+    sum(v [2, 2] lanes (a, b, c, d), [-1]): grid (2,), lanes (a + b, c + d)."""
+    _check_float(node)
+    value = interp.value(node.args[0])
+    dims = small_sum_dims(node)
+    if dims is None or value.is_complex:
+        raise Unsupported("a sum over many lanes")
+    for d in dims:
+        value = interp.ensure_dim_in_grid(value, d - len(value.shape))
+    if value.k <= len(dims):  # a lane must be left: the dim in front joins the grid (a pair's row index)
+        value = interp.promote(value, len(dims) + 1)
+    first = len(value.shape) - value.k
+    axes = [d - first for d in dims]
+    grid = value.grid
+    strides = row_major_strides(grid)
+    kept = [a for a in range(len(grid)) if a not in axes]
+    out = []
+    for index in grid_indices(tuple(grid[a] for a in kept)):
+        base = sum(i * strides[a] for i, a in zip(index, kept))
+        total: dict = {}
+        for picks in grid_indices(tuple(grid[a] for a in axes)):
+            entry = value.entries[base + sum(i * strides[a] for i, a in zip(picks, axes))]
+            if entry is None:
+                raise Unsupported("a sum over a lane never written")
+            total = poly.add(total, entry)
+        if len(total) > poly.MAX_TERMS:
+            raise Unsupported("polynomial too large")
+        out.append(total)
+    keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+    k = value.k if keepdim else value.k - len(axes)
+    return LaneValue(_out_shape(node), k, out, False, value.wide)
+
+
 @lane_rule(aten.clone.default, aten.alias.default, aten.contiguous.default, aten.resolve_conj.default)
 def rule_identity(interp, node):
     """The lanes of the first argument, unchanged (copies, aliases, layout changes).
@@ -356,8 +394,11 @@ def _splits_into_heads(k: int, grid: tuple, value: LaneValue | None, new_tail: l
 @lane_rule(aten.unsqueeze.default)
 def rule_unsqueeze(interp, node):
     """A size-1 dim in front (a leading dim) or inside the lanes (a grid dim); the lanes stay.
-    unsqueeze(x*cos [2, 4], -2): shape (2, 1, 4), grid (1, 4), lanes (x0*cos0, ..., x3*cos3). Between
-    leading dims, or in front of lanes that are each one source lane (`cos.unsqueeze(-2)`): a new source."""
+    unsqueeze(x*cos [2, 4], -2): shape (2, 1, 4), grid (1, 4), lanes (x0*cos0, ..., x3*cos3). In front of lanes
+    that are each one source lane (`cos.unsqueeze(-2)`): a new source. Between leading dims: the lanes stay for
+    a computed value whose atoms keep their right-aligned meaning (`m [S, 4] = stack([c, -s, s, c])` unsqueezed
+    to [1, S, 4]), else a new source, whose lanes that the value proves equal or negated share one atom
+    (`LaneInterpreter.identified_source`: m [B, S, 4] unsqueezed to [B, 1, S, 4] reads (m0, -m2, m2, m0))."""
     value = interp.value(node.args[0])
     if value.is_complex:
         raise Unsupported("complex unsqueeze")
@@ -369,11 +410,46 @@ def rule_unsqueeze(interp, node):
     if pos == first_grid and _is_gather(value) and value.k < len(value.shape):
         # a table or x gaining a broadcast dim (`cos.unsqueeze(-2)`): a new source, so that every use of
         # the table sees the same lanes whatever rank the other operand has
+        interp.note_lanes(node, value)
         raise Unsupported("unsqueeze in front of the lanes of a plain tensor")
     if pos < first_grid:
-        raise Unsupported("unsqueeze between leading dims: the result is a new source")
+        if not _is_gather(value) and _atoms_keep_alignment(interp, value, pos):
+            # a computed value (a 2x2 rotation matrix built from cos and -sin, given a heads dim in front of its
+            # sequence dim for a [1, H, S, D] x): its lanes stay, so that the minus sign stays visible
+            return LaneValue(value.shape[:pos] + (1,) + value.shape[pos:], value.k, value.entries, False,
+                             value.wide)
+        known = None if _is_gather(value) else interp.identified_source(node, value)
+        if known is None:
+            interp.note_lanes(node, value)
+            raise Unsupported("unsqueeze between leading dims: the result is a new source")
+        return known
     shape = value.shape[:pos] + (1,) + value.shape[pos:]
     return LaneValue(shape, value.k + 1, value.entries, False, value.wide)
+
+
+def _atoms_keep_alignment(interp, value: LaneValue, pos: int) -> bool:
+    """Whether every atom of `value` still stands for the same entry of its source once a size-1 dim is inserted
+    at leading position `pos`. Atoms are right-aligned with the value's leading dims: a source dim aligned at or
+    after `pos` keeps its partner dim, one aligned before it moves to the next dim, which is harmless only when
+    that source dim has size 1 (it broadcasts wherever it lands)."""
+    lead_len = len(value.lead)
+    checked: set = set()
+    for entry in value.entries:
+        for atom in poly.atoms_of(entry or {}):
+            key = atom[:3]
+            if key in checked:
+                continue
+            checked.add(key)
+            name, ks, cplx = key
+            source = meta(interp.nodes.get(name))
+            if not isinstance(source, torch.Tensor):
+                return False
+            source_shape = tuple(source.shape) + ((2,) if cplx else ())
+            source_lead = source_shape[: len(source_shape) - ks]
+            moved = source_lead[: max(0, len(source_lead) - (lead_len - pos))]
+            if any(as_int(size) != 1 for size in moved):
+                return False
+    return True
 
 
 @lane_rule(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)

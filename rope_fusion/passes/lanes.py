@@ -43,6 +43,23 @@ DEAD_END_USERS = frozenset({
     "where", "ge", "gt", "le", "lt", "eq", "ne", "_softmax"})
 
 
+SMALL_SUM_LANES = 4  # a sum over this many lanes at most is arithmetic on lanes (a 2x2 matrix's row), not a statistic
+
+
+def small_sum_dims(node: fx.Node) -> list | None:
+    """The dims (normalised, sorted) that a `sum.dim_IntList` node reduces, when they hold at most
+    `SMALL_SUM_LANES` lanes together (the sum then has a lane rule), else None (a statistic: a dead end)."""
+    dims = node.args[1] if len(node.args) > 1 else None
+    val = meta(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+    if not dims or not isinstance(val, torch.Tensor) or not val.dim() or val.dtype.is_complex:
+        return None
+    dims = sorted({norm_dim(d, val.dim()) for d in ([dims] if isinstance(dims, int) else dims)})
+    sizes = [as_int(val.shape[d]) for d in dims]
+    if None in sizes or math.prod(sizes) > SMALL_SUM_LANES:
+        return None
+    return dims
+
+
 # A sum of two products (x*cos + rot(x)*sin) wider than this many lanes is not analysed (`MAX_LANES`), yet it
 # may be a rotation: such a value is reported as a near miss when it is `rotation_shaped`.
 _SUMS = frozenset({"add", "sub", "addcmul"})
@@ -267,6 +284,8 @@ class LaneInterpreter:
         self.order: dict = {}  # node -> position in the graph
         self.structure = Structure()
         self.unfollowed: dict = {}  # node -> why a rotation-like value was not analysed (OVER_CAP, MATRIX_2X2)
+        # source name -> the lanes it holds under another leading alignment (identified_source, note_lanes)
+        self.identified: dict = {}
 
     def run(self) -> None:
         if not RULES:
@@ -299,7 +318,9 @@ class LaneInterpreter:
 
         def ends_here(u: fx.Node) -> bool:
             packet = getattr(u.target, "overloadpacket", None)
-            return u.target not in RULES and packet is not None and packet.__name__ in DEAD_END_USERS
+            if packet is None or packet.__name__ not in DEAD_END_USERS:
+                return False
+            return u.target not in RULES or (packet.__name__ == "sum" and small_sum_dims(u) is None)
 
         dead: set = set()
         for node in reversed(self.graph.nodes):
@@ -387,6 +408,51 @@ class LaneInterpreter:
         result = LaneValue(shape, grid_rank, entries, is_complex)
         self._raw[key] = result
         return result
+
+    def note_lanes(self, node: fx.Node, value: LaneValue) -> None:
+        """Remember the lanes `value` shows for a node that becomes a plain source (an unsqueeze that changes its
+        leading alignment), so that a reason can name what its lanes hold (`pair_matrix`)."""
+        if not value.is_complex:
+            self.identified.setdefault(self.structure.canonical(node).name, value)
+
+    def identified_source(self, node: fx.Node, value: LaneValue) -> LaneValue | None:
+        """The node as a source over `value`'s grid, where `value` holds the node's lanes under another leading
+        alignment (an unsqueeze between leading dims): lanes that `value` proves equal, or negated, share one
+        atom, since such a relation between lanes of one tensor holds at every leading index. A 2x2 rotation
+        matrix [[c, -s], [s, c]] stacked from [B, S] tables and given a heads dim, [B, 1, S, D/2, 2, 2] for a
+        [B, H, S, D] x, reads (m00, -m10, m10, m00): its cos and sin are views of the matrix. None when no
+        two lanes are related (the plain source says as much)."""
+        shape, grid_rank, is_complex = self.raw_geometry(node, value.k)
+        if is_complex or value.is_complex or grid_rank != value.k or tuple(shape[len(shape) - grid_rank:]) != \
+                tuple(value.grid):
+            return None
+        name = self.structure.canonical(node).name
+        entries = value.entries
+        # lanes with a positive leading coefficient first: `s` is the representative and `-s` its negation
+        order = sorted(range(len(entries)), key=lambda i: not (entries[i] and entries[i][min(entries[i])] > 0))
+        reps: dict = {}
+        out: list = [None] * len(entries)
+        related = False
+        for i in order:
+            e = entries[i]
+            if e is not None and all(not mono for mono in e):
+                out[i] = e  # a constant reads the same at every leading index
+                continue
+            if e is not None:
+                for sign, probe in ((1.0, e), (-1.0, poly.scale(e, -1.0))):
+                    hit = reps.get(frozenset(probe.items()))
+                    if hit is not None:
+                        out[i] = {((name, grid_rank, False, hit),): sign}
+                        related = True
+                        break
+                else:
+                    reps[frozenset(e.items())] = i
+            if out[i] is None:
+                out[i] = {((name, grid_rank, False, i),): 1.0}
+        if not related:
+            return None
+        self.identified[name] = value
+        return LaneValue(shape, grid_rank, out, False, value.wide)
 
     def promote(self, value: LaneValue, k: int) -> LaneValue:
         """Absorb leading dims into the grid until it has k dims (each absorbed dim must be concrete)."""

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import lanes, poly
+from . import lanes, pair_matrix, poly
 from .fx_util import as_int, chain_back, concrete_ints, meta, nearest_upstream, same_dim
 
 aten = torch.ops.aten
@@ -461,6 +461,12 @@ class Acceptor:
                                                 "it (the cos factor changes sign within the pair, as in "
                                                 "conj(x) * freqs, which is conj(x * conj(freqs))): a reflection is "
                                                 "not a rotation; x * freqs.conj() is the inverse rotation")
+                    shown = self._pair_matrix(style, d, sp, template) if b == 0 else None
+                    if shown is not None:  # the tables are known, and wrong: past the lanes for x itself
+                        stage = TABLES if xl.entries is None else LANES
+                        return Rejection(stage, f"lanes {shown[0]} and {d} multiply each pair of x by the matrix "
+                                         f"{shown[1]} of two tables c and s that the graph builds: neither "
+                                         "a rotation ([[c, -s], [s, c]]) nor its inverse ([[c, s], [-s, c]])")
                     if sc > 0 and first_sign > 0:  # HiDream's F[..., 0] * x0 + F[..., 1] * x1: no minus anywhere
                         return Rejection(LANES, f"lanes {d - 1} and {d} apply a general 2x2 matrix of table "
                                                 "entries to each pair (no minus sign in the graph): a table "
@@ -480,6 +486,16 @@ class Acceptor:
                 if not is_copy(base + d):
                     return Rejection(LANES, f"lane {head + d} outside the rotated part is not a copy of x")
         return style, cos_lanes, sin_lanes, conj
+
+    def _pair_matrix(self, style, d, split, template) -> tuple | None:
+        """(the partner lane, the pair's matrix in c and s) where lane d and its partner before it, both split,
+        apply a matrix of two tables that the graph builds (`pair_matrix.built_matrix`), else None."""
+        xa, xb = style.x_lane(d), style.x_partner(d)
+        for d0 in range(d):
+            if style.x_lane(d0) == xb and style.x_partner(d0) == xa:
+                shown = pair_matrix.built_matrix(self.interp, template[d0], split)
+                return None if shown is None else (d0, shown)
+        return None
 
     @staticmethod
     def _shared_factor(e, xd, xp) -> str | None:
