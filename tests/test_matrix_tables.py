@@ -101,7 +101,6 @@ FUSED = {  # id -> (axes, stack, apply, layout, x dtype, angle dtype)
     "rows-3axes-bshd-fp64angles": (3, _rows, by_index, "bshd", FP32, torch.float64),
     "nested-2axes-bhsd-bf16": (2, _nested, by_index, "bhsd", BF16, FP32),
     "columns-3axes-bhsd-expand-sum": (3, _columns, by_sum, "bhsd-expand", FP32, FP32),
-    "rows-1axis-bshd-sum-bf16": (1, _rows, by_sum, "bshd", BF16, FP32),
 }
 
 
@@ -168,7 +167,38 @@ def test_a_matrix_that_arrives_as_a_tensor_keeps_its_reason():
                for m in rep.misses), t
 
 
-# -- a real model -------------------------------------------------------------------------------------
+# -- real models -------------------------------------------------------------------------------------
+
+def _kandinsky_1d(q, k, pos):
+    from diffusers.models.transformers.transformer_kandinsky6 import Kandinsky6RoPE1D, apply_rotary
+
+    rope = Kandinsky6RoPE1D(q.shape[-1], max_pos=64)(pos)
+    return apply_rotary(q, rope), apply_rotary(k, rope)
+
+
+def _kandinsky_3d(q, k, t, h, w):
+    from diffusers.models.transformers.transformer_kandinsky6 import Kandinsky6RoPE3D, apply_rotary
+
+    rope = Kandinsky6RoPE3D((4, 6, 6), max_pos=(8, 8, 8))((t, h, w))
+    return apply_rotary(q, rope), apply_rotary(k, rope)
+
+
+@pytest.mark.parametrize("axes", [1, 3], ids=["1d-text", "3d-video"])
+def test_kandinsky_rope_modules_fuse(axes):
+    """diffusers Kandinsky 6's own RoPE modules and `apply_rotary`, unmodified: matrices stacked from the cos and
+    sin of gathered angles (per axis, expanded over the [T, H, W] grid and concatenated, for video), a heads
+    dim added, applied as `(rope * x_pairs).sum(-1)` in fp32 and cast back to bf16."""
+    pytest.importorskip("diffusers")
+    if axes == 1:
+        fn, grid = _kandinsky_1d, (12,)
+        positions = (torch.arange(12),)
+    else:
+        fn, grid = _kandinsky_3d, (2, 3, 4)
+        positions = tuple(torch.arange(n) for n in grid)
+    args = (torch.randn(*grid, H, 16).to(BF16), torch.randn(*grid, H, 16).to(BF16), *positions)
+    rep = _fused(fn, args)
+    assert all("transformer_kandinsky6.py" in s.source for s in rep.sites), rep.table()
+
 
 PRX_CONFIG = dict(in_channels=4, patch_size=2, context_in_dim=16, hidden_size=32, mlp_ratio=2.0, num_heads=2,
                   depth=2, axes_dim=[8, 8])
