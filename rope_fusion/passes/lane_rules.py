@@ -77,13 +77,20 @@ def _broadcast_entries(value: LaneValue, grid: tuple) -> list:
     return out
 
 
-def _align(interp: LaneInterpreter, node, values: list) -> tuple:
-    """Promote operands to one grid rank and broadcast them to the node's grid."""
+def _align(interp: LaneInterpreter, node, values: list, args: list | None = None) -> tuple:
+    """Promote operands to one grid rank and broadcast them to the node's grid. Where an operand cannot be
+    promoted (a symbolic leading dim), the operands of more grid dims whose extra dims all have size 1 are
+    taken as sources of the lower rank instead (`_unbroadcast_grid`)."""
     shape = _out_shape(node)
     k = max(value.k for value in values)
     k = min(k, len(shape))
-    values = [interp.promote(value, k) if value.k < k and len(value.shape) > value.k else value
-              for value in values]
+    try:
+        values = [interp.promote(value, k) if value.k < k and len(value.shape) > value.k else value
+                  for value in values]
+    except Unsupported:
+        if args is None:
+            raise
+        values, k = _unbroadcast_grid(interp, values, args)
     grid = tuple(lane_dims(shape[len(shape) - k:]))
     if math.prod(grid) > interp.max_lanes:
         raise Unsupported("too many lanes")
@@ -99,16 +106,40 @@ def _align(interp: LaneInterpreter, node, values: list) -> tuple:
     return shape, k, out
 
 
+def _unbroadcast_grid(interp: LaneInterpreter, values: list, args: list) -> tuple:
+    """(values, grid rank) of operands aligned at the lowest grid rank among them, where promoting that one failed.
+
+    Under dynamic=True every dim of x is symbolic, its heads dim too: `q [B, S, H, D] * cos.unsqueeze(1)` with a
+    computed table ([S, 1, D], grid (1, D): its lanes keep their size-1 heads dim so that their atoms stay
+    aligned) cannot absorb H into q's grid, and the product was a source: no rotation was seen, nor a near miss.
+    An operand whose extra grid dims all have size 1 broadcasts over those dims; as a source of the lower rank
+    (its own node's lanes, right-aligned like any source: [S, 1] pairs with [S, H]) it reads the same entries
+    at every index of the result. Operands that are not nodes, or whose extra dims are not all size 1, leave
+    the node a source as before."""
+    low = min(value.k for value in values if len(value.shape) > value.k)
+    if low < 1:
+        raise Unsupported("symbolic leading dim")
+    out = []
+    for value, arg in zip(values, args):
+        if value.k > low:
+            if not isinstance(arg, fx.Node) or value.is_complex or any(size != 1 for size in value.grid[:-low]):
+                raise Unsupported("symbolic leading dim")
+            value = interp.raw(arg, low)
+        out.append(value)
+    return out, low
+
+
 def _pointwise(interp, node, args, fn, complex_ok=False) -> LaneValue:
     values = [interp.value(arg) for arg in args]
     if any(value.is_complex for value in values) and not complex_ok:
         raise Unsupported("complex operand")
-    return _pointwise_values(interp, node, values, fn, is_complex=any(value.is_complex for value in values))
+    return _pointwise_values(interp, node, values, fn, is_complex=any(value.is_complex for value in values),
+                             args=list(args))
 
 
-def _pointwise_values(interp, node, values, fn, is_complex=False):
+def _pointwise_values(interp, node, values, fn, is_complex=False, args=None):
     _check_float(node)
-    shape, k, operand_entries = _align(interp, node, values)
+    shape, k, operand_entries = _align(interp, node, values, args)
     out = []
     for lane in zip(*operand_entries):
         if None in lane:  # (entries are dicts: `in` compares them to None by identity first, then ==)
@@ -172,14 +203,17 @@ def rule_mul(interp, node):
         cplx, real = (value_a, value_b) if value_a.is_complex else (value_b, value_a)
         real = LaneValue(real.shape + (1,), real.k + 1, real.entries, False, real.wide)
         return _pointwise_values(interp, node, [cplx, real], poly.mul, is_complex=True)
-    return _pointwise_values(interp, node, [value_a, value_b], poly.mul)
+    return _pointwise_values(interp, node, [value_a, value_b], poly.mul, args=[lhs, rhs])
 
 
 def _complex_mul(interp, node, value_a, value_b):
     shape = _out_shape(node)
     k = max(value_a.k, value_b.k)
-    value_a, value_b = interp.promote(value_a, k), interp.promote(value_b, k)
+    value_a, value_b = (_lower_rank_padded(value, k) if len(value.shape) <= value.k else interp.promote(value, k)
+                        for value in (value_a, value_b))
     grid = tuple(lane_dims(shape[len(shape) - k:]))
+    if any(a != b and a != 1 for value in (value_a, value_b) for a, b in zip(value.grid, grid)):
+        raise Unsupported("grids do not broadcast")
     entries_a, entries_b = _broadcast_entries(value_a, grid), _broadcast_entries(value_b, grid)
     out = []
     for i in range(0, len(entries_a), 2):
@@ -192,6 +226,15 @@ def _complex_mul(interp, node, value_a, value_b):
             raise Unsupported("polynomial too large")
         out += [poly.add(rr, ii, -1.0), poly.add(ri, ir)]
     return LaneValue(shape, k, out, True, value_a.wide or value_b.wide)
+
+
+def _lower_rank_padded(value: LaneValue, k: int) -> LaneValue:
+    """A value without leading dims given k grid dims by size-1 dims in front (broadcasting, as `_align` does
+    for a lower-rank operand): complex freqs of one head's pairs, [D/2], times x viewed as [B, S, H, D/2]
+    heads could not be promoted past their first dim, and the product was a source."""
+    if value.k >= k:
+        return value
+    return LaneValue((1,) * (k - value.k) + value.shape, k, value.entries, value.is_complex, value.wide)
 
 
 @lane_rule(aten.div.Tensor, aten.div.Scalar)
@@ -353,13 +396,16 @@ def _reshape_tail(interp, old: tuple, k: int, grid: tuple, value: LaneValue | No
     """(pos, new tail): the reshape regroups the dims from `pos` on, which become the new grid; None for the
     same shape; raises Unsupported where the result is a new source (a value of shape `old`, grid of k dims;
     None for a source, whose lanes are not built yet)."""
-    if len(new) >= k and tuple(as_int(d) for d in new[len(new) - k:]) == tuple(grid):
-        if len(new) == len(old) and all(same_dim(a, b) for a, b in zip(old, new)):
-            return None
-        raise Unsupported("reshape of leading dims only: the result is a new source")
     pos = 0
     while pos < min(len(old), len(new)) and same_dim(old[pos], new[pos]):
         pos += 1
+    if len(new) >= k and tuple(as_int(d) for d in new[len(new) - k:]) == tuple(grid):
+        if len(new) == len(old) and pos == len(old):
+            return None
+        # the same tail, unless every leading dim stays where it is and a size-1 grid dim merges into the lanes
+        # ([T, 1, 1, 2] -> [T, 1, 2] for a grid (1, 2): the trailing 1 and 2 only look like the old grid)
+        if pos < len(old) - k or len(new) >= len(old):
+            raise Unsupported("reshape of leading dims only: the result is a new source")
     pos = min(pos, len(old) - k)
     while pos >= 0:
         old_tail = [as_int(d) for d in old[pos:]]
@@ -694,14 +740,19 @@ def _constant_index(arg, depth: int = 0) -> torch.Tensor | None:
     """An int tensor computed from constants alone (iota, arithmetic): its values, or None."""
     if isinstance(arg, (int, float, bool)) or arg is None:
         return arg
-    if not isinstance(arg, fx.Node) or depth > _INDEX_DEPTH or arg.op != "call_function":
+    if not isinstance(arg, fx.Node) or depth > _INDEX_DEPTH:
+        return None
+    val = meta(arg)
+    if isinstance(val, torch.SymInt):  # a size (dynamic=True: roll's `iota(s)` of a lane dim): at its hint,
+        return as_int(val, specialize=True)  # remembered, and guarded only if a fused site reads it
+    if arg.op != "call_function":
         return None
     if arg.target not in _INDEX_MATH:
         return None
-    val = meta(arg)
     if not isinstance(val, torch.Tensor) or val.dtype.is_floating_point or val.dtype.is_complex:
         return None
-    if any(not isinstance(d, int) for d in val.shape) or val.numel() > 1 << 16:
+    shape = [as_int(d, specialize=True) for d in val.shape]
+    if None in shape or math.prod(shape) > 1 << 16:
         return None
     args = []
     for a in arg.args:
@@ -719,7 +770,7 @@ def _constant_index(arg, depth: int = 0) -> torch.Tensor | None:
             out = arg.target(*args, **kwargs)
     except Exception:  # noqa: BLE001 - anything it cannot evaluate is simply not a constant
         return None
-    return out if isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(val.shape) else None
+    return out if isinstance(out, torch.Tensor) and list(out.shape) == shape else None
 
 
 def _permute_lanes(interp, node, value: LaneValue, pos: int, picks: list) -> LaneValue:

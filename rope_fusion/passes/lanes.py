@@ -79,6 +79,31 @@ def _op_name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", "")
 
 
+def _rotation_or_its_halves(node: fx.Node) -> bool:
+    """`rotation_shaped`, or a cat of such sums: the NeoX halves written out, `cat((x1*c - x2*s, x2*c + x1*s))`,
+    whose rotation is the cat (a 2048-lane one feeding a projection was a dead end at the cat)."""
+    if rotation_shaped(node):
+        return True
+    if node.op != "call_function" or _op_name(node) != "cat" or not node.args:
+        return False
+    parts = node.args[0] if isinstance(node.args[0], (list, tuple)) else ()
+    return any(isinstance(a, fx.Node) and rotation_shaped(a) for a in parts)
+
+
+def _lane_moved_from(nodes: list) -> set:
+    """The nodes and what they are lane-moved copies of (`_LANE_MOVES`, within `_ROTATE_HOPS`): the halves of one
+    split (`x1, x2 = x.chunk(2, -1)`, a 2048-lane q that feeds a projection) are each other's rotated copy only
+    through their common input, which a walk back from one half alone never meets (such a rotation was skipped
+    as a dead end: no site, no near miss)."""
+    seen, frontier = set(nodes), list(nodes)
+    for _ in range(_ROTATE_HOPS):
+        frontier = [a for n in frontier if _op_name(n) in _LANE_MOVES for a in n.all_input_nodes if a not in seen]
+        if not frontier:
+            break
+        seen.update(frontier)
+    return seen
+
+
 def rotation_shaped(node: fx.Node) -> bool:
     """A sum of two products where an operand of one is a lane-moved copy of an operand of the other: the shape
     of x*cos + rot(x)*sin, read from the ops alone. A DiT's wide elementwise work (modulation, gates, the
@@ -100,7 +125,7 @@ def rotation_shaped(node: fx.Node) -> bool:
         if not isinstance(product, fx.Node) or _op_name(product) != "mul":
             return False
         operands.append([a for a in product.args[:2] if isinstance(a, fx.Node)])
-    first = set(operands[0])
+    first = _lane_moved_from(operands[0])
     for start in operands[1]:
         seen, frontier = {start}, [start]
         for _ in range(_ROTATE_HOPS):
@@ -331,7 +356,7 @@ class LaneInterpreter:
                     and val.shape[-1] > DEAD_END_LAST_DIM):
                 continue
             if all(u.op == "call_function" and (u in dead or ends_here(u)) for u in node.users) \
-                    and not rotation_shaped(node):
+                    and not _rotation_or_its_halves(node):
                 dead.add(node)
         return dead
 
@@ -341,7 +366,7 @@ class LaneInterpreter:
         if not (isinstance(val, torch.Tensor) and val.dim() and val.dtype.is_floating_point):
             return
         lanes_ = as_int(val.shape[-1])
-        if lanes_ is not None and lanes_ > self.max_lanes and rotation_shaped(node):
+        if lanes_ is not None and lanes_ > self.max_lanes and _rotation_or_its_halves(node):
             self.unfollowed[node] = OVER_CAP.format(lanes=lanes_, cap=self.max_lanes)
 
     def _note_matrix_2x2(self, node: fx.Node) -> None:

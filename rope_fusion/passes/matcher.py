@@ -182,6 +182,7 @@ class Acceptor:
         self._gather: dict | None = None
         self._canon: dict = {}  # (name, k, as_real) -> the grid rank of `_canonical_atom`
         self._by_entry0: dict | None = None
+        self._by_unit_entry0: dict = {}  # the same, keyed up to a constant factor (`_unit_signature`)
         self._scope = None  # the node `accept` is checking: computed tables are looked up among its inputs
         self._scope_tables: dict = {}  # node -> the computed values it is computed from (`_computed_tables`)
         self._lane_index: dict = {}  # computed value -> its lanes by normalised entry (`_lane_index`)
@@ -268,11 +269,13 @@ class Acceptor:
                 a = m[0]
                 out.append(_XLanes(a[0], a[1], a[2]))
         if self._by_entry0 is None:
-            self._by_entry0 = {}
+            self._by_entry0, self._by_unit_entry0 = {}, {}
             for n, xv in self.interp.values.items():
                 if isinstance(xv, lanes.LaneValue) and not xv.is_complex and xv.entries and xv.entries[0]:
                     self._by_entry0.setdefault(poly.signature(xv.entries[0]), []).append(n)
-        for n in self._by_entry0.get(poly.signature(p1), []):
+                    if not _one_atom(xv.entries[0]):
+                        self._by_unit_entry0.setdefault(_unit_signature(xv.entries[0]), []).append(n)
+        for n in self._by_entry0.get(poly.signature(p1)) or self._by_unit_entry0.get(_unit_signature(p1), []):
             xv = self.interp.values[n]
             if len(xv.entries) == total and len(xv.lead) == len(v.lead) and None not in xv.entries:
                 out.append(_XLanes(n.name, xv.k, False, xv.entries))
@@ -780,6 +783,27 @@ def _pairings(half: int) -> list:
     names = ["neox", "interleaved", "deinterleave"]
     blocks = [Pairing("neox", half, nb) for nb in range(2, half // 2 + 1) if half % nb == 0]
     return [Pairing(name, half) for name in names] + blocks
+
+
+def _unit_signature(p: dict) -> frozenset:
+    """`poly.signature` up to a constant factor: the key under which lane 0 of a computed x candidate is looked up
+    where the exact one finds none. The cofactor of a table atom in lane 0 is x[0] times whatever constant the
+    tables carry (attention scaling, a negated pair: `-1.3 * norm(q)[0]`), and the exact signature missed every
+    computed x there (a normalised, transposed q read as a rotation of the raw q, then rejected). Only computed
+    values whose lane 0 is more than one source lane are keyed so: one that is a signed copy of a source lane
+    (the rotate_half of x, `-x[8]`) would be found for every negated table, and the op reads x, not its
+    rotate_half. Coefficients are rounded after the division, since the key only proposes a candidate:
+    `_accept_x` checks its lanes exactly."""
+    sig = poly.signature(p)
+    if not sig:
+        return sig
+    lead = min(sig, key=lambda t: t[0])[1]
+    return frozenset((mono, round(coef / lead, 9)) for mono, coef in sig)
+
+
+def _one_atom(p: dict) -> bool:
+    """Whether p is a multiple of one atom (a lane of a source, moved or negated)."""
+    return len(p) == 1 and len(next(iter(p))) == 1
 
 
 def _split_products(e: dict, xd: dict, xp: dict):

@@ -140,37 +140,62 @@ def near_misses(acc: Acceptor, accepted: dict, rejected: dict) -> list[tuple[fx.
 def _pairs_lanes(v) -> bool:
     """Whether some lane adds two products that each read one lane of one tensor, two lanes less than a row of
     the value apart (x[d]*C and x[p]*S, as a RoPE's lanes do, within a head); True for a value without lanes.
-    A row is the last grid dim, or the last two where the last is a pair (interleaved, complex).
+    A row is the last grid dim, or the last two where the last is a pair (interleaved, complex), measured in the
+    source's lanes: a row of the value steps through a source by the distance between what two neighbouring
+    lanes of the row read of it (`_source_step`), 1 for a value laid out as its source. With the lane axis
+    transposed (`x.unflatten(-1, (8, 16)).transpose(-1, -2)`, rotated over the 8) a row steps by 16 source
+    lanes and a pair is 64 apart: measured in the value's lanes, the screen took a rotation for none, and a
+    rejected one was never reported.
 
     The screen that sends values to the acceptor is coarser, and linear by design (`looks_like_rotation`); it
     also passes values that are no rotation and no RoPE written wrong, which must not read as near misses
     (they did in CLVP, Wan and LTX once misses were no longer hidden by any fused rotation in the graph): a
     gated unit of one projection, `h * gelu(g)` of its two halves, whose decomposed GELU sums products that
     each read both h[d] and g[d]; and a DiT's modulation, `norm(x) * (1 + scale) + shift` with scale and shift
-    chunks of one tensor (`table + embedding` per chunk), whose products read chunks a row or more apart.
-    Run on rejected values only, with at most `PRODUCTS` products a lane."""
+    chunks of one tensor (`table + embedding` per chunk), whose products read chunks a row or more apart (their
+    rows step by one lane of the source, as they are laid out). Run on rejected values only, with at most
+    `PRODUCTS` products a lane."""
     if not isinstance(v, LaneValue):
         return True
     grid = v.grid
     width = (grid[-1] if grid[-1] > 2 else math.prod(grid[-2:])) if grid else 1
-    for e in v.entries[:SCAN_LANES]:
-        reads = []  # per product: source -> the one lane of it the product reads (sources read once)
-        for mono in e or ():
-            if len(mono) < 2:
-                continue
-            count: dict = {}
-            for atom in mono:
-                count[atom[:3]] = count.get(atom[:3], 0) + 1
-            reads.append({atom[:3]: atom[3] for atom in mono if count[atom[:3]] == 1})
-            if len(reads) == PRODUCTS:
-                break
-        for i, first in enumerate(reads):
-            for second in reads[i + 1:]:
+    lanes = v.entries[:SCAN_LANES]
+    for i, e in enumerate(lanes):
+        reads = _product_reads(e)
+        for j, first in enumerate(reads):
+            for second in reads[j + 1:]:
                 for src, lane in first.items():
                     other = second.get(src)
-                    if other is not None and 0 < abs(lane - other) < width:
+                    if other is not None and 0 < abs(lane - other) < width * _source_step(lanes, i, width, src):
                         return True
     return False
+
+
+def _product_reads(e) -> list:
+    """Per product of a lane (at most `PRODUCTS`): source -> the one lane of it the product reads (sources
+    read once in that product)."""
+    reads = []
+    for mono in e or ():
+        if len(mono) < 2:
+            continue
+        count: dict = {}
+        for atom in mono:
+            count[atom[:3]] = count.get(atom[:3], 0) + 1
+        reads.append({atom[:3]: atom[3] for atom in mono if count[atom[:3]] == 1})
+        if len(reads) == PRODUCTS:
+            break
+    return reads
+
+
+def _source_step(lanes: list, i: int, width: int, src: tuple) -> int:
+    """How many lanes of `src` one lane of the value's row steps: the least nonzero distance between a lane of
+    src that lane i reads and one that its neighbour in the row reads (1 where they read none apart)."""
+    j = i + 1 if (i + 1) % width and i + 1 < len(lanes) else i - 1
+    if j < 0 or j // width != i // width:
+        return 1
+    mine = {atom[3] for mono in lanes[i] or () for atom in mono if atom[:3] == src}
+    theirs = {atom[3] for mono in lanes[j] or () for atom in mono if atom[:3] == src}
+    return min((abs(a - b) for a in mine for b in theirs if a != b), default=1)
 
 
 PRODUCTS = 16  # products of a lane that `_pairs_lanes` compares pairwise (a RoPE lane has two)

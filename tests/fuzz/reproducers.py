@@ -214,6 +214,86 @@ def make(g, S):
 """
 
 
+_SCALED_TABLES_COMPUTED_X = """\
+def fn(q, positions, inv_freq):  # q [1, S, 128] normalised, viewed as 8 heads and transposed (their index rotated)
+    x = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6)
+    x = x.reshape(1, q.shape[1], 8, -1).transpose(-1, -2)
+    f = positions[:, None].float() * inv_freq[None, :]
+    f = torch.cat((f, f), dim=-1)
+    c, s = -(f.cos() * 1.3)[:, None, :], -(f.sin() * 1.3)[:, None, :]  # tables scaled and negated
+    rot = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
+    return x * c + rot * s
+
+def make(g, S):
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 4, dtype=torch.float32) / 4))
+    return torch.randn(1, S, 128, generator=g), torch.randint(0, 4096, (S,), generator=g), inv_freq
+"""
+
+_ROLL_SYMBOLIC_LANES = """\
+def fn(q, cos, sin):  # dynamic=True: the roll's index is iota(D) of a symbolic lane dim
+    rolled = torch.roll(q, 8, dims=-1)
+    return q * cos + torch.cat((-rolled[..., :8], rolled[..., 8:]), dim=-1) * sin
+
+def make(g, S):
+    a = torch.rand(S, 16, generator=g, dtype=torch.float64) * 25
+    return torch.randn(1, 2, S, 16, generator=g), a.cos().float(), a.sin().float()
+"""
+
+_SYMBOLIC_HEADS_COMPUTED_TABLE = """\
+def fn(q, cos, sin):  # dynamic=True: q [B, S, H, D] with H symbolic, tables computed and given a heads dim
+    c, s = (cos * 0.8)[:, None, :], (sin * 0.8)[:, None, :]
+    rot = torch.stack((-q[..., 1::2], q[..., 0::2]), dim=-1).flatten(-2)
+    return q * c + rot * s
+
+def make(g, S):
+    a = torch.rand(S, 16, generator=g, dtype=torch.float64) * 25
+    return torch.randn(2, S, 4, 16, generator=g), a.cos().float(), a.sin().float()
+"""
+
+_COMPLEX_FREQS_PER_HEAD = """\
+def fn(q, angles):  # q [B, S, 64] viewed as 4 heads of 8 complex pairs, times freqs of one head's pairs [8]
+    f = torch.complex(angles.cos(), angles.sin())
+    xc = torch.view_as_complex(q.reshape(q.shape[0], q.shape[1], 4, -1, 2))
+    return torch.view_as_real(xc * f).flatten(-2)
+
+def make(g, S):
+    return torch.randn(2, S, 64, generator=g, dtype=torch.float64), torch.rand(8, generator=g, dtype=torch.float64)
+"""
+
+_ONE_PAIR = """\
+def fn(q, cos, sin):  # lanes 0:2 rotated (one interleaved pair, stack + flatten), the rest passed through
+    x = q[..., 0:2]
+    rot = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat((x * cos - rot * sin, q[..., 2:]), dim=-1)
+
+def make(g, S):
+    a = torch.rand(1, generator=g, dtype=torch.float64) * 25
+    return torch.randn(S, 1, 32, generator=g), a.cos().float().repeat(2), a.sin().float().repeat(2)
+"""
+
+_TRANSPOSED_PER_HEAD_TABLES = """\
+def fn(q, cs):  # lanes transposed (heads' index rotated), interleaved, tables per row of the transposed x
+    x = q.unflatten(-1, (8, 8)).transpose(-1, -2).reshape(*q.shape[:-1], 8, 4, 2)
+    c, s = cs[..., 0, ::2], cs[..., 1, ::2]
+    return torch.stack((x[..., 0] * c - x[..., 1] * s, x[..., 1] * c + x[..., 0] * s), dim=-1).flatten(-2)
+
+def make(g, S):
+    a = torch.rand(S, 8, 8, generator=g, dtype=torch.float64) * 25
+    return torch.randn(2, S, 64, generator=g), torch.stack((a.cos(), a.sin()), -2).float()
+"""
+
+
+_WIDE_SPLIT_HALVES = """\
+def fn(q, cos, sin, w):  # q [1, S, 2048]: the NeoX halves of one split, rotated, then a projection
+    x1, x2 = torch.split(q, 1024, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1) @ w
+
+def make(g, S):
+    a = torch.rand(S, 1024, generator=g, dtype=torch.float64) * 25
+    return (torch.randn(1, S, 2048, generator=g), a.cos().float(), a.sin().float(),
+            torch.randn(2048, 8, generator=g) * 0.02)
+"""
+
 REPRODUCERS = {
     "norm_fp32_on_fp64": _case("norm_fp32_on_fp64", _NORM_FP32_ON_FP64, S=4,
                     what="a folded norm computed in fp64 where the graph computes it in fp32"),
@@ -249,4 +329,18 @@ REPRODUCERS = {
                     what="a gathered position out of range (real Inductor)"),
     "conv_guards": _case("conv_guards", _CONV_GUARDS, S=5, rotations=0, S2=7,
                     what="no RoPE, dynamic: no more graphs than plain compile"),
+    "scaled_tables_computed_x": _case("scaled_tables_computed_x", _SCALED_TABLES_COMPUTED_X, S=4,
+                    what="a computed x with scaled, negated tables"),
+    "roll_symbolic_lanes": _case("roll_symbolic_lanes", _ROLL_SYMBOLIC_LANES, S=5, S2=7,
+                    what="torch.roll over a symbolic lane dim, dynamic"),
+    "symbolic_heads_computed_table": _case("symbolic_heads_computed_table", _SYMBOLIC_HEADS_COMPUTED_TABLE, S=5,
+                    S2=7, what="a computed table with a heads dim of 1 against a symbolic heads dim, dynamic"),
+    "complex_freqs_per_head": _case("complex_freqs_per_head", _COMPLEX_FREQS_PER_HEAD, S=4,
+                    what="complex freqs of one head's pairs times x viewed as heads"),
+    "one_pair": _case("one_pair", _ONE_PAIR, S=6,
+                    what="one rotated pair, stack + flatten, then the pass-through lanes"),
+    "transposed_per_head_tables": _case("transposed_per_head_tables", _TRANSPOSED_PER_HEAD_TABLES, S=4,
+                    what="lanes transposed, tables per row of them: a near miss, not silence"),
+    "wide_split_halves": _case("wide_split_halves", _WIDE_SPLIT_HALVES, S=3,
+                    what="a 2048-lane rotation of one split's halves that feeds a projection"),
 }
