@@ -332,6 +332,8 @@ class LaneInterpreter:
             except Unsupported:
                 value = None
                 self._note_over_cap(node)
+            if isinstance(value, LaneValue) and len(value.entries) > self.max_lanes and self._note_over_cap(node):
+                value = None  # the halves of an x over the cap are unrelated sources: these lanes show no rotation
             if value is not None:
                 if isinstance(value, LaneValue):
                     value.wide = value.wide or _node_is_wide(node)
@@ -360,14 +362,18 @@ class LaneInterpreter:
                 dead.add(node)
         return dead
 
-    def _note_over_cap(self, node: fx.Node) -> None:
-        """Record a rotation-shaped sum that no rule could take because its lanes are over the cap."""
+    def _note_over_cap(self, node: fx.Node) -> bool:
+        """Record a rotation-shaped sum that no rule could take because its lanes are over the cap, or the cat of
+        such halves (`cat((x1*c - x2*s, x2*c + x1*s))` of a 5120-lane x, whose cast and split are over the cap:
+        the cat's lanes exist, but read two unrelated sources). Whether it was recorded."""
         val = meta(node)
         if not (isinstance(val, torch.Tensor) and val.dim() and val.dtype.is_floating_point):
-            return
+            return False
         lanes_ = as_int(val.shape[-1])
         if lanes_ is not None and lanes_ > self.max_lanes and _rotation_or_its_halves(node):
             self.unfollowed[node] = OVER_CAP.format(lanes=lanes_, cap=self.max_lanes)
+            return True
+        return False
 
     def _note_matrix_2x2(self, node: fx.Node) -> None:
         """Record a matmul that applies a 2x2 matrix to pairs ([.., M, 2] @ [.., 2, 2] or [.., 2, 2] @ [.., 2, P]),

@@ -294,6 +294,17 @@ def make(g, S):
             torch.randn(2048, 8, generator=g) * 0.02)
 """
 
+_WIDE_OVER_CAP_HALVES = """\
+def fn(q, cos, sin, w):  # the same at 5120 lanes, over the analysis cap: a near miss that says so
+    x1, x2 = q.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1) @ w
+
+def make(g, S):
+    a = torch.rand(S, 2560, generator=g, dtype=torch.float64) * 25
+    return (torch.randn(1, S, 5120, generator=g), a.cos().float(), a.sin().float(),
+            torch.randn(5120, 8, generator=g) * 0.02)
+"""
+
 REPRODUCERS = {
     "norm_fp32_on_fp64": _case("norm_fp32_on_fp64", _NORM_FP32_ON_FP64, S=4,
                     what="a folded norm computed in fp64 where the graph computes it in fp32"),
@@ -343,4 +354,6 @@ REPRODUCERS = {
                     what="lanes transposed, tables per row of them: a near miss, not silence"),
     "wide_split_halves": _case("wide_split_halves", _WIDE_SPLIT_HALVES, S=3,
                     what="a 2048-lane rotation of one split's halves that feeds a projection"),
+    "wide_over_cap_halves": _case("wide_over_cap_halves", _WIDE_OVER_CAP_HALVES, S=2,
+                    what="a 5120-lane rotation of one split's halves: a near miss over the cap, not silence"),
 }
