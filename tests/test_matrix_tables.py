@@ -215,11 +215,14 @@ def test_prx_fuses_every_rope_of_every_block():
     inputs = dict(hidden_states=torch.randn(1, 4, 16, 16), timestep=torch.tensor([0.5]),
                   encoder_hidden_states=torch.randn(1, 6, 16), return_dict=False)
     p = rope_fusion.RopeFusionPass()
-    with torch.no_grad():
+    # the pass runs on every graph (no compile-cache replays of other tests' graphs), and plain compile has no
+    # pass whatever an earlier test installed
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
         torch._dynamo.reset()
         fused = torch.compile(model, options={"post_grad_custom_post_pass": p})(**inputs)[0]
         torch._dynamo.reset()
-        plain = torch.compile(model)(**inputs)[0]
+        plain = torch.compile(model, options={"post_grad_custom_post_pass": None})(**inputs)[0]
         ref = model.to(torch.float64)(**{k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point()
                                           else v for k, v in inputs.items()})[0]
         model.to(torch.float32)
