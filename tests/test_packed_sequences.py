@@ -81,6 +81,21 @@ def offset_kw(off):
     return {} if isinstance(off, int) and off == 0 else {"seqlen_offsets": off}
 
 
+def _placeholders(real: tuple) -> tuple:
+    """(fake mode, graph, nodes): a graph with one placeholder per tensor of a packed call, fake values kept."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fm = FakeTensorMode()
+    g = fx.Graph()
+    nodes = []
+    for name, t in zip(("q", "k", "cos", "sin", "cu", "off"), real):
+        n = g.placeholder(name)
+        n.meta["val"] = fm.from_tensor(t)
+        nodes.append(n)
+    return fm, g, nodes
+
+
 # -- the reference: eager on the CPU -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("interleaved,rotary_dim,full,offs,dtype", CASES)
@@ -200,7 +215,6 @@ def test_triton_user_kernel_node():
     import torch.fx as fx
     from test_kernel_sites import _Run
     from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from rope_fusion.kernels import triton_rotary
     from rope_fusion.kernels.triton_graph import emit_triton
@@ -209,13 +223,7 @@ def test_triton_user_kernel_node():
         pytest.skip("the kernel module was imported under TRITON_INTERPRET=1: make_fx cannot trace it")
     q, k, cu, cos, sin, off = case_inputs(True, 16, False, "tensor", torch.float32)
     real = (q, k, cos, sin, cu, off)
-    fm = FakeTensorMode()
-    g = fx.Graph()
-    nodes = []
-    for name, t in zip(("q", "k", "cos", "sin", "cu", "off"), real):
-        n = g.placeholder(name)
-        n.meta["val"] = fm.from_tensor(t)
-        nodes.append(n)
+    fm, g, nodes = _placeholders(real)
     params = RotaryParams(**op_kwargs(True, 16, torch.float32))
     call = RotaryCall(nodes[:2], nodes[2], nodes[3], params, cu_seqlens=nodes[4], seqlen_offsets=nodes[5])
     outs = emit_triton(g, fm, call, nodes[0])
@@ -260,7 +268,6 @@ def test_npu_graph_form(npu_stand_ins):
     """The graph form (kernels/npu_graph.py, what fx_pass writes on NPU graphs): the positions' ATen ops, then
     npu_rotary_mul per tensor; the graph run gives the packed rotation."""
     import torch.fx as fx
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from rope_fusion.kernels import npu_graph
     from rope_fusion.passes.emission import Emitter
@@ -268,13 +275,7 @@ def test_npu_graph_form(npu_stand_ins):
     (q, k), cu, cos, sin = packed_batch(LENGTHS, head_dim=64, width=32)
     off = OFFSETS["int"] * torch.ones(len(LENGTHS), dtype=torch.int64)
     real = (q, k, cos, sin, cu, off)
-    fm = FakeTensorMode()
-    g = fx.Graph()
-    nodes = []
-    for name, t in zip(("q", "k", "cos", "sin", "cu", "off"), real):
-        n = g.placeholder(name)
-        n.meta["val"] = fm.from_tensor(t)
-        nodes.append(n)
+    fm, g, nodes = _placeholders(real)
     em = Emitter(g)
     em.fake_mode = fm
     params = RotaryParams(**op_kwargs(False, 64, torch.float32))

@@ -182,6 +182,7 @@ class Acceptor:
         self._gather: dict | None = None
         self._canon: dict = {}  # (name, k, as_real) -> the grid rank of `_canonical_atom`
         self._by_entry0: dict | None = None
+        self._projected_nodes: dict = {}  # node name -> whether a projection computes it (`_projected`)
         self._by_unit_entry0: dict = {}  # the same, keyed up to a constant factor (`_unit_signature`)
         self._scope = None  # the node `accept` is checking: computed tables are looked up among its inputs
         self._scope_tables: dict = {}  # node -> the computed values it is computed from (`_computed_tables`)
@@ -314,9 +315,14 @@ class Acceptor:
         return best
 
     def _projected(self, name: str) -> bool:
-        """Whether a matmul or convolution computes the node (within a few ops upstream): an activation."""
-        node = self.interp.nodes.get(name)
-        return node is not None and nearest_upstream(node, lambda n: n.target in _PROJECTIONS, 32) is not None
+        """Whether a matmul or convolution computes the node (within a few ops upstream): an activation. Asked
+        for every x candidate of every value the acceptor sees, so each node is looked up once."""
+        known = self._projected_nodes.get(name)
+        if known is None:
+            node = self.interp.nodes.get(name)
+            known = node is not None and nearest_upstream(node, lambda n: n.target in _PROJECTIONS, 32) is not None
+            self._projected_nodes[name] = known
+        return known
 
     def _split(self, e, xd, xp):
         """e == c1*a*xd + c2*b*xp for atoms a, b: return ((a, c1), (b, c2)) or None."""
