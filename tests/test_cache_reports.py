@@ -111,3 +111,66 @@ def test_a_warm_cache_reports_what_the_cold_compile_did(tmp_path):
         assert state["logged"] == [line + MARK for line in fresh["logged"]], (name, state["logged"])
         assert state["graphs"] == 2, name
     assert all("cos and sin are one table" in m["reason"] for m in fresh["misses"]), fresh["table"]
+
+
+OTHER_COMPILES = r"""
+import json, torch, rope_fusion
+from torch._dynamo.utils import counters
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat((-x2, x1), -1)
+
+def trained(q, k, cos, sin):
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+def served(q, k, cos, sin):
+    return (q * cos + rotate_half(q) * sin).relu(), (k * cos + rotate_half(k) * sin).relu()
+
+torch.manual_seed(0)
+ang = torch.rand(6, 8) * 6
+ang = torch.cat((ang, ang), -1)
+q, k = torch.randn(2, 4, 6, 16, requires_grad=True), torch.randn(2, 2, 6, 16, requires_grad=True)
+tables = (ang.cos(), ang.sin())
+
+def summary(p):
+    return p.report.summary(), len(p.report.sites), p.report.cached.graphs
+
+# 1. a forward and a backward through rope_fusion.backend: the process's first compiles, which run Inductor's
+# lazy pattern init (it swaps counters["inductor"] for a copy of itself)
+fb = rope_fusion.backend("eager")
+a, b = torch.compile(trained, backend=fb)(q, k, *tables)
+(a.sum() + b.sum()).backward()
+trained_before = summary(fb)
+
+# 2. a new pass compiles another function: its report holds that compile only
+served_pass = rope_fusion.RopeFusionPass()
+with torch.no_grad():
+    torch.compile(served, options={"post_grad_custom_post_pass": served_pass})(q.detach(), k.detach(), *tables)
+
+# 3. the counters cleared, then the same compile again with a new pass of the same options: a cache hit,
+# handed to that pass as a replay
+counters.clear()
+torch._dynamo.reset()
+again = rope_fusion.RopeFusionPass()
+with torch.no_grad():
+    torch.compile(served, options={"post_grad_custom_post_pass": again})(q.detach(), k.detach(), *tables)
+print(json.dumps({"trained": [trained_before, summary(fb)], "served": summary(served_pass),
+                  "again": summary(again)}))
+"""
+
+
+def test_other_compiles_in_the_process_are_not_reported_as_cache_replays(tmp_path):
+    """A pass reports its own compiles only, whatever else the process compiled: a backend's forward and
+    backward before it once showed as "4 graphs from the compile cache" in a new pass's report."""
+    script = tmp_path / "other_compiles.py"
+    script.write_text(OTHER_COMPILES)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), TORCHINDUCTOR_FX_GRAPH_CACHE="1")
+    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    before, after = got["trained"]
+    assert before == after and before[2] == 0 and before[1] >= 2, got  # the backend's report is left as it was
+    assert got["served"] == ["fused 2 sites in 1 kernel, 0 near misses", 2, 0], got
+    assert got["again"] == ["fused 2 sites in 1 kernel, 0 near misses" + MARK, 2, 1], got

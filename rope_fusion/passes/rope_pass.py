@@ -81,14 +81,17 @@ class CacheLedger:
     each get the graphs of their own compiles.
 
     Counts of each key that have been handed out (or recorded live) are `seen`; a key counted past that was
-    replayed. Replays are taken in when a compile ends (a Dynamo end-of-compile callback: one log line per
+    replayed. The counters object's identity says nothing: Inductor's lazy pattern init swaps
+    `counters["inductor"]` for a copy taken before it ran (pattern_matcher's `lazy_init`, once per pattern set
+    in a process), so a new object is no clear, and forgetting `seen` on it handed every live graph of the
+    process to the next pass as a replay. A clear shows as a count below `seen`, which is lowered to match;
+    `asked` settles before each compile's cache lookup, so a clear before a compile is seen before its replay. Replays are taken in when a compile ends (a Dynamo end-of-compile callback: one log line per
     graph on a warm run too), when the pass runs or is asked for its uuid, and before a report is read."""
 
     RECENT = 16  # passes remembered as askers (latest last)
 
     def __init__(self) -> None:
         self.seen: collections.Counter = collections.Counter()
-        self.counter: Any = None  # the counters object last read: a new one means the counters were cleared
         self.recent: list = []  # weak references to the passes asked for their uuid, latest last
         self.lock = threading.RLock()
 
@@ -100,11 +103,8 @@ class CacheLedger:
 
     def _current(self) -> collections.Counter:
         c = self._counters()
-        if c is not self.counter:  # `counters.clear()` (test harnesses): what was counted went with it
-            self.counter = c
-            self.seen = collections.Counter()
-        for k in [k for k, n in self.seen.items() if c[k] < n]:  # cleared in place
-            self.seen[k] = c[k]
+        for k in [k for k, n in self.seen.items() if c.get(k, 0) < n]:  # cleared (`counters.clear()`, in place)
+            self.seen[k] = c.get(k, 0)
         return c
 
     def recorded(self, tag: str, payload: str) -> None:
