@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..ops.cost_model import Factors
+from .pass_identity import source_hash
 
 log = logging.getLogger("rope_fusion")
 
@@ -82,8 +83,6 @@ def versions() -> str:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "none"
-    from .rope_pass import source_hash
-
     return f"torch {torch.__version__}, triton {triton_version}, rope_fusion {source_hash()[:16]}"
 
 

@@ -43,8 +43,9 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .pass_identity import PassBase
 from .report import Report
-from .rope_pass import RopeFusionPass, _PassBase
+from .rope_pass import RopeFusionPass
 
 log = logging.getLogger("rope_fusion")
 
@@ -80,7 +81,7 @@ def _callable_uuid(p: Any) -> Any:
     return hashlib.sha256(f"{getattr(p, '__module__', '')}.{name}\n{src}".encode()).hexdigest()
 
 
-class ChainedPass(_PassBase):
+class ChainedPass(PassBase):
     """Runs two passes in order, one of them ours: a pass configured before and then ours (`install()`), or ours
     and then a pass that took Inductor's setting after it (`for_this_compile`). Both uuids make its own. Inductor
     tells an inference-aware pass whether the graph is an inference graph; the chain hands that on to ours."""

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import gc
 import hashlib
 import logging
-import os
 import threading
 import time
 import weakref
@@ -33,33 +31,13 @@ from .emission import Emitter, GraphTransaction
 from .fx_util import deferred_guards, guard_deferred_sizes
 from .grouping import pair_up
 from .kernel_rewrite import find_kernel_matches
+from .pass_identity import PassBase, source_hash
 from .provenance import dtype_name, role, rotation_source, source_line
 from .report import FROM_CACHE, PER_LANE, PER_PAIR, GraphError, GraphRecord, Kernel, Miss, Report, Site, fused_text
 from .site_costs import graph_host_bound
 from .sites import find_sites
 
-try:  # torch passes `is_inference` to such passes (inference graph or training forward)
-    from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass as _PassBase
-except ImportError:  # older torch
-    from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
-
 log = logging.getLogger("rope_fusion")
-
-
-@functools.lru_cache(maxsize=1)
-def source_hash() -> str:
-    """Hash of every .py file of the package: any code change changes the pass's uuid."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    h = hashlib.sha256()
-    for dirpath, dirnames, filenames in sorted(os.walk(root)):
-        dirnames.sort()
-        for name in sorted(filenames):
-            if name.endswith(".py"):
-                path = os.path.join(dirpath, name)
-                h.update(os.path.relpath(path, root).encode())
-                with open(path, "rb") as f:
-                    h.update(f.read())
-    return h.hexdigest()
 
 
 # -- what a cache hit replays ------------------------------------------------------------------------------
@@ -85,8 +63,9 @@ class CacheLedger:
     `counters["inductor"]` for a copy taken before it ran (pattern_matcher's `lazy_init`, once per pattern set
     in a process), so a new object is no clear, and forgetting `seen` on it handed every live graph of the
     process to the next pass as a replay. A clear shows as a count below `seen`, which is lowered to match;
-    `asked` settles before each compile's cache lookup, so a clear before a compile is seen before its replay. Replays are taken in when a compile ends (a Dynamo end-of-compile callback: one log line per
-    graph on a warm run too), when the pass runs or is asked for its uuid, and before a report is read."""
+    `asked` settles before each compile's cache lookup, so a clear before a compile is seen before its replay.
+    Replays are taken in when a compile ends (a Dynamo end-of-compile callback: one log line per graph on a warm
+    run too), when the pass runs or is asked for its uuid, and before a report is read."""
 
     RECENT = 16  # passes remembered as askers (latest last)
 
@@ -164,7 +143,7 @@ def take_in_cache_replays(*_: Any) -> None:
 
 # -- the pass ----------------------------------------------------------------------------------------------
 
-class RopeFusionPass(_PassBase):
+class RopeFusionPass(PassBase):
     """Find every RoPE it can prove in a post-grad graph and replace it (or each q/k pair) with one fused op."""
 
     def __init__(self, backend: str = "auto", fuse_qk: bool = True, cache_host_tables: bool = True,
@@ -469,12 +448,9 @@ def _graph_kind(graph: fx.Graph, is_inference: bool | None) -> str:
 
 def _misconfigured(got: Any, what: str) -> str:
     """What to do instead, when the pass (or its class) was given to torch.compile as something it is not."""
-    import rope_fusion
-
     ways = ['torch.compile(f, options={"post_grad_custom_post_pass": rope_fusion.RopeFusionPass()})',
-            "rope_fusion.install() before torch.compile(f)"]
-    if callable(getattr(rope_fusion, "backend", None)):
-        ways.append('torch.compile(f, backend=rope_fusion.backend("inductor"))')
+            "rope_fusion.install() before torch.compile(f)",
+            'torch.compile(f, backend=rope_fusion.backend("inductor"))']
     if isinstance(got, fx.GraphModule):  # Dynamo calls a backend with (GraphModule, example inputs)
         problem = f"{what} was given as a torch.compile backend; it is an Inductor post-grad pass"
     else:  # Inductor calls the configured pass with the graph: the class was configured, not an instance
