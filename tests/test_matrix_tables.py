@@ -200,6 +200,30 @@ def test_kandinsky_rope_modules_fuse(axes):
     assert all("transformer_kandinsky6.py" in s.source for s in rep.sites), rep.table()
 
 
+@pytest.mark.parametrize("normed", [False, True], ids=["plain", "rms-normed"])
+def test_kandinsky_video_matrices_flattened_over_the_grid_fuse(normed):
+    """Kandinsky 6's transformer flattens the [T, H, W, 1, D/2, 2, 2] matrices of its video RoPE to [T*H*W, 1, D/2,
+    2, 2] for a [B, T*H*W, H, D] q and k, which it RMS-norms first: a reshape of leading dims only, after which the
+    matrix still reads as its cos and sin (once "a table that arrives as a tensor", and with the norm "no node
+    holds" the normed table)."""
+    pytest.importorskip("diffusers")
+    from diffusers.models.transformers.transformer_kandinsky6 import Kandinsky6RoPE3D, apply_rotary
+
+    grid, heads, d = (2, 3, 4), 2, 16
+    weight = torch.rand(d) + 0.5
+
+    def fn(q, k, t, h, w):
+        rope = Kandinsky6RoPE3D((4, 6, 6), max_pos=(8, 8, 8))((t, h, w)).flatten(0, 2)
+        if normed:
+            q, k = (torch.nn.functional.rms_norm(x, (d,), weight, 1e-6) for x in (q, k))
+        return apply_rotary(q, rope), apply_rotary(k, rope)
+
+    tokens = grid[0] * grid[1] * grid[2]
+    args = (torch.randn(1, tokens, heads, d), torch.randn(1, tokens, heads, d), *(torch.arange(n) for n in grid))
+    rep = _fused(fn, args)
+    assert all(s.norm == ("rms folded" if normed else "") for s in rep.sites), rep.table()
+
+
 PRX_CONFIG = dict(in_channels=4, patch_size=2, context_in_dim=16, hidden_size=32, mlp_ratio=2.0, num_heads=2,
                   depth=2, axes_dim=[8, 8])
 

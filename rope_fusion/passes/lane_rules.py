@@ -382,7 +382,18 @@ def rule_reshape(interp, node):
         old, k, is_complex, grid = value.shape, value.k, value.is_complex, value.grid
     if is_complex:
         raise Unsupported("complex reshape")
-    tail = _reshape_tail(interp, old, k, grid, value, new)
+    try:
+        tail = _reshape_tail(interp, old, k, grid, value, new)
+    except LeadingOnly:
+        # the leading dims regrouped, the lanes kept: a new source, whose lanes that the value proves equal or
+        # negated share one atom (Kandinsky's [T, H, W, 1, D/2, 2, 2] rotation matrices flattened to [T*H*W, 1,
+        # D/2, 2, 2] read as views of their cos and sin), as an unsqueeze between leading dims
+        value = interp.value(arg) if value is None else value
+        known = None if _is_gather(value) else interp.identified_source(node, value)
+        if known is None:
+            interp.note_lanes(node, value)
+            raise
+        return known
     if value is None:
         value = interp.value(arg)
     if tail is None:
@@ -390,6 +401,10 @@ def rule_reshape(interp, node):
     pos, new_tail = tail
     promoted = interp.promote(value, len(old) - pos)
     return LaneValue(new[:pos] + tuple(new_tail), len(new) - pos, promoted.entries, False, value.wide)
+
+
+class LeadingOnly(Unsupported):
+    """A reshape that regroups leading dims only and keeps the lanes."""
 
 
 def _reshape_tail(interp, old: tuple, k: int, grid: tuple, value: LaneValue | None, new: tuple) -> tuple | None:
@@ -405,7 +420,7 @@ def _reshape_tail(interp, old: tuple, k: int, grid: tuple, value: LaneValue | No
         # the same tail, unless every leading dim stays where it is and a size-1 grid dim merges into the lanes
         # ([T, 1, 1, 2] -> [T, 1, 2] for a grid (1, 2): the trailing 1 and 2 only look like the old grid)
         if pos < len(old) - k or len(new) >= len(old):
-            raise Unsupported("reshape of leading dims only: the result is a new source")
+            raise LeadingOnly("reshape of leading dims only: the result is a new source")
     pos = min(pos, len(old) - k)
     while pos >= 0:
         old_tail = [as_int(d) for d in old[pos:]]

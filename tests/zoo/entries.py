@@ -496,6 +496,24 @@ add(
         "transformer_hidream_image.py HiDreamAttnProcessor: apply_rope(query_i, key_i, rope) (M9: 2x2 rotation "
         "matrices, F[...,0]*x0 + F[...,1]*x1) on image q/k plus text q/k in the double block (4) and joint q/k "
         "in the single block (2)", category="should", dtypes=("float32",)),
+    Entry("prx", _df("PRXTransformer2DModel", {
+        "in_channels": 4, "patch_size": 2, "context_in_dim": 16, "hidden_size": 32, "mlp_ratio": 2.0, "num_heads": 2,
+        "depth": 2, "axes_dim": [8, 8]}, lambda: {
+        "hidden_states": _r(1, 4, 16, 16), "timestep": torch.tensor([0.5]), "encoder_hidden_states": _r(1, 6, 16)}),
+        4, 2, 2, "transformer_prx.py",
+        "transformer_prx.py PRXAttnProcessor2_0: apply_rope(query/key, image_rotary_emb) per block (M9: PRXEmbedND "
+        "stacks [[cos, -sin], [sin, cos]] per axis, cats the 2 axes, adds a heads dim), 2 blocks", dtypes=("float32",)),
+    Entry("kandinsky6", _df("Kandinsky6Transformer3DModel", {
+        "in_visual_dim": 4, "out_visual_dim": 4, "in_text_dim": 16, "in_text_dim2": 8, "time_dim": 16,
+        "patch_size": [1, 2, 2], "model_dim": 32, "ff_dim": 64, "num_text_blocks": 1, "num_visual_blocks": 2,
+        "axes_dims": [4, 6, 6], "visual_cond": False}, lambda: {
+        "hidden_states": _r(1, 2, 8, 8, 4), "encoder_hidden_states": _r(1, 6, 16), "pooled_projections": _r(1, 8),
+        "timestep": torch.tensor([500.0])}),
+        6, 3, 3, "transformer_kandinsky6.py",
+        "transformer_kandinsky6.py Kandinsky6AttnProcessor: apply_rotary(query, rope), (key, rope_kv) in the text "
+        "block's self-attention (1D rope, 2) and each visual block's self-attention (2 blocks, 4; cross-attention "
+        "has no rope): 2x2 matrices stacked from cos/sin, [T, H, W, 1, D/2, 2, 2] flattened to [T*H*W, ...], "
+        "applied as (rope * x_pairs).sum(-1), q/k RMS-normed first", dtypes=("float32",)),
     Entry("allegro", _allegro, 4, 2, 2, "attention_processor.py|embeddings.py",
           "attention_processor.py AllegroAttnProcessor2_0: apply_rotary_emb_allegro(query), (key) in attn1 (attn2 "
           "is cross-attention) (M11: head dim in 3 blocks): embeddings.py x.chunk(3, -1), NeoX rotate_half per "
