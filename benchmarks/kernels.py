@@ -960,6 +960,7 @@ def sweep(device: str, cases: list = SWEEP_CASES) -> list[dict]:
     import triton.testing
 
     from rope_fusion.kernels import triton_rotary as tr
+    from rope_fusion.kernels.triton_plan import default_neox_row
     from rope_fusion.ops.schema import RotaryParams
 
     out = []
@@ -996,7 +997,7 @@ def sweep(device: str, cases: list = SWEEP_CASES) -> list[dict]:
             res.append({"shape": sname, "spelling": code, "norm": norm, **opt, "ms": ms, "x_floor": ms / floor})
         out += res
         best = sorted(res, key=lambda o: o["x_floor"])[:4]
-        form = tr.default_neox_row(kw["interleaved"], rd, D)
+        form = default_neox_row(kw["interleaved"], rd, D)
         default = [o for o in res if all(o.get(n) is None for n in ("block_h", "num_warps", "held"))
                    and o.get("neox_row") in (None, form)]
         print(f"sweep {sname} {code} norm={norm}: default "

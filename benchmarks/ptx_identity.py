@@ -219,7 +219,7 @@ def _cases() -> dict[str, dict]:
 
 def record_launches(cases: dict[str, dict] | None = None) -> list[Launch]:
     """Every launch the host planner makes for the cases, with the compile options of a direct launch."""
-    from rope_fusion.kernels.triton_rotary import launch, row_checks
+    from rope_fusion.kernels.triton_launch import launch, row_checks
 
     out = []
     for name, c in (cases or _cases()).items():
@@ -234,7 +234,7 @@ def record_launches(cases: dict[str, dict] | None = None) -> list[Launch]:
 def _kernel() -> Any:
     from triton.runtime.jit import JITFunction
 
-    from rope_fusion.kernels.triton_rotary import _rotary_kernel as kernel
+    from rope_fusion.kernels.triton_kernel import rotary_kernel as kernel
 
     return kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
 
@@ -262,13 +262,15 @@ def specialise(kernel: Any, launch: Launch) -> tuple[dict, str]:
     return job, _sha(json.dumps(key))
 
 
-_DROP = re.compile(r"^\s*(\.loc|\.file|//)|^\s*$")
+# debug locations, comments, blank lines, and the labels that delimit an inlined function's scope for the debug
+# information (`$L__tmp`: no branch goes to them; branch targets are `$L__BB`)
+_DROP = re.compile(r"^\s*(\.loc|\.file|//)|^\s*$|^\$L__tmp\d+:$")
 _ASSERT_GLOBAL = re.compile(r"^\s*\.global .* (assertFile|assertFunc)_\d+\[")
 
 
 def normalise(ptx: str, name: str) -> str:
-    """The PTX without what a refactor changes and the code does not: debug locations and sections, comments, the
-    kernel's and its parameters' names, and the device assert's source file, function and line."""
+    """The PTX without what a refactor changes and the code does not: debug locations, sections and scope labels,
+    comments, the kernel's and its parameters' names, and the device assert's source file, function and line."""
     lines, depth = [], 0
     for line in ptx.split("\n"):
         if line.lstrip().startswith(".section") and ".debug" in line:
@@ -352,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
 
     now = run(args.jobs, args.dump, args.only)
     if args.record:
-        data = dict(triton=triton.__version__, target="%s:%d" % TARGET[:2], launches=now)
+        data = dict(triton=triton.__version__, target=f"{TARGET[0]}:{TARGET[1]}", launches=now)
         with open(args.record, "w") as f:
             json.dump(data, f, indent=1)
             f.write("\n")

@@ -159,7 +159,7 @@ def print_report(report: Any, title: str, plain: bool = False, file: Any = None)
         for i, s in enumerate(report.sites):
             k = report.kernels[s.kernel] if 0 <= s.kernel < len(report.kernels) else None
             row(t, i, f"{s.graph}{' [backward]' if s.graph_kind == 'backward' else ''}", s.role, s.style_label(),
-                f"{s.rotated_lanes()}/{s.head_dim}", s.table_form + (" angles" if s.angles else ""),
+                f"{s.rotated_lanes()}/{s.head_dim}", s.table_form + (" angles" if s.angle_tables else ""),
                 f"{_dt(s.x_dtype)}/{_dt(s.table_dtype)}/{_dt(s.out_dtype)}", s.norm or "-",
                 f"{s.kernel} {k.op.split('.')[-1]} [{k.backend}]" if k else "?",
                 " ".join(filter(None, (short_source(s.source), cached(s.graph)))))

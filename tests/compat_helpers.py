@@ -20,7 +20,7 @@ def site_params(site) -> dict:
     """The op parameters a pass site stands for, in the op's keyword names."""
     return {"interleaved": site.style == "interleaved", "rotary_dim": site.rotary_dim,
             "full_tables": site.table_form == PER_LANE, "conjugate": site.conjugate,
-            "rotary_blocks": site.blocks, "rotary_offset": site.offset}
+            "rotary_blocks": site.rotary_blocks, "rotary_offset": site.rotary_offset}
 
 
 def assert_pass_matches_dropin(report, calls: list, n_sites: int, context: str = "") -> None:

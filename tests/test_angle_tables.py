@@ -58,7 +58,7 @@ def test_hidream_matrices_take_the_angles(dtype):
     out, p = compile_with_pass(hidream, q, k, ang)
     rep = p.report
     assert len(rep.sites) == 2 and len(rep.kernels) == 1 and not rep.errors, rep.table()
-    assert all(s.angles for s in rep.sites) and " angles," in rep.table()
+    assert all(s.angle_tables for s in rep.sites) and " angles," in rep.table()
     assert _trig_ops(p) == 0, p.capture.counts_after()  # cos and sin are computed inside the op only
     check_numerics(hidream, (q, k, ang), out, context=rep.table())
 
@@ -70,7 +70,7 @@ def test_computed_angles_are_read_once():
     out, p = compile_with_pass(llama_from_positions, q, k, pos, inv_freq)
     rep = p.report
     assert len(rep.sites) == 2 and len(rep.kernels) == 1 and not rep.errors, rep.table()
-    assert all(s.angles for s in rep.sites), rep.table()
+    assert all(s.angle_tables for s in rep.sites), rep.table()
     check_numerics(llama_from_positions, (q, k, pos, inv_freq), out, context=rep.table())
 
 
@@ -80,7 +80,7 @@ def test_cos_and_sin_of_different_angles_stay_tables():
     out, p = compile_with_pass(two_angle_tensors, q, k, a, b)
     rep = p.report
     assert len(rep.sites) == 2 and not rep.errors, rep.table()
-    assert not any(s.angles for s in rep.sites), rep.table()
+    assert not any(s.angle_tables for s in rep.sites), rep.table()
     check_numerics(two_angle_tensors, (q, k, a, b), out, context=rep.table())
 
 

@@ -79,7 +79,7 @@ def test_fp64_angles_are_not_rounded_to_fp32(dtype):
     out, p = compile_with_pass(fn, x, pos, inv_freq)
     rep = p.report
     assert len(rep.sites) == 1 and not rep.errors, rep.table()
-    assert not rep.sites[0].angles, rep.table()
+    assert not rep.sites[0].angle_tables, rep.table()
     check_numerics(fn, (x, pos, inv_freq), out)
     if dtype is torch.float32:  # the graph's fp32 math on its fp32 casts of the tables
         _bit_exact(fn, (x, pos, inv_freq), out)
@@ -94,7 +94,7 @@ def test_fp64_angles_in_an_fp64_graph_stay_angles():
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).double() / 16))
     out, p = compile_with_pass(fn, x, pos, inv_freq)
     rep = p.report
-    assert len(rep.sites) == 1 and rep.sites[0].angles and not rep.errors, rep.table()
+    assert len(rep.sites) == 1 and rep.sites[0].angle_tables and not rep.errors, rep.table()
     (ref,) = fp64_eval(fn, x, pos, inv_freq)
     assert rel_err(out, ref) <= 4 * torch.finfo(torch.float64).eps
 

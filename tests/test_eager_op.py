@@ -22,11 +22,13 @@ from rope_fusion.ops.reference import rotary_reference
 triton = pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from triton_interpreted import interpreted  # noqa: E402
 
-import rope_fusion.kernels.triton_rotary as tr  # noqa: E402
+import rope_fusion.kernels.triton_kernel as tk  # noqa: E402
+import rope_fusion.kernels.triton_launch as launching  # noqa: E402
+import rope_fusion.kernels.triton_rotary  # noqa: E402, F401  (registers the CUDA device kernel)
 
-KERNEL = tr._rotary_kernel if isinstance(tr._rotary_kernel, InterpretedFunction) else \
-    InterpretedFunction(tr._rotary_kernel.fn)
+KERNEL = interpreted(tk.rotary_kernel)
 
 
 class CountingLauncher:
@@ -45,13 +47,13 @@ def kernel_on_cpu(monkeypatch):
     """CPU tensors served by the CUDA device kernel (the Triton planner), its kernel interpreted and counted;
     wrap_triton fails the test if called. A fresh plan cache, so no plan of another test is reused."""
     launcher = CountingLauncher()
-    monkeypatch.setattr(tr, "_rotary_kernel", launcher)
-    monkeypatch.setattr(tr, "_INTERPRETED", True)
+    monkeypatch.setattr(launching, "rotary_kernel", launcher)
+    monkeypatch.setattr(launching, "INTERPRETED", True)
 
     def no_wrap(*a, **k):
         raise AssertionError("wrap_triton called on the eager path")
 
-    monkeypatch.setattr(tr, "wrap_triton", no_wrap)
+    monkeypatch.setattr(launching, "wrap_triton", no_wrap)
     monkeypatch.setitem(library.DEVICE_KERNELS, "cpu", library.DEVICE_KERNELS["cuda"])
     monkeypatch.setattr(library, "_EAGER_PLANS", {})
     if not isinstance(triton.language.sum, InterpretedFunction):  # a norm's reduction runs interpreted too
@@ -259,7 +261,7 @@ def test_compiled_kernel_launcher_is_checked_once_against_the_jit_launcher(kerne
     cos, sin = rand_tables((3, 1), 16)
     kw = dict(interleaved=False, rotary_dim=32, full_tables=False)
     for write_zeros in (False, True):
-        monkeypatch.setattr(tr, "_compiled_runner", runner_of(write_zeros))
+        monkeypatch.setattr(launching, "_compiled_runner", runner_of(write_zeros))
         library._EAGER_PLANS.clear()
         used.clear()
         kernel_on_cpu.launches = 0
@@ -297,7 +299,7 @@ def test_cuda_direct_path_every_call_and_after_the_launcher_check(interleaved, m
     plans = list(library._EAGER_PLANS.values())
     assert len(plans) == 2  # aligned and not: two plans, each specialized as Triton compiled it
     for plan in plans:
-        assert isinstance(plan.run, tr._DirectLaunches)
+        assert isinstance(plan.run, launching._DirectLaunches)
         assert all(entry[5] for entry in plan.run.entries), "the compiled kernel's launcher is not in use"
 
 

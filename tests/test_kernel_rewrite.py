@@ -1,4 +1,4 @@
-"""`rope_fusion.passes.kernel_rewrite`: rotary kernels already in the graph become one `rotary_qk` per q/k pair.
+"""Rotary kernels already in the graph (passes/kernel_scan.py) become one `rotary_qk` per q/k pair.
 
 The graphs are the real ones of tests/test_kernel_sites.py (its module docstring says how: vLLM's flash-attn Triton
 kernel traced on the CPU by `cpu_triton_tracing`, a capture backend that runs the post-grad passes and then the graph
@@ -36,7 +36,7 @@ from test_kernel_sites import (  # noqa: E402  (pytest puts tests/ on sys.path: 
 
 import rope_fusion  # noqa: E402
 from rope_fusion.passes import kernel_scan as kscan  # noqa: E402
-from rope_fusion.passes.kernel_rewrite import FLASH_ATTN  # noqa: E402
+from rope_fusion.passes.flash_attn_sites import FLASH_ATTN  # noqa: E402
 
 LAUNCH = "target=torch.ops.higher_order.triton_kernel_wrapper_functional"  # a launch in a graph's text
 
@@ -326,7 +326,7 @@ def test_vllm_c_rope_dim_offset(vllm_ops, is_neox):  # noqa: F811
     plain, pargs, fused, fargs, cap = plain_and_fused(f, pos, q, k, cache, v2=False)
     rep = cap.p.report
     assert rep.errors == [] and rep.misses == [] and cap.sites == []
-    assert [(s.origin, s.offset, s.rotary_dim) for s in rep.sites] == [("vllm._C.rotary_embedding", 32, 32)] * 2
+    assert [(s.origin, s.rotary_offset, s.rotary_dim) for s in rep.sites] == [("vllm._C.rotary_embedding", 32, 32)] * 2
     assert [k.op for k in rep.kernels] == ["rope_fusion.rotary_qk"]
     assert fused_call(cap).kwargs["rotary_offset"] == 32
     assert_same(fused, plain)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import importlib
 import importlib.machinery
 import importlib.util
@@ -52,7 +51,7 @@ from torch._higher_order_ops.triton_kernel_wrap import (  # noqa: E402
     triton_kernel_wrapper_mutation,
 )
 from torch._prims_common import clone_preserve_strides  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from triton_interpreted import interpreted as interpreted_kernel  # noqa: E402
 
 from examples.vllm_omni_block import cpu_triton_tracing  # noqa: E402  (one copy, in the example users run)
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
@@ -112,9 +111,8 @@ def interpreted(mod):
         mod.rotary_kernel = jit
 
 
-@functools.cache
 def _interp(jit):
-    return InterpretedFunction(jit.fn)
+    return interpreted_kernel(jit)  # with its @triton.jit helpers interpreted too (rope_fusion's kernel has some)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -152,6 +150,25 @@ class _Run(torch.fx.Interpreter):
         return super().call_function(target, args, kwargs)
 
 
+def _seen(site, nodes: dict, vm: dict) -> types.SimpleNamespace:
+    """A site as these tests read it: the kernel's options, x, result and table inputs as nodes of the copied
+    graph, and the layout of x the kernel addresses (bshd, thd; t(hd), bs(hd) when its heads are flattened)."""
+    t = site.tables
+    rec = dict(kind=site.origin, node=site.node, x=nodes[site.x.name], head_dim=site.x.head_dim, tables=t,
+               rotary_dim=site.params.rotary_dim, interleaved=site.params.interleaved,
+               conjugate=site.params.conjugate, cos=None, sin=None, seqlen_offset=0, cu_seqlens=None,
+               cos_sin_cache=None, positions=None)
+    rec.update({"cos_sin_cache" if f.name == "cache" else f.name: getattr(t, f.name) for f in dataclasses.fields(t)
+                if f.name not in ("kind", "rows")})
+    rec = {k: vm[v] if isinstance(v, torch.fx.Node) else v for k, v in rec.items()}
+    if rec["positions"] is None:
+        rec["layout"] = "bshd" if rec["cu_seqlens"] is None else "thd"
+    else:
+        lead = "t" if rec["positions"].meta["val"].dim() == 1 else "bs"
+        rec["layout"] = lead + ("(hd)" if site.x.blocks else "hd")
+    return types.SimpleNamespace(**rec)
+
+
 class Capture:
     """What the post-grad custom pass saw: the sites and misses, and (after a call) every node's value."""
 
@@ -169,8 +186,8 @@ class Capture:
         g = torch.fx.Graph()
         g.output(g.graph_copy(graph, vm))
         self.gm = torch.fx.GraphModule(graph.owning_module, g)
-        self.sites = [dataclasses.replace(s, **{f.name: vm[getattr(s, f.name)] for f in dataclasses.fields(s)
-                                                 if isinstance(getattr(s, f.name), torch.fx.Node)}) for s in sites]
+        nodes = {n.name: n for n in graph.nodes}
+        self.sites = [_seen(s, nodes, vm) for s in sites]
         self.misses = [(vm[n], r) for n, r in misses]
 
     def uuid(self):
@@ -254,8 +271,8 @@ def _expected_site_fields(site, dtype, rotary_dim, interleaved, conjugate):
     assert site.kind == "flash_attn.rotary_kernel"
     assert site.layout == "bshd" and site.head_dim == 64 and site.rotary_dim == rotary_dim
     assert site.interleaved is interleaved and site.conjugate is conjugate
-    assert site.cu_seqlens is None and site.max_seqlen is None
-    assert site.cos_sin_cache is None and site.positions is None and site.tail_from_x is True
+    assert site.cu_seqlens is None
+    assert site.cos_sin_cache is None and site.positions is None
     assert site.node.target.__name__ == "getitem" and site.node.args[1] == "OUT"
     assert site.node.meta["val"].dtype == dtype
 
@@ -290,7 +307,7 @@ def test_flash_attn_q_and_k(R, case):
     for site in cap.sites:
         _expected_site_fields(site, dtype, rd, inter, conj)
         _check_fa_site_numerics(cap, site, seqlen=8)
-    assert sq.group != sk.group
+    assert sq.node.args[0] is not sk.node.args[0]  # one launch each
     assert tuple(sq.x.meta["val"].shape) == tuple(q.shape) and tuple(sk.x.meta["val"].shape) == tuple(k.shape)
     assert sq.cos is sk.cos and sq.sin is sk.sin
     if offs == "tensor":
@@ -489,7 +506,7 @@ def test_fp64_is_reported_and_varlen_is_a_site(R):
 
     _, cap = compile_capture(f, x, cos, sin, cu, q64, c64, s64)
     (site,) = cap.sites
-    assert site.layout == "thd" and site.max_seqlen == 7 and site.cu_seqlens.op == "placeholder"
+    assert site.layout == "thd" and site.cu_seqlens.op == "placeholder"
     reasons = [r for _, r in cap.misses]
     assert len(reasons) == 1 and "float64" in reasons[0]
 
@@ -794,9 +811,9 @@ def test_vllm_c_rotary_embedding(vllm_ops, case):
     layout = "t(hd)" if len(qs) == 2 else "thd"
     for site in cap.sites:
         assert (site.kind, site.layout, site.head_dim, site.rotary_dim) == ("vllm._C.rotary_embedding", layout, 64, rd)
-        assert site.interleaved is (not is_neox) and site.conjugate is inverse and site.tail_from_x
+        assert site.interleaved is (not is_neox) and site.conjugate is inverse
         assert site.cos is None and site.cos_sin_cache.op == "placeholder" and site.positions.op == "placeholder"
-        assert site.seqlen_offset == 0 and site.group == cap.sites[0].group
+        assert site.seqlen_offset == 0 and site.tables == cap.sites[0].tables  # q and k read the same rows
         _check_vllm_site_numerics(cap, site)
 
 

@@ -1,17 +1,39 @@
 """A parameter added to the op's schema is refused where it is not handled yet, never passed on or dropped
 (issue 28, item 3): code names the RotaryParams fields it handles (`unhandled`), so a new field away from its
 default sends the backward through the reference, makes the NPU bridge run the reference (logged) and the NPU
-graph form refuse the site with its name. `Dummy` adds such a field to a subclass of the real RotaryParams."""
+graph form refuse the site with its name. `Dummy` adds such a field to a subclass of the real RotaryParams.
+
+On the pass side a parameter travels as it is: the detector sets it in the site's `params`, and grouping, emission,
+the backends' records and the report take `params` whole, so none of them is edited for it. What a new parameter
+does touch is `TOUCHED`: at most 7 package files, each for what it alone knows."""
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import pytest
 import torch
 
 from rope_fusion.kernels import npu, npu_graph
 from rope_fusion.ops.schema import RotaryCall, RotaryParams
+from rope_fusion.passes import matcher
+from rope_fusion.passes.fx_pass import FxPass
+from rope_fusion.passes.report import GraphRecord, Report, Site, plain_params
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "rope_fusion"
+
+# The package files that adding an op parameter touches, and why each.
+TOUCHED = {
+    "ops/schema.py": "the field: its annotation gives the schema type, and with it every op variant's signature, "
+                     "fake and Python keywords",
+    "ops/reference.py": "its meaning, the reference the other implementations are checked against",
+    "ops/lowering.py": "Inductor's lowering of the op",
+    "kernels/triton_rotary.py": "the Triton kernel (or the Triton backend declines the site)",
+    "kernels/npu.py": "the NPU bridge's BRIDGE_FIELDS: until listed there the reference runs, logged",
+    "kernels/npu_graph.py": "torch_npu's ops in NPU graphs: until mapped, the site is refused by name",
+    "passes/matcher.py": "the detector: the graph pattern that proves the parameter's value",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,3 +76,38 @@ def test_the_npu_graph_form_refuses_a_parameter_it_does_not_map():
     x, cos, sin = torch.randn(2, 4, 32), torch.randn(2, 1, 16), torch.randn(2, 1, 16)
     with pytest.raises(npu_graph.NotTaken, match="dummy"):
         npu_graph._plan(RotaryCall([x], cos, sin, _params(dummy=1)), None, ge=False)
+
+
+def test_a_new_parameter_touches_at_most_seven_package_files():
+    assert len(TOUCHED) <= 7
+    assert all((PACKAGE / path).is_file() for path in TOUCHED)
+
+
+def test_the_detectors_parameter_reaches_the_op_call_unedited(monkeypatch):
+    """The matcher's params carry a new field: grouping and emission hand it to the op untouched, and the op's
+    schema, generated from RotaryParams (ops/schema.py), is the one place that does not know it yet."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def rope(x, cos, sin):
+        x1, x2 = x.chunk(2, -1)
+        return x * cos + torch.cat((-x2, x1), -1) * sin
+
+    gm = make_fx(rope)(torch.randn(2, 8, 4, 32), torch.randn(8, 1, 32), torch.randn(8, 1, 32))
+    monkeypatch.setattr(matcher, "RotaryParams", lambda **kw: Dummy(**kw, dummy=3))
+    p = FxPass(cache_host_tables=False)
+    p(gm)
+    (error,) = p.report.errors
+    assert error.outcome == "site left unfused" and "Unknown keyword argument 'dummy'" in error.error
+
+
+def test_the_report_keeps_a_new_parameter_by_name():
+    """The report's record is made from the params the op was called with: a new field reads as an attribute and
+    travels with a cached graph's records, with no field added to report.Site."""
+    rep = Report(graphs=1)
+    rep.graph_records.append(GraphRecord(0, "inference", "fused", 1))
+    rep.sites.append(Site(graph=0, node="add", head_dim=32, x_dtype="float32", table_dtype="float32", shape=(2, 32),
+                          source="x.py:1", params=plain_params(_params(dummy=3))))
+    assert rep.sites[0].dummy == 3 and rep.sites[0].out_dtype == "float32" and rep.sites[0].style == "neox"
+    again = Report()
+    again.add_cached_graph(rep.graph_payload(0))
+    assert again.sites[0].dummy == 3 and "R=32" in again.table()

@@ -179,14 +179,14 @@ def test_compiled_lowering_dynamic_token_count():
 def interpreted_kernel(monkeypatch):
     """The CUDA device kernel (the Triton planner and launch) serving CPU tensors, its kernel interpreted."""
     triton = pytest.importorskip("triton")
-    from triton.runtime.interpreter import InterpretedFunction
+    from triton_interpreted import interpreted
 
-    import rope_fusion.kernels.triton_rotary as tr
+    import rope_fusion.kernels.triton_kernel as tk
+    import rope_fusion.kernels.triton_launch as launching
+    import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the CUDA device kernel)
 
-    kernel = tr._rotary_kernel if isinstance(tr._rotary_kernel, InterpretedFunction) else \
-        InterpretedFunction(tr._rotary_kernel.fn)
-    monkeypatch.setattr(tr, "_rotary_kernel", kernel)
-    monkeypatch.setattr(tr, "_INTERPRETED", True)
+    monkeypatch.setattr(launching, "rotary_kernel", interpreted(tk.rotary_kernel))
+    monkeypatch.setattr(launching, "INTERPRETED", True)
     monkeypatch.setitem(library.DEVICE_KERNELS, "cpu", library.DEVICE_KERNELS["cuda"])
     monkeypatch.setattr(library, "_EAGER_PLANS", {})
     return triton
@@ -216,10 +216,10 @@ def test_triton_user_kernel_node():
     from test_kernel_sites import _Run
     from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
 
-    from rope_fusion.kernels import triton_rotary
+    from rope_fusion.kernels import triton_launch
     from rope_fusion.kernels.triton_graph import emit_triton
 
-    if triton_rotary._INTERPRETED:
+    if triton_launch.INTERPRETED:
         pytest.skip("the kernel module was imported under TRITON_INTERPRET=1: make_fx cannot trace it")
     q, k, cu, cos, sin, off = case_inputs(True, 16, False, "tensor", torch.float32)
     real = (q, k, cos, sin, cu, off)

@@ -74,9 +74,9 @@ def test_deepseek_v3_q_cat_is_the_site(dtype):
     by_role = {s.role: s for s in rep.sites}
     assert len(rep.sites) == 2 and set(by_role) == {"q", "k"}, rep.table()
     qs, ks = by_role["q"], by_role["k"]
-    assert (qs.style, qs.offset, qs.rotary_dim, qs.head_dim) == ("deinterleave", NOPE, ROPE, NOPE + ROPE)
+    assert (qs.style, qs.rotary_offset, qs.rotary_dim, qs.head_dim) == ("deinterleave", NOPE, ROPE, NOPE + ROPE)
     assert qs.node.startswith("cat"), rep.table()  # the whole head, written by the op
-    assert (ks.offset, ks.head_dim) == (0, ROPE)
+    assert (ks.rotary_offset, ks.head_dim) == (0, ROPE)
     assert "R=32:48" in rep.table()
     cats = {t: c for t, c in p.capture.counts_after().items() if "cat" in t}
     assert not cats, f"a cat is left after the pass: {cats}"  # q's cat and the rotate_half cats all died
@@ -89,7 +89,7 @@ def test_head_and_tail_around_the_rotation():
     out, p = compile_with_pass(head_and_tail, q, k, cos, sin)
     rep = p.report
     assert len(rep.sites) == 2 and len(rep.kernels) == 1 and not rep.errors, rep.table()
-    assert [(s.offset, s.rotary_dim, s.style) for s in rep.sites] == [(8, 16, "interleaved")] * 2
+    assert [(s.rotary_offset, s.rotary_dim, s.style) for s in rep.sites] == [(8, 16, "interleaved")] * 2
     check_numerics(head_and_tail, (q, k, cos, sin), out, context=rep.table())
 
 
@@ -104,7 +104,7 @@ def test_norm_before_a_rotation_at_the_end_folds(dtype):
     rep = p.report
     assert len(rep.sites) == 2 and len(rep.kernels) == 1 and not rep.errors, rep.table()
     assert [s.norm for s in rep.sites] == ["rms folded"] * 2, rep.table()
-    assert [s.offset for s in rep.sites] == [NOPE] * 2
+    assert [s.rotary_offset for s in rep.sites] == [NOPE] * 2
     check_numerics(normed_rope_at_end, (q, k, wq, wk, cos, sin), out, context=rep.table())
 
 

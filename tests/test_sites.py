@@ -79,7 +79,7 @@ def test_per_head_tables_on_a_flattened_head_dim_fuse_as_blocks():
     cos, sin = _tables(6, 4, 16)
     args = (torch.randn(2, 6, 64), cos, sin)
     out, p = compile_with_pass(per_head_tables_flat_x, *args)
-    assert [(s.style, s.blocks, s.rotary_dim) for s in p.report.sites] == [("neox", 4, 64)], p.report.table()
+    assert [(s.style, s.rotary_blocks, s.rotary_dim) for s in p.report.sites] == [("neox", 4, 64)], p.report.table()
     check_numerics(per_head_tables_flat_x, args, out, context=p.report.table())
 
 

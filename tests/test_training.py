@@ -368,5 +368,5 @@ def test_head_dim_in_axis_blocks_fuses_both_ways():
     target = torch.randn(2, 16, 64, dtype=torch.float64)
     runs = _runs_against_fp64(base, x, target)
     rep = _fused_both_ways(runs)
-    assert {s.blocks for s in rep.sites} == {2}, rep.table()
+    assert {s.rotary_blocks for s in rep.sites} == {2}, rep.table()
     _as_accurate_as_plain(runs)

@@ -20,10 +20,10 @@ pytest.importorskip("triton")
 from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
-from rope_fusion.kernels import triton_rotary  # noqa: E402
+from rope_fusion.kernels import triton_launch  # noqa: E402
 from rope_fusion.kernels.triton_graph import emit_triton  # noqa: E402
 
-if triton_rotary._INTERPRETED:  # TRITON_INTERPRET=1 set for the whole run
+if triton_launch.INTERPRETED:  # TRITON_INTERPRET=1 set for the whole run
     pytest.skip("the kernel module was imported under TRITON_INTERPRET=1: make_fx cannot trace it",
                 allow_module_level=True)
 from rope_fusion.ops.schema import RotaryCall, RotaryParams  # noqa: E402
@@ -84,7 +84,7 @@ def _symbolic(fm, t, dims):
 def test_a_symbolic_token_count_becomes_graph_values():
     """vLLM's form: q and k split from one [T, (Hq + Hk) * D] projection, T symbolic, a cos|sin cache read
     by positions. The user-kernel node is emitted with the grid and the token counts as `sym_size` of an
-    input (one program per token, NSPLIT = 1), the outputs allocated with T."""
+    input (one program per token, nsplit = 1), the outputs allocated with T."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     fm = FakeTensorMode(shape_env=ShapeEnv())
@@ -110,10 +110,10 @@ def test_a_symbolic_token_count_becomes_graph_values():
     grid, = hop.kwargs["grid"]
     kw = hop.kwargs["kwargs"]
     assert isinstance(grid[0], fx.Node) and grid[0].target is torch.ops.aten.sym_size.int and grid[2] == 1
-    assert isinstance(kw["N2"], fx.Node) and kw["N1"] == 1 and kw["HAS_POS"]
+    assert isinstance(kw["tokens_2"], fx.Node) and kw["tokens_1"] == 1 and kw["HAS_POS"]
     # programs per token: the head blocks spread over the grid for few tokens, one program from 1024 on
     split = grid[1].meta["val"].node.expr
-    assert kw["NSPLIT"] is grid[1] and grid[1].target is torch.sym_max
+    assert kw["nsplit"] is grid[1] and grid[1].target is torch.sym_max
     t = grid[0].meta["val"].node.expr
     assert split.subs(t, 8) > 1 and split.subs(t, 4096) == 1
     for name, x in (("qo_ptr", q), ("ko_ptr", k)):
@@ -175,9 +175,9 @@ def test_complex_freqs_are_real_tables_for_the_backend_choice(cdtype, real):
     m = matches[0]
     with gm.graph.inserting_before(m.node):
         x = emission.x_input(em, acc.interp.nodes, m)
-        cos = emission.table_view(em, acc.interp.nodes, m.cos, m.blocks, m.node)
-        sin = emission.table_view(em, acc.interp.nodes, m.sin, m.blocks, m.node)
-    spec = emission.site_spec([x], cos, sin, emission.params_of(m), m)
+        cos = emission.table_view(em, acc.interp.nodes, m.tables.cos, m.x.blocks, m.node)
+        sin = emission.table_view(em, acc.interp.nodes, m.tables.sin, m.x.blocks, m.node)
+    spec = emission.site_spec([x], cos, sin, m.params, m)
     assert spec.table_dtype == real
     assert supports(dataclasses.replace(spec, device_type="cuda")) is None
 
@@ -219,7 +219,7 @@ def test_inductor_keeps_the_traced_strides_of_the_kernel_inputs():
         assert eager[name].stride() == kw[name].meta["val"].stride()
     assert eager["q_ptr"].stride() == q.stride() and eager["k_ptr"].stride() == k.stride()
     # the strides the kernel was planned for are the ones the eager values pin
-    assert (kw["sq1"], kw["sq2"], kw["sqh"]) == (q.stride(0), q.stride(1), q.stride(2))
+    assert (kw["q_stride_t1"], kw["q_stride_t2"], kw["q_stride_head"]) == (q.stride(0), q.stride(1), q.stride(2))
 
 
 def test_read_only_pointers_take_the_base_of_a_view_that_starts_where_it_starts():

@@ -20,15 +20,19 @@ import torch
 triton = pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from triton_interpreted import interpreted  # noqa: E402
 
+import rope_fusion.kernels.triton_kernel as tk  # noqa: E402
+import rope_fusion.kernels.triton_launch as launching  # noqa: E402
+import rope_fusion.kernels.triton_plan as planner  # noqa: E402
 import rope_fusion.kernels.triton_rotary as tr  # noqa: E402
 from rope_fusion.ops import backends  # noqa: E402
 from rope_fusion.ops.backends import SiteSpec  # noqa: E402
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
 from rope_fusion.ops.schema import RotaryParams  # noqa: E402
 
-OP_INTERPRETED = isinstance(tr._rotary_kernel, InterpretedFunction)  # only with TRITON_INTERPRET=1 for the run
-KERNEL = tr._rotary_kernel if OP_INTERPRETED else InterpretedFunction(tr._rotary_kernel.fn)
+OP_INTERPRETED = launching.INTERPRETED  # only with TRITON_INTERPRET=1 for the run
+KERNEL = interpreted(tk.rotary_kernel)  # the kernel and its @triton.jit helpers, interpreted
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -257,8 +261,8 @@ def test_mixed_qk_dtypes_and_empty():
 def test_ops_on_cpu_under_interpreter(monkeypatch):
     """The registered triton_ops themselves (what the pass emits) under the interpreter: the op's CPU path
     launches the module's kernel, here the interpreted copy."""
-    monkeypatch.setattr(tr, "_rotary_kernel", KERNEL)
-    monkeypatch.setattr(tr, "_INTERPRETED", True)
+    monkeypatch.setattr(launching, "rotary_kernel", KERNEL)
+    monkeypatch.setattr(launching, "INTERPRETED", True)
     q = torch.randn(2, 4, 3, 80, dtype=torch.bfloat16)
     k = torch.randn(2, 4, 1, 80, dtype=torch.bfloat16)
     cos, sin = tables((1, 4, 1), 40)
@@ -390,8 +394,8 @@ def test_gpu_norm_prologue(norm, interleaved, head_dim, dtype, head_i64, monkeyp
     wq, wk = (torch.randn(head_dim if norm == "rms" else (h, head_dim), dtype=dtype, device="cuda") for h in (16, 4))
     kw = opts(interleaved, head_dim, out_dtype=dtype)
     if head_i64:
-        monkeypatch.setattr(tr, "_LAUNCH_CACHE", {})
-        monkeypatch.setattr(tr, "_heads_fit_int32", lambda *a: False)
+        monkeypatch.setattr(launching, "_LAUNCH_CACHE", {})
+        monkeypatch.setattr(planner, "heads_fit_int32", lambda *a: False)
     real_empty = torch.empty  # outputs start as NaN (poisoned_outputs would swap in the interpreter's tl.sum)
 
     def nan_empty(*args, **kwargs):
@@ -586,7 +590,7 @@ def test_head_offsets_take_64_bits_only_where_32_could_overflow(monkeypatch):
 
     def head_i64(xs: list) -> bool:
         outs = [torch.empty_like(x) for x in xs]
-        [(_, _, _, meta)] = tr._make_launches(xs, outs, tr._Tables(cos, sin, None, [None] * len(xs)), params)
+        [(_, _, _, meta)] = planner.make_launches(xs, outs, planner.Tables(cos, sin, None, [None] * len(xs)), params)
         return meta["HEAD_I64"]
 
     small = torch.empty_strided((1, 8, 16, 64), (8 * 16 * 64, 64, 8 * 64, 1), device="meta")  # [B, S, H, D]
@@ -600,8 +604,8 @@ def test_head_offsets_take_64_bits_only_where_32_could_overflow(monkeypatch):
     w = torch.randn(64)
     with poisoned_outputs():
         narrow = tr.launch([q, k], cos, sin, params, None, [w, w], kernel=KERNEL)
-        monkeypatch.setattr(tr, "_LAUNCH_CACHE", {})
-        monkeypatch.setattr(tr, "_heads_fit_int32", lambda *a: False)
+        monkeypatch.setattr(launching, "_LAUNCH_CACHE", {})
+        monkeypatch.setattr(planner, "heads_fit_int32", lambda *a: False)
         wide_out = tr.launch([q, k], cos, sin, params, None, [w, w], kernel=KERNEL)
     for a, b in zip(narrow, wide_out):
         assert torch.equal(a, b)
@@ -617,9 +621,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
 from triton.runtime.jit import JITFunction
-import rope_fusion.kernels.triton_rotary as tr
+import rope_fusion.kernels.triton_kernel as tk
 
-fn = tr._rotary_kernel if isinstance(tr._rotary_kernel, JITFunction) else JITFunction(tr._rotary_kernel.fn)
+fn = tk.rotary_kernel if isinstance(tk.rotary_kernel, JITFunction) else JITFunction(tk.rotary_kernel.fn)
 names = fn.arg_names
 target = GPUTarget("cuda", 90, 32)
 backend = make_backend(target)
@@ -665,8 +669,8 @@ def test_norm_math_stays_fp32_when_eps_is_fp64():
         params = RotaryParams(**opts(interleaved), norm=norm, norm_eps=1e-6)
         weights = [torch.ones(64 if norm == "rms" else (h, 64)) for h in (4, 2)]
         outs = [torch.empty_like(q), torch.empty_like(k)]
-        tabs = tr._Tables(cos, sin, None, weights)
-        [(_, _, scalars, meta)] = tr._make_launches([q, k], outs, tabs, params, block_h=block_h, neox_row=neox_row)
+        tabs = planner.Tables(cos, sin, None, weights)
+        [(_, _, scalars, meta)] = planner.make_launches([q, k], outs, tabs, params, block_h=block_h, neox_row=neox_row)
         assert not meta["MATH_FP64"] and any(isinstance(v, float) for v in scalars)
         jobs += [[meta, scalars], [{**meta, "MATH_FP64": True}, scalars]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -817,7 +821,8 @@ def test_pass_through_head_plan():
     cos = torch.empty(1, 1, 4096, 64, dtype=torch.bfloat16, device="meta")
     params = RotaryParams(interleaved=True, rotary_dim=64, full_tables=True, conjugate=False,
                           out_dtype=torch.bfloat16, deinterleave=True, rotary_offset=128)
-    [(_, grid, _, meta)] = tr._make_launches([q], [torch.empty_like(q)], tr._Tables(cos, cos, None, [None]), params)
+    tabs = planner.Tables(cos, cos, None, [None])
+    [(_, grid, _, meta)] = planner.make_launches([q], [torch.empty_like(q)], tabs, params)
     assert (meta["BLOCK_H"], meta["num_warps"], meta["STREAM"]) == (4, 2, True)
     assert grid == (4096, 128 // 4)
 
@@ -841,8 +846,8 @@ def test_streaming_hints_change_no_result(stream, norm):
                                 norm_weight=None if weights is None else weights[i].double(),
                                 **{**params.kwargs(), "out_dtype": torch.float64})
         assert (out.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
-    assert tr.default_stream(params) == (norm != "none")  # padded rows (D=80) under a norm
-    assert not tr.default_stream(params.replace(rotary_dim=128)) or norm == "rms_across_heads"
+    assert planner.default_stream(params) == (norm != "none")  # padded rows (D=80) under a norm
+    assert not planner.default_stream(params.replace(rotary_dim=128)) or norm == "rms_across_heads"
 
 
 @pytest.mark.parametrize("norm", ["rms_across_heads", "rms"])
@@ -927,8 +932,8 @@ def test_norm_across_heads_held_in_registers(interleaved, heads):
     cos, sin = tables((3, 1), 32)
     params = RotaryParams(**opts(interleaved, 64, out_dtype=torch.float32), norm="rms_across_heads", norm_eps=1e-5)
     weights = [torch.randn(h, 64) for h in heads]
-    [(_, _, _, meta)] = tr._make_launches([q, k], [torch.empty_like(q), torch.empty_like(k)],
-                                          tr._Tables(cos, sin, None, weights), params, nsplit=1)
+    [(_, _, _, meta)] = planner.make_launches([q, k], [torch.empty_like(q), torch.empty_like(k)],
+                                          planner.Tables(cos, sin, None, weights), params, nsplit=1)
     assert meta["HELD"] == -(-max(heads) // meta["BLOCK_H"])  # blocks of the side with the most heads
     with poisoned_outputs():
         outs = tr.launch([q, k], cos, sin, params, None, weights, kernel=KERNEL, nsplit=1)
@@ -952,15 +957,16 @@ def test_per_head_norm_plan_holds_padded_rows(interleaved, head_dim, heads, held
     q, k = (torch.empty(1, 16384, h, head_dim, dtype=torch.bfloat16) for h in heads)
     cos, sin = tables((16384, 1), head_dim)
     params = RotaryParams(**opts(interleaved, head_dim, True), norm="rms")
-    tabs = tr._Tables(cos, sin, None, [torch.ones(head_dim)] * 2)
-    [(_, grid, _, meta)] = tr._make_launches([q, k], [q, k], tabs, params)
+    tabs = planner.Tables(cos, sin, None, [torch.ones(head_dim)] * 2)
+    [(_, grid, _, meta)] = planner.make_launches([q, k], [q, k], tabs, params)
     assert bool(meta["HELD"]) == held and grid == (16384, 1)
     if held:
         assert meta["HELD"] * meta["BLOCK_H"] >= max(heads) and meta["num_warps"] == warps and meta["STREAM"]
         assert not meta["NEOX_ROW"]
-    assert tr.default_held(params, head_dim, heads) == held
+    assert planner.default_held(params, head_dim, heads) == held
     short = [t[:, :64] for t in (q, k)]
-    [(_, grid, _, meta)] = tr._make_launches(short, short, tr._Tables(cos[:64], sin[:64], None, tabs.weights), params)
+    short_tabs = planner.Tables(cos[:64], sin[:64], None, tabs.weights)
+    [(_, grid, _, meta)] = planner.make_launches(short, short, short_tabs, params)
     assert meta["HELD"] == 0 and grid[1] > 1
 
 
@@ -981,8 +987,8 @@ def test_per_head_norm_held_rows(interleaved, neox_row, blocks, per_head_weight,
                           rotary_blocks=blocks)
     weights = [torch.randn(h, 80) if per_head_weight else torch.randn(80) for h in heads]
     tiles = dict(nsplit=1, block_h=block_h, neox_row=neox_row, held=True)  # forced: the rule keeps GQA in the loop
-    [(_, _, _, meta)] = tr._make_launches([q, k], [torch.empty_like(q), torch.empty_like(k)],
-                                          tr._Tables(cos, sin, None, weights), params, **tiles)
+    [(_, _, _, meta)] = planner.make_launches([q, k], [torch.empty_like(q), torch.empty_like(k)],
+                                          planner.Tables(cos, sin, None, weights), params, **tiles)
     assert meta["HELD"] == -(-max(heads) // meta["BLOCK_H"])
     assert meta["NEOX_ROW"] == bool(neox_row) and meta["BH"] == 40 // blocks
     with poisoned_outputs():
@@ -1004,7 +1010,7 @@ def test_gpu_per_head_norm_held(interleaved):
     cos, sin = tables((2048, 1), 80, device="cuda")
     weights = [1 + 0.1 * torch.randn(80, device="cuda"), 1 + 0.1 * torch.randn(16, 80, device="cuda")]
     params = RotaryParams(**opts(interleaved, 80, True), norm="rms")
-    [(_, _, _, meta)] = tr._make_launches([q, k], [q, k], tr._Tables(cos, sin, None, weights), params)
+    [(_, _, _, meta)] = planner.make_launches([q, k], [q, k], planner.Tables(cos, sin, None, weights), params)
     assert meta["HELD"] > 0
     outs = tr.launch([q, k], cos, sin, params, None, weights)
     for out, x, w in zip(outs, (q, k), weights):
@@ -1022,8 +1028,8 @@ def test_gpu_per_head_norm_held(interleaved):
 def test_single_head_rows_take_several_tokens_a_program(style, norm, rotary_dim, gathered, monkeypatch):
     """A tensor of one head (MLA's k_pe [B, 1, T, 64]) takes ROW_TOKENS tokens a program, as one (tokens, lanes)
     tile with a table row per token (picked by positions too); against the fp64 reference, and the plan says so."""
-    monkeypatch.setattr(tr, "MIN_PROGRAMS", 2)
-    monkeypatch.setattr(tr, "_LAUNCH_CACHE", {})
+    monkeypatch.setattr(planner, "MIN_PROGRAMS", 2)
+    monkeypatch.setattr(launching, "_LAUNCH_CACHE", {})
     torch.manual_seed(18)
     k = torch.randn(2, 1, 24, 64, dtype=torch.bfloat16) * 2
     pos = None
@@ -1038,8 +1044,9 @@ def test_single_head_rows_take_several_tokens_a_program(style, norm, rotary_dim,
     params = RotaryParams(interleaved=style != "neox", rotary_dim=rotary_dim, full_tables=True, conjugate=False,
                           out_dtype=torch.float32, deinterleave=style == "deinterleave", norm=norm)
     weights = [torch.randn(64)] if norm == "rms" else [None]
-    [(_, grid, _, meta)] = tr._make_launches([k], [torch.empty_like(k)], tr._Tables(cos, sin, pos, weights), params)
-    assert meta["TOKS"] == tr.ROW_TOKENS and grid == (48 // tr.ROW_TOKENS, 1)
+    tabs = planner.Tables(cos, sin, pos, weights)
+    [(_, grid, _, meta)] = planner.make_launches([k], [torch.empty_like(k)], tabs, params)
+    assert meta["TOKS"] == planner.ROW_TOKENS and grid == (48 // planner.ROW_TOKENS, 1)
     with poisoned_outputs():
         (out,) = tr.launch([k], cos, sin, params, pos, weights, kernel=KERNEL)
     want = rotary_reference(k.double(), want_c.double(), want_s.double(),

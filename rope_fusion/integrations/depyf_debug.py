@@ -90,7 +90,7 @@ def format_report(report: Report, graph: int, title: str = "") -> str:
         k = report.kernels[s.kernel] if 0 <= s.kernel < len(report.kernels) else None
         kernel = f"kernel {s.kernel} {k.op}[{k.backend}]" if k else "kernel ?"
         style = s.style + (" conjugate" if s.conjugate else "")
-        offset = f" rotary_offset={s.offset}" if s.offset else ""
+        offset = f" rotary_offset={s.rotary_offset}" if s.rotary_offset else ""
         lines.append(f"  site {i}: {s.role} {style} rotary_dim={s.rotary_dim}{offset} head_dim={s.head_dim} "
                      f"tables={s.table_form} x={s.x_dtype} tables_dtype={s.table_dtype} out={s.out_dtype} "
                      f"shape=[{', '.join(map(str, s.shape))}] node={s.node} -> {kernel}")

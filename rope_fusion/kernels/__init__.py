@@ -5,5 +5,7 @@ signature of `rope_fusion::rotary` / `rotary_qk`, and registers itself with `rop
 A module whose toolkit is missing raises ImportError on import, which the backend registry tolerates, so
 nothing in the package depends on these imports succeeding.
 
-- `triton_rotary`: Triton kernels for CUDA/ROCm (q and k in one launch, tables reused across heads).
+- `triton_rotary`: the Triton backend for CUDA/ROCm (q and k in one launch, tables reused across heads), in parts:
+  `triton_kernel` (the kernel), `triton_plan` (the host planner), `triton_launch` (launches, eager and traced),
+  `triton_graph` (the kernel as Inductor's user-kernel node).
 """

@@ -31,7 +31,9 @@ from torch._higher_order_ops.triton_kernel_wrap import (
 
 from ..ops.packed import unpacked
 from ..ops.schema import RotaryCall
-from .triton_rotary import launch
+from .triton_kernel import rotary_kernel
+from .triton_launch import launch
+from .triton_plan import NORM_FIRST, Tables, make_launches
 
 _OUT_ARGS = ("qo_ptr", "ko_ptr", "vo_ptr")
 
@@ -182,8 +184,6 @@ class _SymbolicPlan:
 
     @classmethod
     def of(cls, call: RotaryCall, inputs: list, vals: list, fake_mode: Any) -> _SymbolicPlan | None:
-        from .triton_rotary import NORM_FIRST, _make_launches, _Tables
-
         if fake_mode is None or fake_mode.shape_env is None or call.cu_seqlens is not None:
             return None  # packed sequences: positions derived on the stand-ins would not be the graph's
         env = fake_mode.shape_env
@@ -206,9 +206,9 @@ class _SymbolicPlan:
                 xs = [by_node[x] for x in call.xs]
                 outs = [torch.empty(x.shape, dtype=call.params.out_dtype, device=x.device) for x in xs]
                 weights = [by_node[w] if w is not None else None for w in (call.norm_weights or [None] * len(xs))]
-                tables = _Tables(by_node[call.cos], by_node[call.sin],
-                                 by_node[call.positions] if call.positions is not None else None, weights)
-                plans.append(_make_launches(xs, outs, tables, call.params))
+                tables = Tables(by_node[call.cos], by_node[call.sin],
+                                by_node[call.positions] if call.positions is not None else None, weights)
+                plans.append(make_launches(xs, outs, tables, call.params))
         launches, traced = plans
         if NORM_FIRST in (launches, traced):
             return None
@@ -227,11 +227,9 @@ class _SymbolicPlan:
 
     def kernel_args(self, graph: fx.Graph, grid: list, kwargs: dict) -> tuple[list, dict]:
         """The traced launch's grid and arguments with the symbolic plan's sizes as graph values."""
-        from .triton_rotary import _rotary_kernel
-
         _group, sym_grid, scalars, _meta = self.launches[self._launch]
         self._launch += 1
-        names = [a for a in _kernel_args(_rotary_kernel) if a in kwargs and not isinstance(kwargs[a], fx.Node)]
+        names = [a for a in _kernel_args(rotary_kernel) if a in kwargs and not isinstance(kwargs[a], fx.Node)]
         scalar_names = names[: len(scalars)]
         kwargs = dict(kwargs)
         for name, v in zip(scalar_names, scalars):

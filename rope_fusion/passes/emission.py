@@ -21,11 +21,11 @@ import torch.fx as fx
 from ..ops.backends import Backend, SiteSpec, get_backend
 from ..ops.schema import OP_NAMES, TENSOR_NAMES, RotaryCall, RotaryParams
 from .auto_timing import AutoSite
-from .fx_util import CASTS, as_int, chain_back
+from .fx_util import CASTS, PASS_THROUGH, as_int, chain_back
 from .gathers import gather_of, op_positions
-from .grouping import arithmetic_dtype, out_dtype
-from .matcher import Match, TableRef
+from .grouping import arithmetic_dtype
 from .norms import NormPrologue, dies_with, norm_prologue
+from .site import KernelTables, Site, TableRef
 from .site_costs import site_spec
 
 aten = torch.ops.aten
@@ -228,16 +228,19 @@ def angle_source(nodes: dict, cos: TableRef, sin: TableRef) -> AngleSource | Non
     return AngleSource(a, list(reversed(views[0])))
 
 
-def angle_view(em: Emitter, nodes: dict, src: AngleSource, t: TableRef, m: Match) -> fx.Node:
+def angle_view(em: Emitter, nodes: dict, src: AngleSource, t: TableRef, m: Site) -> fx.Node:
     """The angle through the tables' views, as the op reads it (one node for cos and sin)."""
     node = _replay(em, src.angle, src.views, m.node)  # views commute with the elementwise cos and sin
     ref = dataclasses.replace(t, name=node.name)
-    return table_view(em, {**nodes, node.name: node}, ref, m.blocks, m.node, m.interleaved, m.rotary_blocks)
+    return table_view(em, {**nodes, node.name: node}, ref, m.x.blocks, m.node, m.params.interleaved,
+                      m.params.rotary_blocks)
 
 
-_ANGLE_CARRIERS = CASTS + (aten.unsqueeze.default, aten.squeeze.dim, aten.view.default, aten.reshape.default,
-                            aten.expand.default, aten.slice.Tensor, aten.permute.default, aten.transpose.int,
-                            aten.select.int, aten.alias.default)
+# What lies between an angle's cos (or sin) and the table: the pass-through ops less the complex views (an angle is
+# real) and less the copies other than casts, `_unsafe_view` and `squeeze.dims`, which `angle_source` does not
+# replay on the angle (casts are dropped: the op computes cos and sin in its own dtype).
+_ANGLE_CARRIERS = PASS_THROUGH - {aten.clone.default, aten.contiguous.default, aten._unsafe_view.default,
+                                  aten.squeeze.dims, aten.view_as_real.default, aten.view_as_complex.default}
 
 
 def _dim_of(em: Emitter, views: list, dim: int, like: fx.Node) -> Any:
@@ -265,48 +268,49 @@ def _swap_pairs(em: Emitter, t: fx.Node, interleaved: bool, rotary_blocks: int, 
                                       -1), like=like)
 
 
-def gathered_tables(em: Emitter, nodes: dict, m: Match, like: fx.Node) -> tuple | None:
+def gathered_tables(em: Emitter, nodes: dict, m: Site, like: fx.Node) -> tuple | None:
     """(cos, sin, positions) as the op takes a gathered cache, or None: the cos and sin of `m` must be two
     lane windows of one gather of one cache by one positions tensor."""
-    if m.cos.pieces or m.sin.pieces:
+    cos_ref, sin_ref = m.tables.cos, m.tables.sin
+    if cos_ref.pieces or sin_ref.pieces:
         return None
-    got = [gather_of(nodes[t.name], t) for t in (m.cos, m.sin)]
+    got = [gather_of(nodes[t.name], t) for t in (cos_ref, sin_ref)]
     if None in got or not got[0].same_rows(got[1]):
         return None
     cache, pos = got[0].cache, op_positions(em, got[0], like)
     views = []
-    for g, t in zip(got, (m.cos, m.sin)):
+    for g, t in zip(got, (cos_ref, sin_ref)):
         start, step = g.start, g.step
         end = start + step * (t.width - 1) + 1
         views.append(em.call(aten.slice.Tensor, (cache, -1, start, end, step), like=like))
-    source = nodes[m.cos.name]  # the table view's leading dims, plus one per head block: positions' shape
+    source = nodes[cos_ref.name]  # the table view's leading dims, plus one per head block: positions' shape
     shape = source.meta["val"].shape
-    lead = [as_int(d) for d in shape[: len(shape) - m.cos.k]] + [1] * len(m.blocks)
+    lead = [as_int(d) for d in shape[: len(shape) - cos_ref.k]] + [1] * len(m.x.blocks)
     if sum(d != 1 for d in lead) == 1:  # [T] -> [T, 1]: sizes from positions, not from the table it replaces
         lead = [-1 if d != 1 else 1 for d in lead]
     else:
-        lead = em.size_args(source, range(len(shape) - m.cos.k), like) + [1] * len(m.blocks)
+        lead = em.size_args(source, range(len(shape) - cos_ref.k), like) + [1] * len(m.x.blocks)
     positions = em.call(aten.reshape.default, (pos, lead), like=like)
     return views[0], views[1], positions
 
 
-def x_input(em: Emitter, nodes: dict, m: Match, source: fx.Node | None = None) -> fx.Node:
+def x_input(em: Emitter, nodes: dict, m: Site, source: fx.Node | None = None) -> fx.Node:
     """x as the op reads it: [..., head_dim], heads of a flattened [.., H*D] split out as blocks (`source`:
     a tensor of x's shape to read instead, the raw x of a folded norm)."""
-    x = nodes[m.x_name] if source is None else source
+    x = nodes[m.x.name] if source is None else source
     # an exact upcast of x changes nothing: the fused op computes in fp32 (fp64 when the subgraph did)
-    if (not m.x_as_real and x.target is prims.convert_element_type.default and isinstance(x.args[0], fx.Node)
+    if (not m.x.as_real and x.target is prims.convert_element_type.default and isinstance(x.args[0], fx.Node)
             and (x.args[0].meta["val"].dtype, x.meta["val"].dtype) in _EXACT_UPCASTS):
         x = x.args[0]
-    flat = em.flatten_tail(_source_view(em, x, m.x_as_real, m.node), m.x_k, m.node)
-    if not m.blocks:
+    flat = em.flatten_tail(_source_view(em, x, m.x.as_real, m.node), m.x.k, m.node)
+    if not m.x.blocks:
         return flat
     nd = len(flat.meta["val"].shape)
-    sizes = em.size_args(flat, range(nd - 1), m.node) + list(m.blocks) + [m.head_dim]
+    sizes = em.size_args(flat, range(nd - 1), m.node) + list(m.x.blocks) + [m.x.head_dim]
     return em.call(aten.reshape.default, (flat, sizes), like=m.node)
 
 
-def _unflatten(em: Emitter, out: fx.Node, m: Match) -> fx.Node:
+def _unflatten(em: Emitter, out: fx.Node, m: Site) -> fx.Node:
     shape = m.node.meta["val"].shape
     if tuple(out.meta["val"].shape) == tuple(shape):
         return out
@@ -315,15 +319,9 @@ def _unflatten(em: Emitter, out: fx.Node, m: Match) -> fx.Node:
     return em.call(aten.reshape.default, (out, sizes), like=m.node)
 
 
-def params_of(m: Match) -> RotaryParams:
-    return RotaryParams(interleaved=m.interleaved, rotary_dim=m.rotary_dim, full_tables=m.full_tables,
-                        conjugate=m.conjugate, out_dtype=out_dtype(m), deinterleave=m.deinterleave,
-                        rotary_blocks=m.rotary_blocks, rotary_offset=m.offset)
-
-
 @dataclasses.dataclass
 class PlannedGroup:
-    group: tuple  # the matches, in order
+    group: tuple  # the sites, in order
     xs: list  # per match, x as the op reads it
     finals: list  # per match, the node that replaces it
     op_name: str
@@ -332,18 +330,18 @@ class PlannedGroup:
     cos: fx.Node
     sin: fx.Node
     anchor: fx.Node
+    params: RotaryParams  # what the op was called with: the sites' own, and a folded norm or angle tables
     norm: str = ""  # what happened to a QK-norm before the rotation
-    angle_tables: bool = False  # the op computes cos and sin of one angle tensor
 
 
 def fold_norms(group: tuple, nodes: dict, depends_on: Callable) -> tuple[list | None, str]:
     """The norm prologue of every site of a group when all can fold it, else (None, why not or "")."""
-    if any(m.tables is not None for m in group) or any(m.x_name not in nodes for m in group):
+    if any(not m.arithmetic for m in group) or any(m.x.name not in nodes for m in group):
         return None, ""
-    found = [norm_prologue(nodes[m.x_name], m.head_dim, m.blocks, m.x_k) for m in group]
+    found = [norm_prologue(nodes[m.x.name], m.x.head_dim, m.x.blocks, m.x.k) for m in group]
     if all(f is None for f in found):
         return None, ""
-    if group[0].x_as_real:
+    if group[0].x.as_real:
         return None, "x is rotated as complex numbers; the op's norm reads real lanes"
     reasons = [f for f in found if isinstance(f, str)]
     if reasons:  # each tensor's own reason where they differ (q's norm spans other lanes than k's in GQA)
@@ -370,7 +368,7 @@ def _replay(em: Emitter, x: fx.Node, views, like: fx.Node) -> fx.Node:
     return x
 
 
-def _norm_weight(em: Emitter, norm: NormPrologue, m: Match) -> fx.Node | None:
+def _norm_weight(em: Emitter, norm: NormPrologue, m: Site) -> fx.Node | None:
     """The weight as the op reads it: [D] for a norm per head, [H, D] for one across the heads, its lanes
     permuted as the layout between the norm and the rotation permutes the normed lanes (norms.norm_prologue)."""
     w = norm.weight
@@ -401,11 +399,14 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
             weights = None
         positions = cu_seqlens = seqlen_offsets = None
         # (cos, sin, positions), or with packed sequences (cos, sin, None, cu_seqlens, seqlen_offsets)
-        gathered = m0.tables(em) if m0.tables is not None else gathered_tables(em, nodes, m0, m0.node)
+        if isinstance(m0.tables, KernelTables):
+            gathered = m0.tables.emit(em, m0, nodes)
+        else:
+            gathered = gathered_tables(em, nodes, m0, m0.node)
         if gathered is not None:
             cos, sin, positions, *packed = gathered
             cu_seqlens, seqlen_offsets = packed or (None, None)
-        params = params_of(m0)
+        params = m0.params
         # the dtype the graph computes the rotation in; under a folded norm the op cannot round as the graph's
         # norm does (plain compile's does not either) and keeps fp64 wherever the subgraph has it (`wide`):
         # in fp32 it was then less accurate than eager at times, which the contract does not allow
@@ -413,15 +414,15 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
         wide = m0.wide if computes is None else computes == torch.float64
         fp64_math = wide and params.out_dtype in (torch.float32, torch.float64)
         if gathered is None:
-            angles = angle_source(nodes, m0.cos, m0.sin)
+            angles = angle_source(nodes, m0.tables.cos, m0.tables.sin)
             if angles is not None and angles.angle.meta["val"].dtype == torch.float64 and not fp64_math:
                 angles = None  # an fp32 op would round fp64 angles first: it reads the tables the graph casts
             if angles is not None:  # one view of the angles serves as both
                 params = params.replace(angle_tables=True)
-                cos = sin = angle_view(em, nodes, angles, m0.cos, m0)
+                cos = sin = angle_view(em, nodes, angles, m0.tables.cos, m0)
             else:
-                cos, sin = (table_view(em, nodes, t, m0.blocks, m0.node, m0.interleaved, m0.rotary_blocks)
-                            for t in (m0.cos, m0.sin))
+                cos, sin = (table_view(em, nodes, t, m0.x.blocks, m0.node, params.interleaved, params.rotary_blocks)
+                            for t in (m0.tables.cos, m0.tables.sin))
         if norms is not None:
             params = params.replace(norm=norms[0].kind, norm_eps=norms[0].eps)
         if fp64_math:
@@ -445,8 +446,7 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
         finals = [_unflatten(em, o, m) for o, m in zip(outs, group)]
     op_name = f"rope_fusion.{OP_NAMES[len(group)]}"
     norm = f"{params.norm} folded" if norms is not None else (f"left in the graph: {norm_note}" if norm_note else "")
-    return PlannedGroup(group, inputs, finals, op_name, backend.name, fallback, cos, sin, anchor, norm,
-                        params.angle_tables)
+    return PlannedGroup(group, inputs, finals, op_name, backend.name, fallback, cos, sin, anchor, params, norm)
 
 
 def _group_arithmetic_dtype(group: tuple, nodes: dict, depends_on: Callable) -> torch.dtype | None:
@@ -469,8 +469,8 @@ def anchor_of(group: tuple, nodes: dict, order: dict) -> fx.Node:
     it, which the lookup of computed tables may name). Users of a replaced node that came earlier are moved
     after it by `finish`."""
     m0 = group[0]
-    inputs = [nodes[m.x_name] for m in group] + [nodes[p.name] for t in (m0.cos, m0.sin) for p in t.parts]
-    inputs += [t for m in group for t in m.table_inputs]
+    inputs = [nodes[m.x.name] for m in group] + m0.tables.tensors(nodes)
+    inputs += [t for m in group for t in m.tables.row_inputs]
     last = max(inputs, key=lambda n: order[n])
     if len(group) == 1 and order[last] < order[m0.node]:
         return m0.node
@@ -480,8 +480,7 @@ def anchor_of(group: tuple, nodes: dict, order: dict) -> fx.Node:
 def _check_inputs_precede(group: tuple, nodes: dict, depends_on: Callable) -> None:
     """No table node of the group is computed from one of the rotations it replaces (a lookup by values can
     name a node that reads the result, `c * 2 + 0 * out`): the op would read its own output."""
-    m0 = group[0]
-    tables = [nodes[p.name] for t in (m0.cos, m0.sin) for p in t.parts] + [t for m in group for t in m.table_inputs]
+    tables = group[0].tables.tensors(nodes) + [t for m in group for t in m.tables.row_inputs]
     for t in tables:
         for m in group:
             if depends_on(t, m.node):

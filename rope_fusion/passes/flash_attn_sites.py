@@ -1,6 +1,7 @@
-"""flash-attn's Triton `rotary_kernel` launches as kernel sites (kind "flash_attn.rotary_kernel").
+"""flash-attn's Triton `rotary_kernel` launches as sites of the fused op (kind "flash_attn.rotary_kernel").
 
-See kernel_sites.py for what a site is; this module identifies the kernel and checks each launch.
+See kernel_sites.py for what every kind shares; this module identifies the kernel, checks each launch and says
+which rows of its tables it reads (`FlashAttnTables`).
 
 Where it comes from: `flash_attn.ops.triton.rotary.apply_rotary` (upstream flash-attn; vLLM's ROCm path) and
 `vllm.vllm_flash_attn.ops.triton.rotary.apply_rotary` (vLLM's copy, reached through
@@ -53,8 +54,8 @@ fp64 input would make the fused op compute in fp64, the kernel computes in fp32)
 (optionally through `aten.copy`), which is what the wrapper's `output[..., rotary_dim:].copy_(x[...,
 rotary_dim:])` becomes. Obligation left to the emitter: with a TENSOR offset the graph cannot show the
 offsets' values; rows p >= seqlen_ro rotate by the identity (cos=1, sin=0) -- pad the tables with such a row
-and clamp p to reproduce it (kernel_rewrite's table builder emits exactly that, and `flash_attn_tables` below
-is the same in plain torch, for the tests); a negative offset makes the kernel read before the table (undefined
+and clamp p to reproduce it (`FlashAttnTables.emit` emits exactly that, and `flash_attn_tables` below is the same
+in plain torch, for the tests); a negative offset makes the kernel read before the table (undefined
 behaviour; the emitted positions are clamped at 0). Inputs of a later launch that are `getitem(earlier_launch, name)`
 with name != "OUT" (torch's all-inputs-mutated fallback when its TTIR analysis cannot run) are seen through:
 the kernel stores only through OUT, which is checked in its source. The site's output dtype is OUT's
@@ -63,6 +64,29 @@ the kernel stores only through OUT, which is checked in its source. The site's o
 Not expressible (reported): a varlen kernel whose source lacks the verified varlen addressing; in-place
 `triton_kernel_wrapper_mutation` (no result node; custom post-grad passes see the functional form); autotuned
 launches (several grids); anything the checks above reject.
+
+The op's tables for a site (`FlashAttnTables.emit`, when its group is planned):
+- int offset o: rows [o, o+S) of the [seqlen_ro, R/2] tables (`aten.slice` on dim 0; the checks guarantee
+  o + S <= seqlen_ro), `unsqueeze(-2)` over the heads: [S, 1, R/2] against x [B, S, H, D].
+- tensor offsets [B]: positions = clamp(offsets[:, None] + iota(S), 0, seqlen_ro) as [B, S, 1], into the tables
+  padded with one row (cos=1, sin=0) at index seqlen_ro: a row the kernel would read past the table rotates by the
+  identity, as its masked load (other=1.0 / 0.0) does. (A negative offset is undefined behaviour in the kernel,
+  which reads before the table; here it reads row 0.)
+- varlen (x [T, H, D], cu_seqlens [B + 1]): the op's packed form. An int offset o: the tables from row o on and
+  the op's `cu_seqlens` (flash-attn's host check o + max_seqlen <= seqlen_ro, verified, keeps every row of a
+  sequence within max_seqlen in the table). Offsets [B]: the positions that the op would derive (ops/packed.py's
+  ATen ops, emitted here), clamped into the tables padded with the identity row, as above.
+Two launches read the same numbers when they read the same cos and sin nodes with the same offset (int value or
+offsets node), the same sequence length and the same cu_seqlens (the record's equality). A launch with an int
+offset also pairs with a native (aten) rotation whose tables are views reading the same rows of the same cos and
+sin (`FlashAttnTables.fixed_rows`, compared in grouping.py): a kernel call for q and torch ops for k, one launch.
+
+When torch's TTIR analysis could not run, it assumes every input of a launch is mutated: the launch also returns
+`getitem(launch, "X"/"COS"/...)`, which later launches read and which are copied back into graph inputs; those
+would keep the kernel alive once its OUT is replaced. The kernel stores only through OUT (verified from its
+source), so each such getitem equals the launch's input; for a launch that became a site their uses are rewired
+to that input (`FlashAttnTables.claimed`: value-preserving, inside the pass's transaction), and the copy back
+becomes `copy_(input, input)`, which Inductor drops.
 """
 
 from __future__ import annotations
@@ -73,17 +97,17 @@ import functools
 import operator
 import re
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
 
+from ..ops import packed
 from .kernel_sites import (
     FLOATS,
     LOOKS_ROTARY,
     KernelMiss,
-    KernelSite,
+    check_before,
     contiguous,
     contiguous_rows,
     eq,
@@ -91,13 +115,20 @@ from .kernel_sites import (
     getitems,
     is_call,
     kernel_site,
+    kernel_site_of,
     known,
+    size_key,
     static_bool,
     static_int,
     tensor_of,
     value_of,
 )
+from .site import KernelTables, Site
 
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+FLASH_ATTN = "flash_attn.rotary_kernel"
 FLASH_ATTN_MODULES = ("flash_attn.ops.triton.rotary", "vllm.vllm_flash_attn.ops.triton.rotary")
 
 
@@ -305,7 +336,7 @@ def see_through(a: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# flash-attn rotary_kernel: arguments -> KernelSite
+# flash-attn rotary_kernel: arguments -> Site
 
 def _last_dim(d: Any, ndim: int) -> bool:
     return isinstance(d, int) and d in (ndim - 1, -1)
@@ -358,7 +389,7 @@ def _cdiv(a: Any, b: int) -> Any:
     return (a + b - 1) // b
 
 
-def flash_attn_site(node: torch.fx.Node, fk: FlashAttnKernel, group: int) -> KernelSite | None:
+def flash_attn_site(node: torch.fx.Node, fk: FlashAttnKernel) -> Site | None:
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
     v = fk.variant
@@ -477,16 +508,14 @@ def flash_attn_site(node: torch.fx.Node, fk: FlashAttnKernel, group: int) -> Ker
         raise KernelMiss(f"the output buffer's lanes >= rotary_dim={r} are not x's (expected inplace=True or the "
                          f"wrapper's output[..., rotary_dim:].copy_(x[..., rotary_dim:]))")
 
-    return KernelSite(
-        kind="flash_attn.rotary_kernel", node=outs[0], x=x_node, layout="thd" if varlen else "bshd", head_dim=head_dim,
-        rotary_dim=r, interleaved=static_bool(args["INTERLEAVED"], "INTERLEAVED"),
-        conjugate=static_bool(args["CONJUGATE"], "CONJUGATE"),
-        cos=cos_node, sin=sin_node, seqlen_offset=seqlen_offset, cu_seqlens=cu_node, max_seqlen=s if varlen else None,
-        cos_sin_cache=None, positions=None, group=group, tail_from_x=True)
+    tables = FlashAttnTables(cos_node, sin_node, seqlen_offset, cu_node, size_key(x.shape[0 if varlen else 1]))
+    return kernel_site_of(outs[0], x_node, head_dim, tables, rotary_dim=r,
+                          interleaved=static_bool(args["INTERLEAVED"], "INTERLEAVED"),
+                          conjugate=static_bool(args["CONJUGATE"], "CONJUGATE"))
 
 
-@kernel_site("flash_attn.rotary_kernel")
-def recognise_flash_attn(node: torch.fx.Node, new_group: Callable[[], int]) -> list[KernelSite] | None:
+@kernel_site(FLASH_ATTN)
+def recognise_flash_attn(node: torch.fx.Node) -> list[Site] | None:
     """A launch of flash-attn's rotary_kernel (functional form): its site, or KernelMiss with the reason."""
     functional, mutation = triton_wrappers()
     if node.target is not functional and node.target is not mutation:
@@ -499,8 +528,117 @@ def recognise_flash_attn(node: torch.fx.Node, new_group: Callable[[], int]) -> l
     if node.target is mutation:
         raise KernelMiss("in-place triton_kernel_wrapper_mutation launch of flash-attn rotary_kernel: it has no "
                          "result node to replace (post-grad custom passes see the functional form)")
-    site = flash_attn_site(node, fk, new_group())
+    site = flash_attn_site(node, fk)
     return [] if site is None else [site]
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashAttnTables(KernelTables):
+    """The rows of a launch's [seqlen_ro, R/2] cos and sin: from `seqlen_offset` (an int, or a [B] tensor node) on,
+    over `rows` sequence positions (x's S, or its T tokens packed by `cu_seqlens`; an int or a symbolic size's
+    expression)."""
+
+    cos: torch.fx.Node
+    sin: torch.fx.Node
+    seqlen_offset: int | torch.fx.Node
+    cu_seqlens: torch.fx.Node | None
+    rows: Any
+    kind = FLASH_ATTN
+
+    def tensors(self, nodes: dict) -> list[torch.fx.Node]:
+        return [self.cos, self.sin]
+
+    @property
+    def row_inputs(self) -> tuple:
+        return tuple(n for n in (self.seqlen_offset, self.cu_seqlens) if isinstance(n, torch.fx.Node))
+
+    def fixed_rows(self, site: Site) -> tuple | None:
+        """`cos[o:o+S].unsqueeze(-2)` and sin's ([S, 1, R/2] against x [B, S, H, D]), what `emit` emits, for an
+        int offset o without packed sequences; call it in the graph's fake mode."""
+        if isinstance(self.seqlen_offset, torch.fx.Node) or self.cu_seqlens is not None:
+            return None
+        off, seqlen = self.seqlen_offset, site.node.meta["val"].shape[1]
+        return tuple(t.meta["val"][off: off + seqlen].unsqueeze(-2) for t in (self.cos, self.sin))
+
+    def emit(self, em: Any, site: Site, nodes: dict) -> tuple:
+        if self.cu_seqlens is not None:
+            return self._packed(em, site, nodes[site.x.name])
+        like, x = site.node, nodes[site.x.name]
+        seqlen = em.size_args(x, range(1, 2), like)[0]
+        rows = self.cos.meta["val"].shape[0]
+        off = self.seqlen_offset
+        if not isinstance(off, torch.fx.Node):  # rows [off, off + S) of the tables, the same for every batch and head
+            out = []
+            for t in (self.cos, self.sin):
+                if not (off == 0 and eq(seqlen, rows)):
+                    end = seqlen if off == 0 else off + seqlen if isinstance(seqlen, int) else \
+                        em.call(operator.add, (seqlen, off), like=like)
+                    t = em.call(aten.slice.Tensor, (t, 0, off, end), like=like)
+                out.append(em.call(aten.unsqueeze.default, (t, -2), like=like))
+            return out[0], out[1], None
+        # per-batch offsets: positions into the tables padded with the kernel's identity row at index seqlen_ro
+        steps = em.call(prims.iota.default, (seqlen,), {"start": 0, "step": 1, "dtype": torch.int64,
+                                                        "device": x.meta["val"].device, "requires_grad": False},
+                        like=like)
+        pos = em.call(aten.add.Tensor, (em.call(aten.unsqueeze.default, (off, -1), like=like), steps), like=like)
+        pos = em.call(aten.unsqueeze.default, (self._clamped(em, pos, like), -1), like=like)  # [B, S, 1] over H
+        check_before(off, pos)
+        return (*self._padded(em, like), pos)
+
+    def _packed(self, em: Any, site: Site, x: torch.fx.Node) -> tuple:
+        """(cos, sin, None, cu_seqlens, None) for an int offset: the op derives the rows; (padded cos, padded sin,
+        positions) for offsets [B]: the op's rows, clamped into the identity row at index seqlen_ro."""
+        like, off = site.node, self.seqlen_offset
+        if not isinstance(off, torch.fx.Node):
+            cos, sin = self.cos, self.sin
+            if off:
+                rows = self.cos.meta["val"].shape[0]
+                end = rows if isinstance(rows, int) else em.size_args(self.cos, range(1), like)[0]
+                cos, sin = (em.call(aten.slice.Tensor, (t, 0, off, end), like=like) for t in (cos, sin))
+            return cos, sin, None, self.cu_seqlens, None
+        pos = packed.graph_positions(em, x, self.cu_seqlens, off, like)  # [T, 1] over x's [T, H]
+        check_before(off, pos)
+        check_before(self.cu_seqlens, pos)
+        return (*self._padded(em, like), self._clamped(em, pos, like))
+
+    def _clamped(self, em: Any, pos: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
+        """Positions clamped into [0, seqlen_ro]: row seqlen_ro is the identity row of `_padded`."""
+        rows = self.cos.meta["val"].shape[0]
+        limit = rows if isinstance(rows, int) else em.size_args(self.cos, range(1), like)[0]
+        return em.call(aten.clamp_max.default, (em.call(aten.clamp_min.default, (pos, 0), like=like), limit),
+                       like=like)
+
+    def _padded(self, em: Any, like: torch.fx.Node) -> tuple:
+        """The tables with the kernel's out-of-table row (cos=1, sin=0) appended."""
+        return (em.call(aten.constant_pad_nd.default, (self.cos, [0, 0, 0, 1], 1.0), like=like),
+                em.call(aten.constant_pad_nd.default, (self.sin, [0, 0, 0, 1], 0.0), like=like))
+
+    def claimed(self, site: Site) -> None:
+        """Rewire getitem(launch, name != "OUT") to the launch's input `name` (the module docstring says why)."""
+        launch = site.node.args[0]
+        functional, _ = triton_wrappers()
+        if not (isinstance(launch, torch.fx.Node) and launch.target is functional):
+            return
+        if not isinstance(identify_launch(launch), FlashAttnKernel):
+            return
+        inputs = launch.kwargs["kwargs"]
+        out_input = see_through(inputs.get("OUT"))
+        for user in list(launch.users):
+            name = user.args[1] if user.target is operator.getitem else None
+            if not isinstance(name, str) or name == "OUT":
+                continue
+            source = see_through(inputs.get(name))
+            if not isinstance(source, torch.fx.Node) or source is out_input or not _same_layout(source, user):
+                continue
+            user.replace_all_uses_with(source)
+
+
+def _same_layout(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)):
+        return False
+    return (va.dtype == vb.dtype and va.dim() == vb.dim()
+            and all(known(x == y) for x, y in zip((*va.shape, *va.stride()), (*vb.shape, *vb.stride()))))
 
 
 def flash_attn_tables(cos: torch.Tensor, sin: torch.Tensor, seqlen: int, seqlen_offset: int | torch.Tensor):

@@ -116,11 +116,9 @@ class FxPass(RopeFusionPass):
         self._chosen[like] = ("npu", "")
         return outs
 
-    def _record(self, index: int, p, nodes: dict) -> None:
-        chosen = self._chosen.get(p.group[0].node)
-        if chosen is not None:
-            p.backend, p.fallback = chosen
-        super()._record(index, p, nodes)
+    def _backend_of(self, p) -> tuple[str, str]:
+        """What `_choose` emitted: torch_npu's ops, or the rope_fusion op with why not them."""
+        return self._chosen.get(p.group[0].node) or super()._backend_of(p)
 
     def uuid(self) -> Any:
         return f"{super().uuid()}-fx{int(self.npu_ops)}"

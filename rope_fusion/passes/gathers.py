@@ -14,17 +14,18 @@ import operator
 import torch
 import torch.fx as fx
 
-from .fx_util import as_int
-from .matcher import TableRef
+from .fx_util import PASS_THROUGH, as_int
+from .site import TableRef
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 
-# Ops between a gathered cache and the table the model multiplies by, that the op can see through: casts
-# and copies (the op reads the cache in its own dtype: one rounding less), size-1 dims, lane windows.
-_GATHER_CARRIERS = {prims.convert_element_type.default, aten.clone.default, aten.alias.default,
-                    aten.unsqueeze.default}
+# Ops between a gathered cache and the table the model multiplies by, that the op can see through: of the
+# pass-through ops, the cast and the copies (the op reads the cache in its own dtype: one rounding less) and size-1
+# dims, each of which `_lane_window` maps lane by lane (lane windows are read from slices apart).
+_GATHER_CARRIERS = PASS_THROUGH & {prims.convert_element_type.default, aten.clone.default, aten.alias.default,
+                                   aten.unsqueeze.default}
 
 
 def _lane_window(node: fx.Node, start: int, step: int) -> tuple | None:

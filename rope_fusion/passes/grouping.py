@@ -11,26 +11,22 @@ are views that read, over either x, the very rows the kernel reads (`kernel_and_
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from .fx_util import CASTS, as_int, same_dim
+from .fx_util import PASS_THROUGH, SPLITS, as_int, same_dim
 from .gathers import gather_of
-from .matcher import Acceptor, Match, TableRef
+from .matcher import Acceptor
+from .site import KernelTables, Site, TableRef
 
 
 def fake_mode_of(val: Any):
     """The fake mode a node's value lives in (a null context when there is none)."""
     mode = torch._guards.detect_fake_mode([val])
     return mode if mode is not None else contextlib.nullcontext()
-
-
-def out_dtype(m: Match) -> torch.dtype:
-    return m.node.meta["val"].dtype
 
 
 def _table_val(node: fx.Node, t: TableRef, blocks: tuple = ()) -> torch.Tensor:
@@ -76,19 +72,15 @@ aten = torch.ops.aten
 
 # Ops that move, copy or cast numbers without arithmetic: the dtype a rotation computes in is that of the
 # other ops between x and the result (a final `.double()`, a cat into an fp64 buffer, compute nothing).
-_NO_ARITHMETIC = frozenset({
-    *CASTS, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
-    aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
-    aten.expand.default, aten.clone.default, aten.contiguous.default, aten.alias.default, aten.slice.Tensor,
-    aten.select.int, aten.cat.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
-    operator.getitem, aten.slice_scatter.default, aten.select_scatter.default, aten.copy.default,
-    aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default, aten.full.default,
-    aten.full_like.default, aten.zeros.default, aten.zeros_like.default, aten.view_as_real.default,
-    aten.view_as_complex.default, aten.resolve_conj.default,
-})
+_NO_ARITHMETIC = PASS_THROUGH | SPLITS | {  # and the ops of several inputs, or none, that only place numbers
+    aten.squeeze.default, aten.cat.default, aten.split_with_sizes.default, aten.slice_scatter.default,
+    aten.select_scatter.default, aten.copy.default, aten.empty.memory_format, aten.empty_like.default,
+    aten.empty_strided.default, aten.full.default, aten.full_like.default, aten.zeros.default,
+    aten.zeros_like.default, aten.resolve_conj.default,
+}
 
 
-def arithmetic_dtype(m: Match, nodes: dict, depends_on: Callable) -> torch.dtype | None:
+def arithmetic_dtype(m: Site, nodes: dict, depends_on: Callable) -> torch.dtype | None:
     """The widest real dtype the graph computes m's rotation in: over the ops between x and the replaced
     node that compute (products, sums; not casts, views or copies), complex ones by their real part. None
     for a site that builds its own tables (a rotary kernel's) or where no such op is found.
@@ -97,9 +89,9 @@ def arithmetic_dtype(m: Match, nodes: dict, depends_on: Callable) -> torch.dtype
     data but computes in fp32 (`(x.float() * c.float() + ...).double()`), plain compile matches eager
     exactly and the op must compute in fp32 too, and fp64 angles whose cos and sin the graph casts to
     fp16 must not reach an fp32 op as angles (`emission.plan_group`)."""
-    if m.tables is not None or m.x_name not in nodes:
+    if not m.arithmetic or m.x.name not in nodes:
         return None
-    x = nodes[m.x_name]
+    x = nodes[m.x.name]
     stack, seen, widest = [m.node], set(), None
     while stack:
         n = stack.pop()
@@ -117,10 +109,10 @@ def arithmetic_dtype(m: Match, nodes: dict, depends_on: Callable) -> torch.dtype
     return widest
 
 
-def _lead(m: Match) -> tuple:
+def _lead(m: Site) -> tuple:
     """The dims of m's x as the op reads it that a table broadcasts over (the heads of a flat x as blocks)."""
     val = m.node.meta["val"]
-    return tuple(val.shape[: val.dim() - m.value_k]) + tuple(m.blocks)
+    return tuple(val.shape[: val.dim() - m.value_k]) + tuple(m.x.blocks)
 
 
 def broadcast_geometry(view: torch.Tensor, lead: tuple) -> tuple | None:
@@ -142,18 +134,13 @@ def broadcast_geometry(view: torch.Tensor, lead: tuple) -> tuple | None:
         return None
 
 
-def _options(m: Match) -> tuple:
-    return (m.interleaved, m.deinterleave, m.rotary_blocks, m.rotary_dim, m.full_tables, m.conjugate, m.head_dim,
-            m.wide, m.offset, out_dtype(m))
-
-
 class _Pairing:
     def __init__(self, acc: Acceptor):
         self.acc = acc
         self.nodes = acc.interp.nodes
         self.structure = acc.interp.structure
 
-    def same_table(self, a: TableRef, ablocks: tuple, b: TableRef, bblocks: tuple, mb: Match) -> bool:
+    def same_table(self, a: TableRef, ablocks: tuple, b: TableRef, bblocks: tuple, mb: Site) -> bool:
         """One table for both: the same recipe on structurally equal nodes, read with the same number of
         head blocks; or views of one storage that read the same numbers as the op shapes them
         (`freqs.unsqueeze(2)` against `freqs[:, :, None]`) and broadcast against both x."""
@@ -177,7 +164,7 @@ class _Pairing:
         return va is not None and vb is not None and va[0] == vb[0] and self.fits(va[1], mb)
 
     @staticmethod
-    def fits(view_sizes: tuple, m: Match) -> bool:
+    def fits(view_sizes: tuple, m: Site) -> bool:
         """The table as emitted for the first site (unsqueezed for its blocks) broadcasts against m's x."""
         shape = view_sizes[:-1]
         lead = _lead(m)
@@ -185,24 +172,35 @@ class _Pairing:
             return False
         return all(a == 1 or same_dim(a, b) for a, b in zip(reversed(shape), reversed(lead)))
 
-    def kernel_and_native(self, a: Match, b: Match) -> bool:
-        """A rotary kernel's site (its tables built by `tables`) and a native site read the same numbers: only a
-        flash-attn launch with an int offset (rows [o, o+S) of its cos/sin nodes) against native tables that are
-        views of the same storage which, broadcast over either x, address the same element at every position
-        (storage, offset, strides; the group reads either site's tables, so both broadcasts are checked). Tensor
-        offsets, vLLM's cache by positions, swapped (partner) tables, copies and symbolic sizes stay unpaired."""
-        from .kernel_rewrite import fixed_row_tables
+    def same_tables(self, a: Site, b: Site) -> bool:
+        """Whether the op reads the same numbers as tables for a and for b, asked of their table sources: two
+        kernels' records are equal; a kernel's rows known at compile time against native views of them; the graph's
+        own tables table by table."""
+        ka, kb = isinstance(a.tables, KernelTables), isinstance(b.tables, KernelTables)
+        if ka and kb:
+            return a.tables == b.tables
+        if ka or kb:
+            return self.kernel_and_native(*((a, b) if ka else (b, a)))
+        return (self.same_table(a.tables.cos, a.x.blocks, b.tables.cos, b.x.blocks, b)
+                and self.same_table(a.tables.sin, a.x.blocks, b.tables.sin, b.x.blocks, b))
 
-        k, n = (a, b) if a.table_key is not None else (b, a)
-        if n.cos.partner or n.sin.partner or n.cos.pieces or n.sin.pieces:
+    def kernel_and_native(self, k: Site, n: Site) -> bool:
+        """A rotary kernel's site k and a native site n read the same numbers: only where k's rows are known at
+        compile time (`KernelTables.fixed_rows`: a flash-attn launch with an int offset reads rows [o, o+S) of its
+        cos/sin nodes) against native tables that are views of the same storage which, broadcast over either x,
+        address the same element at every position (storage, offset, strides; the group reads either site's
+        tables, so both broadcasts are checked). Tensor offsets, vLLM's cache by positions, swapped (partner)
+        tables, copies and symbolic sizes stay unpaired."""
+        cos, sin = n.tables.cos, n.tables.sin
+        if cos.partner or sin.partner or cos.pieces or sin.pieces:
             return False
         with fake_mode_of(k.node.meta["val"]):
-            fixed = fixed_row_tables(k)
+            fixed = k.tables.fixed_rows(k)
             if fixed is None:
                 return False
-            for kv, t in zip(fixed, (n.cos, n.sin)):
+            for kv, t in zip(fixed, (cos, sin)):
                 try:
-                    nv = _table_val(self.nodes[t.name], t, n.blocks)
+                    nv = _table_val(self.nodes[t.name], t, n.x.blocks)
                 except Exception:  # a view fake tensors cannot build: not provably the same table
                     return False
                 for lead in (_lead(k), _lead(n)):
@@ -211,29 +209,24 @@ class _Pairing:
                         return False
         return True
 
-    def same_projection_input(self, group: list, b: Match) -> bool:
+    def same_projection_input(self, group: list, b: Site) -> bool:
         """Every x of `group` and b's x are projections (matmuls) of one activation, or all are inputs of
         the graph (nothing to wait for)."""
-        inputs = {_projection_input(self.nodes[m.x_name]) for m in (*group, b)}
+        inputs = {_projection_input(self.nodes[m.x.name]) for m in (*group, b)}
         return len(inputs) == 1 and None not in inputs
 
-    def can_pair(self, a: Match, b: Match) -> bool:
-        if b.node is a.node or a.x_name == b.x_name or _options(a) != _options(b):
+    def can_pair(self, a: Site, b: Site) -> bool:
+        if b.node is a.node or a.x.name == b.x.name or a.params != b.params:
+            return False
+        if (a.x.head_dim, a.wide) != (b.x.head_dim, b.wide):
             return False
         dts = {arithmetic_dtype(m, self.nodes, self.acc.depends_on) for m in (a, b)} - {None}
         if len(dts) > 1:  # one launch computes in one dtype (a rotary kernel's site has none of its own)
             return False
-        if (a.table_key is None) != (b.table_key is None):  # a kernel site and a native one
-            if not self.kernel_and_native(a, b):
-                return False
-        elif a.table_key is not None:  # sites that build their own tables
-            if a.table_key != b.table_key:
-                return False
-        elif not (self.same_table(a.cos, a.blocks, b.cos, b.blocks, b)
-                  and self.same_table(a.sin, a.blocks, b.sin, b.blocks, b)):
+        if not self.same_tables(a, b):
             return False
-        inputs = [self.nodes[a.x_name], self.nodes[b.x_name], *(self.nodes[p.name] for p in a.cos.parts + a.sin.parts),
-                  *a.table_inputs, *b.table_inputs]
+        inputs = [self.nodes[a.x.name], self.nodes[b.x.name], *a.tables.tensors(self.nodes), *a.tables.row_inputs,
+                  *b.tables.row_inputs]
         # one launch for both is possible unless an input of one needs the other's result
         return not any(self.acc.depends_on(i, r.node) for i in inputs for r in (a, b))
 
@@ -271,14 +264,14 @@ def _back_through_single_inputs(node: fx.Node) -> fx.Node:
 MAX_GROUP = 3
 
 
-def pair_up(matches: list[Match], acc: Acceptor) -> list[tuple[Match, ...]]:
+def pair_up(matches: list[Site], acc: Acceptor) -> list[tuple[Site, ...]]:
     """Group matches (in graph order) into groups of up to MAX_GROUP that share one launch, first come first
     grouped: each later member pairs with every earlier one. A third member must be projected from the same
     activation as the pair (CLVP's q, k and v of one attention), or all three be graph inputs, not merely
     share their tables (q of another independent block, as in Wan VACE, would delay this pair's launch to
     where that block computes it)."""
     pairing = _Pairing(acc)
-    groups: list[tuple[Match, ...]] = []
+    groups: list[tuple[Site, ...]] = []
     used: set = set()
     for i, a in enumerate(matches):
         if i in used:

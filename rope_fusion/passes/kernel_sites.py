@@ -1,11 +1,12 @@
-"""Opaque rotary kernels and ops in post-grad graphs, described in the fused op's terms (recognition only).
+"""Rotary kernels and ops already in post-grad graphs, as sites of the fused op: what every kind shares.
 
-`kernel_scan.find_kernel_sites(graph)` returns one `KernelSite` per rotated tensor that an opaque rotary kernel
+`kernel_scan.find_kernel_sites(graph)` returns one `site.Site` per rotated tensor that a recognised rotary kernel
 or op computes, and, separately, the calls that look like such kernels/ops but cannot be expressed exactly, each
-with a reason. Nothing here edits the graph. The fused op's semantics are `rope_fusion.ops.reference.rotary_reference`:
-pairs (a_j, b_j), NeoX (j, j+R/2) or interleaved (2j, 2j+1), out[a] = x[a]C - x[b]S, out[b] = x[b]C + x[a]S,
-S negated when conjugate, out[d] = x[d] for d >= R; with half-width tables (full_tables=False) C = cos[j];
-math in fp32. Every site maps onto that with full_tables=False.
+with a reason. The fused op's semantics are `rope_fusion.ops.reference.rotary_reference`: pairs (a_j, b_j), NeoX
+(j, j+R/2) or interleaved (2j, 2j+1), out[a] = x[a]C - x[b]S, out[b] = x[b]C + x[a]S, S negated when conjugate,
+out[d] = x[d] for d outside the rotated lanes; with half-width tables (full_tables=False) C = cos[j]; math in
+fp32. Every kind maps onto that with full_tables=False, and builds its tables itself: a `site.KernelTables` record
+of its own, which emits the op's table arguments when the site's group is planned.
 
 What is recognised, each kind in its own module with its exact semantics and what is verified before a site is
 claimed:
@@ -19,10 +20,10 @@ Anything else whose name says rotary/rope (another Triton kernel such as vLLM's 
 ops such as `vllm::rocm_aiter_triton_rotary_embedding`, `vllm::xpu_apply_rotary_emb`, `vllm::mrope`; not the
 `rope_fusion`, `aten` and `prims` namespaces) is reported, never claimed: its semantics have not been checked here.
 
-This module holds `KernelSite`, the checks on graph values that every kind uses (sizes may be symbolic: a check
-passes only when it holds for every value of the symbols, and adds no guard), and the registry that each kind's
-module adds its recogniser to with `@kernel_site(kind)`. kernel_scan.py imports those modules and walks the
-graph; kernel_rewrite.py turns the sites into sites of the fused op. Nothing here imports a kind's module.
+This module holds the checks on graph values that every kind uses (sizes may be symbolic: a check passes only when
+it holds for every value of the symbols, and adds no guard), `kernel_site_of` (a kind's rotated tensor as a
+`Site`), and the registry that each kind's module adds its recogniser to with `@kernel_site(kind)`. kernel_scan.py
+imports those modules and walks the graph. Nothing here imports a kind's module.
 """
 
 from __future__ import annotations
@@ -36,41 +37,12 @@ from typing import Any
 import torch
 import torch.fx
 
+from ..ops.schema import RotaryParams
+from .site import KernelTables, Site, XView
+
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 HALVES = (torch.float16, torch.bfloat16)
 LOOKS_ROTARY = re.compile(r"rotary|(?<!p)rope", re.I)  # apply_rope, mrope, rotary_kernel, RoPE; not "property"
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelSite:
-    """One rotated tensor computed by an opaque rotary kernel/op node, in the fused op's terms.
-
-    Tables, per kind (full_tables=False for all): flash-attn: `cos`/`sin` [seqlen_ro, R/2], row s + seqlen_offset
-    for sequence position s (see `flash_attn_sites.flash_attn_tables`); vLLM ops: `cos_sin_cache`[positions] split
-    into the cos half [..., :R/2] and the sin half [..., R/2:], one row per token, broadcast over heads. The
-    result's dtype is `node.meta["val"].dtype`.
-    """
-    kind: str  # "flash_attn.rotary_kernel" | "vllm._C.rotary_embedding" | "vllm.flashinfer_rotary_embedding"
-    node: torch.fx.Node       # the node whose value is the rotated tensor (uses of it get replaced)
-    x: torch.fx.Node          # the tensor the kernel rotates, as the graph holds it
-    # "bshd" (x [B,S,H,D]), "thd" (x [T,H,D]), "t(hd)" (flat [T, H*D], head_dim = head_size),
-    # "bs(hd)" (flat [B, S, H*D], vLLM's _C op with [B, S] positions)
-    layout: str
-    head_dim: int
-    rotary_dim: int
-    interleaved: bool
-    conjugate: bool
-    cos: torch.fx.Node | None            # flash-attn: [seqlen_ro, rotary_dim/2]
-    sin: torch.fx.Node | None
-    seqlen_offset: int | torch.fx.Node   # flash-attn SEQLEN_OFFSETS: int, or a [B] int tensor node; 0 for vLLM ops
-    cu_seqlens: torch.fx.Node | None     # varlen (never claimed today: varlen launches are reported)
-    max_seqlen: int | None
-    cos_sin_cache: torch.fx.Node | None  # vLLM ops: [max_pos, rotary_dim] cos half then sin half
-    positions: torch.fx.Node | None      # vLLM ops: [T] (or [B,S]) token positions into the cache
-    # sites produced by ONE node (vLLM's in-place q+k op) share a group id; else unique
-    group: int
-    tail_from_x: bool                    # lanes >= rotary_dim of the result equal x's (verified from the graph)
-    rotary_offset: int = 0               # vLLM's rope_dim_offset: lanes [offset, offset + R) rotate, the rest copied
 
 
 class KernelMiss(Exception):
@@ -167,17 +139,53 @@ def is_call(node: Any, target: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
 
 
+def size_key(size: Any) -> Any:
+    """An int, or the expression of a symbolic size (equal expressions: provably equal sizes)."""
+    if isinstance(size, torch.SymInt):
+        c = size.node.maybe_as_int()
+        return int(c) if c is not None else ("sym", str(size.node.expr))
+    return int(size)
+
+
+def check_before(node: torch.fx.Node, new: torch.fx.Node) -> None:
+    """The op's nodes go where emission placed the group, after every node it reads (`KernelTables.row_inputs`);
+    a guard: should that ever not hold, the group stays unfused with this reason."""
+    n = new.prev
+    while n.op != "root":
+        if n is node:
+            return
+        n = n.prev
+    raise RuntimeError(f"{node.name} (positions into the rotary tables) is computed after the place of the fused "
+                       f"launch (after its x's and tables)")
+
+
+def kernel_site_of(node: torch.fx.Node, x: torch.fx.Node, head_dim: int, tables: KernelTables, *,
+                   interleaved: bool, rotary_dim: int, conjugate: bool, rotary_offset: int = 0,
+                   flat_heads: bool = False) -> Site:
+    """The site of one tensor that a kernel rotates: `node` is its result, `x` its input as the graph holds it
+    (`flat_heads`: [..., H*D], the heads split out of the last dim as the op's blocks), the kernel's options in
+    the op's terms, its result's dtype the op's out_dtype."""
+    blocks: tuple = ()
+    if flat_heads:
+        heads = x.meta["val"].shape[-1] // head_dim
+        if not isinstance(heads, int):
+            raise KernelMiss(f"x's hidden size {x.meta['val'].shape[-1]} is symbolic; the heads cannot be split out")
+        blocks = (heads,)
+    params = RotaryParams(interleaved=interleaved, rotary_dim=rotary_dim, full_tables=False, conjugate=conjugate,
+                          out_dtype=node.meta["val"].dtype, rotary_offset=rotary_offset)
+    return Site(node=node, value_k=1, x=XView(x.name, head_dim, blocks=blocks), params=params, tables=tables)
+
+
 # the registry of recognisers
 
-Recognise = Callable[[torch.fx.Node, Callable[[], int]], "list[KernelSite] | None"]
+Recognise = Callable[[torch.fx.Node], "list[Site] | None"]
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelRecogniser:
-    """One kind of rotary kernel or op already in the graph. `recognise(node, new_group)` returns None when the
-    node is not this kind, its sites (possibly none: a result nobody uses) when it is, and raises KernelMiss
-    with the reason when the node is this kind (or looks like it) but cannot be expressed exactly. `new_group()`
-    hands out the group id that the sites of one node share."""
+    """One kind of rotary kernel or op already in the graph. `recognise(node)` returns None when the node is not
+    this kind, its sites (possibly none: a result nobody uses) when it is, and raises KernelMiss with the reason
+    when the node is this kind (or looks like it) but cannot be expressed exactly."""
 
     kind: str
     recognise: Recognise

@@ -588,10 +588,3 @@ def demote(interp: LaneInterpreter, value: LaneValue) -> LaneValue | None:
     except Unsupported:
         return None
     return LaneValue(value.shape, value.k - 1, base, value.is_complex, value.wide)
-
-
-# -- aliases for modules not yet migrated to fx_util and the public names above (matcher.py, rewrite.py);
-# remove them once those modules import fx_util themselves. `as_int` is imported above and used here.
-_meta = meta  # alias for modules not yet migrated
-_ints = lane_dims  # alias for modules not yet migrated
-same_dim = fx_util.same_dim  # alias for modules not yet migrated

@@ -3,7 +3,7 @@
 A value is accepted when, over its lanes d, every entry is exactly `x[d]*C(d) + s(d)*x[p(d)]*S(d)` for
 d < R, with p the NeoX or the interleaved pairing and s the sign pattern of a rotation (or of its inverse),
 every lane d >= R is `x[d]`, C and S are single table atoms that differ from each other, and the tables do
-not depend on x. The answer is a `Match` that says which views of which nodes the fused op reads, or the
+not depend on x. The answer is a `site.Site` that says which views of which nodes the fused op reads, or the
 reason for the rejection (reported as a near miss when the value otherwise looks like a rotation).
 """
 
@@ -11,26 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import torch
 import torch.fx as fx
 
+from ..ops.schema import RotaryParams
 from . import lanes, pair_matrix, poly
-from .fx_util import as_int, chain_back, concrete_ints, meta, nearest_upstream, same_dim
+from .fx_util import PASS_THROUGH, as_int, chain_back, concrete_ints, meta, nearest_upstream, same_dim
+from .site import GraphTables, Site, TableRef, XView
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-# Ops whose result carries x's numbers unchanged (dtype, layout, a view): a table computed from any of them
-# is computed from x.
-_X_CARRIERS = {
-    prims.convert_element_type.default, aten._to_copy.default, aten.clone.default, aten.contiguous.default,
-    aten.alias.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-    aten.permute.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-    aten.expand.default, aten.slice.Tensor, aten.select.int, aten.view_as_real.default,
-    aten.view_as_complex.default,
-}
 # Ops that read only a tensor's sizes: a table built from `arange(x.shape[1])` does not depend on x's values.
 _PROJECTIONS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
                 aten.convolution.default, aten._scaled_mm.default}
@@ -54,62 +46,6 @@ FORM, PAIRING, LANES, TABLES = range(4)
 
 # At most this many pieces make one table (a head dim rotated per axis has 2-3; more is no structure).
 MAX_TABLE_PIECES = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class TableRef:
-    """A table as the op reads it: node (as_real when complex), last k dims flattened, then a strided slice;
-    with `partner`, the two entries of every pair swapped (the backward of a rotation reads the sin entry of
-    the partner lane: d out[b] / d x[a] = S[b]). With `pieces`, the table is those tables broadcast to one
-    shape and concatenated along the lanes (a head dim rotated per axis, each block by its own tables); the
-    other fields then describe the first piece."""
-
-    name: str
-    k: int
-    as_real: bool
-    start: int
-    step: int
-    width: int
-    partner: bool = False
-    pieces: tuple = ()
-
-    @property
-    def key(self) -> tuple:
-        return (self.name, self.k, self.as_real, self.start, self.step, self.width, self.partner,
-                tuple(p.key for p in self.pieces))
-
-    @property
-    def parts(self) -> tuple:
-        """The single-source tables this one reads: its pieces, or itself."""
-        return self.pieces or (self,)
-
-
-@dataclasses.dataclass
-class Match:
-    node: fx.Node  # the node whose value is the rotation (to be replaced)
-    value_k: int  # grid dims of the accepted value: the op's output is unflattened to them
-    blocks: tuple  # grid dims outside the rotated lanes (e.g. heads of a [B,S,H*D] x), broadcast over
-    x_name: str  # a source node, or a node whose computed value is x
-    x_k: int
-    x_as_real: bool
-    head_dim: int
-    rotary_dim: int
-    interleaved: bool
-    full_tables: bool
-    conjugate: bool
-    cos: TableRef
-    sin: TableRef
-    wide: bool  # the replaced subgraph computed in fp64
-    offset: int = 0  # lanes before the rotated part, copied unchanged
-    # Sites that are not RoPE arithmetic (a rotary kernel already in the graph) build their tables themselves:
-    # tables(emitter) -> (cos, sin, positions or None) as the op takes them, and pair only with sites of an
-    # equal table_key. `origin` names what is replaced.
-    tables: Any = None
-    table_key: Any = None
-    table_inputs: tuple = ()  # the nodes `tables` reads besides cos and sin (positions, offsets)
-    origin: str = "arithmetic"
-    deinterleave: bool = False  # interleaved pairs of x written in NeoX order (DeepSeek-V3's de-interleave)
-    rotary_blocks: int = 1  # NeoX pairs within this many equal blocks (a head dim rotated per axis, Allegro)
 
 
 def _affine(flats: list) -> tuple | None:
@@ -220,7 +156,7 @@ class Acceptor:
         self._anc[key] = found
         return found
 
-    def accept(self, node: fx.Node, v: lanes.LaneValue) -> Match | Rejection:
+    def accept(self, node: fx.Node, v: lanes.LaneValue) -> Site | Rejection:
         """The rotation `v` computes, or the most specific reason it is none: the grid is tried as one head,
         as blocks of heads, and after demotion (a leading dim that a rule absorbed into the grid)."""
         best = Rejection(FORM, "not a rotation")
@@ -239,7 +175,7 @@ class Acceptor:
             misses = {}
             for m in [m for m in widths if m not in later] + later:
                 r = self._accept_blocks(node, v, m)
-                if isinstance(r, Match):
+                if isinstance(r, Site):
                     return r
                 misses[m] = r
             for m in widths:  # the widest grouping's reason first, as if tried in that order
@@ -282,7 +218,7 @@ class Acceptor:
                 out.append(_XLanes(n.name, xv.k, False, xv.entries))
         return out
 
-    def _accept_blocks(self, node, v, m) -> Match | Rejection:
+    def _accept_blocks(self, node, v, m) -> Site | Rejection:
         entries = v.entries
         n = math.prod(v.grid[v.k - m:])
         nblocks = len(entries) // n
@@ -308,7 +244,7 @@ class Acceptor:
         cands.sort(key=lambda xl: (not self._projected(xl.name), xl.entries is not None))
         for xl in cands:
             r = self._accept_x(node, v, m, n, nblocks, xl)
-            if isinstance(r, Match):
+            if isinstance(r, Site):
                 return r
             if r.stage >= best.stage:
                 best = r
@@ -536,7 +472,7 @@ class Acceptor:
                 return f"{xl.name} is broadcast to the output shape: it cannot be the rotated x"
         return ""
 
-    def _accept_x(self, node, v, m, n, nblocks, xl: _XLanes) -> Match | Rejection:
+    def _accept_x(self, node, v, m, n, nblocks, xl: _XLanes) -> Site | Rejection:
         entries = v.entries
         shape_note = self._x_shape(xl, v)
         if shape_note:
@@ -626,10 +562,11 @@ class Acceptor:
         for t in (p for table in (cos, sin) for p in table.parts):
             if not self._broadcasts(t, v.lead):
                 return Rejection(TABLES, f"the table {t.name} does not broadcast against x")
-        return Match(node=node, value_k=v.k, blocks=tuple(v.grid[: v.k - m]), x_name=xl.name, x_k=xl.k,
-                     x_as_real=xl.as_real, head_dim=n, rotary_dim=rot, interleaved=interleaved, full_tables=full,
-                     conjugate=bool(conj), cos=cos, sin=sin, wide=v.wide, offset=head,
-                     deinterleave=style.name == "deinterleave", rotary_blocks=style.blocks)
+        params = RotaryParams(interleaved=interleaved, rotary_dim=rot, full_tables=full, conjugate=bool(conj),
+                              out_dtype=node.meta["val"].dtype, deinterleave=style.name == "deinterleave",
+                              rotary_blocks=style.blocks, rotary_offset=head)
+        return Site(node=node, value_k=v.k, x=XView(xl.name, n, xl.k, xl.as_real, tuple(v.grid[: v.k - m])),
+                    params=params, tables=GraphTables(cos, sin), wide=v.wide)
 
     def _x_origins(self, x_node: fx.Node, xl: _XLanes) -> list:
         """Where x's numbers come from: x (a source), or the sources its computed lanes read, with what they
@@ -913,8 +850,9 @@ def _one_more(mono: tuple, sub: tuple):
 
 
 def _carried_from(x: fx.Node) -> list:
-    """x and the nodes it carries unchanged from (casts, views, copies), back to where its numbers arise."""
-    return chain_back(x, _X_CARRIERS)
+    """x and the nodes it carries unchanged from (casts, views, copies), back to where its numbers arise: a table
+    computed from any of them is computed from x."""
+    return chain_back(x, PASS_THROUGH)
 
 
 def _close(p: dict, q: dict) -> bool:

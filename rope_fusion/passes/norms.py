@@ -29,16 +29,18 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .fx_util import CASTS, as_int, norm_dim, same_dim
+from .fx_util import CASTS, PASS_THROUGH, as_int, norm_dim, same_dim
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 # Layout ops between the norm and the rotation (attention processors transpose q to [B, H, S, D], Wan
 # unflattens [B, S, H*D] to heads): followed by `_Layout` and replayed on the raw tensor when the norm folds.
-_VIEWS = (aten.permute.default, aten.transpose.int, aten.view.default, aten.reshape.default,
-          aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default,
-          aten.clone.default, aten.expand.default)
+# The pass-through ops less: casts (the norm's own rounding, followed apart), lane slices and selects (the rotation
+# would then read part of the normed head), complex views (the op's norm reads real lanes), and `contiguous` and
+# `squeeze.dims`, which `_Layout` does not replay.
+_VIEWS = PASS_THROUGH - {*CASTS, aten.contiguous.default, aten.slice.Tensor, aten.select.int, aten.squeeze.dims,
+                         aten.view_as_real.default, aten.view_as_complex.default}
 _MAX_CHAIN = 12  # layout ops followed between the norm and the rotation
 
 

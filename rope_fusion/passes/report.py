@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
+from typing import Any
 
 # Table forms as the report names them: one entry per rotated pair, or one per lane.
 PER_PAIR, PER_LANE = "per-pair", "per-lane"
@@ -35,37 +36,59 @@ def fused_text(sites: int, kernels: int, misses: int) -> str:
 
 @dataclasses.dataclass
 class Site:
-    """One rotated tensor (a q/k pair is two sites)."""
+    """One rotated tensor (a q/k pair is two sites): where it is, what it reads, and `params`, the op's parameters it
+    was fused with (ops/schema.RotaryParams, dtypes by name). Each parameter reads as an attribute of its own
+    name (`s.rotary_dim`, `s.rotary_offset`, `s.angle_tables`), so a parameter added to the op reaches the report
+    without a field here."""
 
     graph: int  # index of the graph in this report
     node: str  # name of the replaced node in the post-grad graph
-    style: str  # "neox" or "interleaved"
-    rotary_dim: int
     head_dim: int
-    table_form: str  # PER_PAIR or PER_LANE
-    conjugate: bool
     x_dtype: str
     table_dtype: str
-    out_dtype: str
     shape: tuple
     source: str  # "file:line" of the model code, from the node's stack trace
+    params: dict  # RotaryParams' fields by name (`plain_params`)
     kernel: int = -1  # index into Report.kernels
     role: str = "x"  # "q" or "k" when the model source names it so, else "x"
     origin: str = "arithmetic"  # what was replaced: RoPE arithmetic, or a rotary kernel already in the graph
     graph_kind: str = ""  # "inference", "forward" or "backward" (GraphRecord.kind)
     norm: str = ""  # the QK-norm before the rotation: "rms folded", or why it stayed in the graph
-    blocks: int = 1  # NeoX pairs within this many equal blocks of the rotated lanes (a head dim rotated per axis)
-    offset: int = 0  # the first rotated lane (lanes before it pass through: DeepSeek's rope after its nope lanes)
-    angles: bool = False  # the op reads the angles that the graph took cos and sin of, and computes both itself
+
+    def __getattr__(self, name: str):
+        params = self.__dict__.get("params")
+        if params is None or name not in params:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return params[name]
+
+    @property
+    def style(self) -> str:
+        """"neox", "interleaved" or "deinterleave" (interleaved pairs written in NeoX order)."""
+        return "deinterleave" if self.deinterleave else "interleaved" if self.interleaved else "neox"
+
+    @property
+    def table_form(self) -> str:
+        return PER_LANE if self.full_tables else PER_PAIR
 
     def rotated_lanes(self) -> str:
         """The rotary dim, or the rotated lane range when a pass-through head precedes it: "64" or "128:192"."""
-        return f"{self.offset}:{self.offset + self.rotary_dim}" if self.offset else str(self.rotary_dim)
+        off = self.rotary_offset
+        return f"{off}:{off + self.rotary_dim}" if off else str(self.rotary_dim)
 
     def style_label(self) -> str:
         """The pairing as a person reads it: "neox x3 blocks conjugate"."""
-        return self.style + (f" x{self.blocks} blocks" if self.blocks > 1 else "") + \
+        return self.style + (f" x{self.rotary_blocks} blocks" if self.rotary_blocks > 1 else "") + \
             (" conjugate" if self.conjugate else "")
+
+
+def plain_params(params: Any) -> dict:
+    """A RotaryParams as the report keeps it: every field by name, plain values (a dtype by its name), so that the
+    record prints, pickles and travels as JSON."""
+    return {f.name: _plain(getattr(params, f.name)) for f in dataclasses.fields(params)}
+
+
+def _plain(value: Any) -> Any:
+    return value if isinstance(value, (bool, int, float, str)) else str(value).replace("torch.", "")
 
 
 @dataclasses.dataclass
@@ -188,7 +211,8 @@ class Report:
             lines.append(
                 f"  site {i:3d} {s.role:1s} {style:21s} R={s.rotated_lanes():<4s} D={s.head_dim:<4d} "
                 f"{'[backward] ' if s.graph_kind == 'backward' else ''}"
-                f"tables {s.table_form} {s.table_dtype}{' angles' if s.angles else ''}, x {s.x_dtype} -> {s.out_dtype} "
+                f"tables {s.table_form} {s.table_dtype}{' angles' if s.angle_tables else ''}, "
+                f"x {s.x_dtype} -> {s.out_dtype} "
                 f"{k.op if k else '?'}[{k.backend if k else '?'}]{' norm ' + s.norm if s.norm else ''} at {s.source}"
                 f"{mark(s.graph)}"
             )

@@ -30,10 +30,10 @@ from . import auto_timing, emission
 from .emission import Emitter, GraphTransaction
 from .fx_util import deferred_guards, guard_deferred_sizes
 from .grouping import pair_up
-from .kernel_rewrite import find_kernel_matches
+from .kernel_scan import claim_kernel_sites
 from .pass_identity import PassBase, source_hash
 from .provenance import dtype_name, role, rotation_source, source_line
-from .report import FROM_CACHE, PER_LANE, PER_PAIR, GraphError, GraphRecord, Kernel, Miss, Report, Site, fused_text
+from .report import FROM_CACHE, GraphError, GraphRecord, Kernel, Miss, Report, Site, fused_text, plain_params
 from .site_costs import graph_host_bound
 from .sites import find_sites
 
@@ -261,9 +261,9 @@ class RopeFusionPass(PassBase):
     def _fuse(self, graph: fx.Graph, index: int) -> list:
         self._choices.clear()
         matches, misses, acc = find_sites(graph)
-        kernel_matches, kernel_misses = find_kernel_matches(graph)
-        if kernel_matches:
-            matches = sorted(matches + kernel_matches, key=lambda m: acc.order[m.node])
+        kernel_sites, kernel_misses = claim_kernel_sites(graph)
+        if kernel_sites:
+            matches = sorted(matches + kernel_sites, key=lambda m: acc.order[m.node])
         for node, reason in misses + kernel_misses:
             self.report.misses.append(Miss(index, node.name, str(reason), source_line(node)))
         if not matches:
@@ -297,7 +297,7 @@ class RopeFusionPass(PassBase):
         guard_deferred_sizes([n for p in planned for n in (*p.finals, *(m.node for m in p.group))])
         emission.finish(graph, planned, order)
         for p in planned:
-            self._record(index, p, nodes)
+            self._record(index, p)
         return planned
 
     def _choose(self, spec: SiteSpec):
@@ -342,22 +342,26 @@ class RopeFusionPass(PassBase):
         self._choices[site.group[0].node] = why
         return best, why
 
-    def _record(self, index: int, p: emission.PlannedGroup, nodes: dict) -> None:
+    def _record(self, index: int, p: emission.PlannedGroup) -> None:
+        """The report's records of a planned group: its sites with the parameters the op was called with."""
         kernel = len(self.report.kernels)
         ids = []
+        params = plain_params(p.params)
         for m, x in zip(p.group, p.xs):
             ids.append(len(self.report.sites))
+            val = m.node.meta["val"]
             self.report.sites.append(Site(
-                graph=index, node=m.node.name,
-                style="deinterleave" if m.deinterleave else "interleaved" if m.interleaved else "neox",
-                rotary_dim=m.rotary_dim, head_dim=m.head_dim, table_form=PER_LANE if m.full_tables else PER_PAIR,
-                conjugate=m.conjugate, x_dtype=dtype_name(x.meta["val"].dtype),
-                table_dtype=dtype_name(p.cos.meta["val"].dtype), out_dtype=dtype_name(m.node.meta["val"].dtype),
-                shape=tuple(str(s) for s in m.node.meta["val"].shape), source=rotation_source(m.node),
-                kernel=kernel, role=role(m.node), graph_kind=self.report.graph_records[index].kind,
-                origin=m.origin, norm=p.norm, blocks=m.rotary_blocks, offset=m.offset, angles=p.angle_tables))
+                graph=index, node=m.node.name, head_dim=m.x.head_dim, x_dtype=dtype_name(x.meta["val"].dtype),
+                table_dtype=dtype_name(p.cos.meta["val"].dtype), shape=tuple(str(s) for s in val.shape),
+                source=rotation_source(m.node), params=params, kernel=kernel, role=role(m.node), origin=m.origin,
+                graph_kind=self.report.graph_records[index].kind, norm=p.norm))
+        backend, fallback = self._backend_of(p)
         choice = self._choices.pop(p.group[0].node, "")
-        self.report.kernels.append(Kernel(index, p.op_name, p.backend, ids, p.fallback, choice))
+        self.report.kernels.append(Kernel(index, p.op_name, backend, ids, fallback, choice))
+
+    def _backend_of(self, p: emission.PlannedGroup) -> tuple[str, str]:
+        """The backend that took a group, and why not the one asked for ("" when it was)."""
+        return p.backend, p.fallback
 
     def _cache_tables(self, graph: fx.Graph, index: int, planned: list) -> None:
         """Host tables of fused sites: cached device copies (their own transaction: a failure keeps the sites)."""

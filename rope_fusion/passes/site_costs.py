@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 
 import torch
 import torch.fx as fx
@@ -19,17 +18,20 @@ import torch.fx as fx
 from ..ops.backends import SiteSpec
 from ..ops.cost_model import HOST_BOUND_BYTES, SiteCost
 from ..ops.schema import RotaryParams
-from .fx_util import as_int, chain_back
-from .matcher import Match
+from .fx_util import COPIES, PASS_THROUGH, SPLITS, as_int, chain_back
+from .site import Site
 
 aten = torch.ops.aten
 
-_TABLE_VIEWS = (aten.slice.Tensor, aten.unsqueeze.default, aten.reshape.default, aten.view.default,
-                aten.view_as_real.default, aten.expand.default, aten.select.int, aten.permute.default,
-                aten.squeeze.dim, aten.alias.default, operator.getitem, aten.split.Tensor, aten.unbind.int)
-# Views that leave x where its producer wrote it.
-_X_VIEWS = _TABLE_VIEWS + (aten._unsafe_view.default, aten.transpose.int, aten.split_with_sizes.default,
-                           aten.as_strided.default, aten.view_as_complex.default, aten.unflatten.int)
+# Views that leave x where its producer wrote it: the pass-through ops less the copies (a copy is written, and is
+# where the bytes are) and `squeeze.dims`, plus the views of several outputs and the other pure views.
+_X_VIEWS = (PASS_THROUGH - COPIES - {aten.squeeze.dims}) | SPLITS | {
+    aten.split_with_sizes.default, aten.as_strided.default, aten.unflatten.int}
+# Views back to a table's base, whose users and kind (an input, or computed) the cost record takes: those of x less
+# transposes, unsafe and complex views and the rarer views of x (split_with_sizes, as_strided, unflatten); a table
+# behind one of them counts as its own base.
+_TABLE_VIEWS = _X_VIEWS - {aten.transpose.int, aten._unsafe_view.default, aten.view_as_complex.default,
+                           aten.split_with_sizes.default, aten.as_strided.default, aten.unflatten.int}
 # Producers whose output is in memory whatever consumes it (Inductor calls a library kernel for them).
 _MATERIALISED = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
                  aten.convolution.default, aten._scaled_mm.default, aten._int_mm.default)
@@ -49,7 +51,7 @@ def fused_producer(x: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.namespace in ("aten", "prims")
 
 
-def site_spec(xs: list, cos: fx.Node, sin: fx.Node, params: RotaryParams, m: Match,
+def site_spec(xs: list, cos: fx.Node, sin: fx.Node, params: RotaryParams, m: Site,
               positions: fx.Node | None = None) -> SiteSpec:
     """The site as the op reads it: x and the tables, with the cost record `auto` decides by."""
     xv = xs[0].meta["val"]
@@ -65,7 +67,7 @@ def site_spec(xs: list, cos: fx.Node, sin: fx.Node, params: RotaryParams, m: Mat
     bases = {_base(t, _TABLE_VIEWS) for t in (cos, sin)}
     computed = any(b.op not in ("placeholder", "get_attr") for b in bases) and positions is None
     style = "interleaved" if params.interleaved else "neox" if params.rotary_blocks == 1 else "neox-blocks"
-    if m.x_as_real:
+    if m.x.as_real:
         style = "complex128" if xv.dtype == torch.float64 else "complex64"
     users = max(len(b.users) for b in bases)
     x_bytes = spec.bytes_moved()

@@ -15,12 +15,13 @@ import torch.fx as fx
 
 from . import lane_rules  # noqa: F401  (registers the transfer rules)
 from .lanes import LaneInterpreter, LaneValue
-from .matcher import SCAN_LANES, Acceptor, Match, looks_like_rotation
+from .matcher import SCAN_LANES, Acceptor, looks_like_rotation
+from .site import Site
 
 aten = torch.ops.aten
 
 
-def find_sites(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]], Acceptor]:
+def find_sites(graph: fx.Graph) -> tuple[list[Site], list[tuple[fx.Node, str]], Acceptor]:
     """(rotations to replace in graph order, near misses as (node, reason), the acceptor with its caches)."""
     interp = LaneInterpreter(graph)
     interp.run()
@@ -37,7 +38,7 @@ def find_sites(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]],
         if not verdict:
             continue
         r = acc.accept(node, v)
-        if isinstance(r, Match):
+        if isinstance(r, Site):
             accepted[node] = r
         else:
             rejected[node] = r
@@ -49,7 +50,7 @@ def find_sites(graph: fx.Graph) -> tuple[list[Match], list[tuple[fx.Node, str]],
     # A rotation read twice, once as is and once through a view (`q * 2` and `q.expand(...)` for a matmul),
     # is replaced where it is computed: the view then reads the fused result instead of rotating again.
     chosen = [accepted[n] for n in last
-              if not any(accepted[a].x_name == accepted[n].x_name for a in _derived_from(n, last, accepted))]
+              if not any(accepted[a].x.name == accepted[n].x.name for a in _derived_from(n, last, accepted))]
     chosen = _needed(chosen, acc)
     chosen.sort(key=lambda m: acc.order[m.node])
     return chosen, near_misses(acc, proved, rejected), acc
@@ -65,17 +66,17 @@ def _keep_rotated_tails(accepted: dict) -> None:
     one launch with k), since the whole head would read and write every lane again."""
     dropped = set()
     for node, m in accepted.items():  # graph order: a view of a dropped head is dropped too
-        if not m.offset:
+        if not m.params.rotary_offset:
             continue
         inputs = [a for a in node.all_input_nodes if a in accepted]
         if any(a in dropped for a in inputs) or (node.target is not aten.cat.default
-                                                 and any(not accepted[a].offset for a in inputs)):
+                                                 and any(not accepted[a].params.rotary_offset for a in inputs)):
             dropped.add(node)
     for node in dropped:
         del accepted[node]
 
 
-def _needed(chosen: list[Match], acc: Acceptor) -> list[Match]:
+def _needed(chosen: list[Site], acc: Acceptor) -> list[Site]:
     """Drop rotations whose every use dies with a larger rotation that is replaced too (the 8 rotated lanes
     of a partial rotary's backward, scattered into the 16-lane gradient that is itself a rotation with a
     pass-through tail): replacing them would only leave dead work and a misleading report."""
@@ -212,13 +213,13 @@ def _inside_proofs(interp: LaneInterpreter, accepted: dict, rejected: dict) -> s
     wrong rotation whose result a right one rotates again is still reported."""
     inside: set = set()
     for node, m in accepted.items():
-        if all(u in accepted and accepted[u].x_name == m.x_name for u in node.users) and node.users:
+        if all(u in accepted and accepted[u].x.name == m.x.name for u in node.users) and node.users:
             continue  # its users' proofs cover its own (a view or cast of it is accepted with the same x)
         seen, stack = {node}, [node]
         while stack:
             n = stack.pop()
             for a in n.all_input_nodes:
-                if a in seen or a.name == m.x_name or not _computed(interp, a):
+                if a in seen or a.name == m.x.name or not _computed(interp, a):
                     continue
                 seen.add(a)
                 if a in rejected:

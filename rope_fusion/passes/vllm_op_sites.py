@@ -1,6 +1,7 @@
-"""vLLM's in-place rotary ops as kernel sites: `_C.rotary_embedding` and the flashinfer op.
+"""vLLM's in-place rotary ops as sites of the fused op: `_C.rotary_embedding` and the flashinfer op.
 
-See kernel_sites.py for what a site is; this module identifies the ops and checks each call.
+See kernel_sites.py for what every kind shares; this module identifies the ops, checks each call and says which
+rows of the cache they read (`CacheTables`).
 
 1. vLLM's CUDA op `torch.ops._C.rotary_embedding` (kind "vllm._C.rotary_embedding"), in place on query and key,
 seen as `auto_functionalized` (vLLM's default: it sets enable_auto_functionalized_v2=False in
@@ -29,7 +30,7 @@ symbolic token count is fine); the address formula above equals x's real layout 
 1, head stride as the kernel assumes, batch stride S*token stride); the hidden size a multiple of head_size;
 query's head count a multiple of key's (the op raises otherwise).
 Sites: one per rotated tensor, node = the `getitem` of the auto_functionalized node that is the tensor after
-the op, x = the tensor before it; both sites of one op share `group`. auto_functionalized_v2 returns the
+the op, x = the tensor before it; both sites of one op read one `CacheTables`. auto_functionalized_v2 returns the
 mutated BASES: a site is claimed when query/key is its own base (or a full contiguous reshape of it, then x is
 the base); a query/key that is a slice of a larger base (vLLM's qkv.split) has no node of its own -> reported.
 
@@ -43,13 +44,18 @@ query/key viewed as (nnz, -1, head_size), positions (nnz), cache (max_seq_len, R
 raises), cos first half, sin second half, NeoX when is_neox else interleaved, the first R lanes of each head
 rotated in place, the rest untouched, fp32 math; its kernels take fp16/bf16 query/key. Verified: cache float32,
 2-D contiguous; R even, 0 < R <= head_size; query/key fp16/bf16, [T, H*D] or [T, H, D]; positions 1-D integer.
+
+The op's tables for a site (`CacheTables.emit`): cos = cache[:, :R/2], sin = cache[:, R/2:] (views) and positions
+unsqueezed to [T, 1] ([B, S, 1] for [B, S] positions), so that cos[positions] broadcasts over the heads of x as the
+op reads it; a flat [T, H*D] x is split into heads by the site's x blocks. Sites with the same cache and positions
+read the same numbers (the q and k of one op always do).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,12 +66,13 @@ from .kernel_sites import (
     HALVES,
     LOOKS_ROTARY,
     KernelMiss,
-    KernelSite,
+    check_before,
     contiguous,
     contiguous_rows,
     eq,
     getitems,
     kernel_site,
+    kernel_site_of,
     known,
     may_eq,
     static_bool,
@@ -73,7 +80,11 @@ from .kernel_sites import (
     tensor_of,
     value_of,
 )
+from .site import KernelTables, Site
 
+aten = torch.ops.aten
+
+FLAT_LAYOUTS = ("t(hd)", "bs(hd)")  # x holds the heads flattened into its last dim
 VLLM_C_NAMESPACE = "_C"
 VLLM_NAMESPACE = "vllm"
 
@@ -197,7 +208,7 @@ def _v2_tensor(node: torch.fx.Node, arg: str, off: int) -> tuple[torch.fx.Node, 
     return base, off + idx, bv
 
 
-def vllm_sites(node: torch.fx.Node, kind: str, op: Any, v2: bool, group: int) -> list[KernelSite]:
+def vllm_sites(node: torch.fx.Node, kind: str, op: Any, v2: bool) -> list[Site]:
     kw = node.kwargs
     schema_names = [a.name for a in op._schema.arguments]
     defaults = {a.name: a.default_value for a in op._schema.arguments}
@@ -213,7 +224,7 @@ def vllm_sites(node: torch.fx.Node, kind: str, op: Any, v2: bool, group: int) ->
 
     head_size = static_int(arg("head_size"), "head_size")
     is_neox = static_bool(arg("is_neox"), "is_neox")
-    rope_dim_offset = static_int(arg("rope_dim_offset"), "rope_dim_offset")
+    rotary_offset = static_int(arg("rope_dim_offset"), "rope_dim_offset")  # vLLM's name for the op's
     inverse = static_bool(arg("inverse"), "inverse")
     pos_node, cache_node = arg("positions"), arg("cos_sin_cache")
     pos, cache = tensor_of(pos_node, "positions"), tensor_of(cache_node, "cos_sin_cache")
@@ -223,8 +234,8 @@ def vllm_sites(node: torch.fx.Node, kind: str, op: Any, v2: bool, group: int) ->
     r = static_int(cache.shape[1], "cos_sin_cache's width (rotary_dim)")
     if r <= 0 or r % 2 or r > head_size:
         raise KernelMiss(f"rotary_dim={r} (cos_sin_cache width) must be even and in (0, head_size={head_size}]")
-    if rope_dim_offset < 0 or rope_dim_offset + r > head_size:
-        raise KernelMiss(f"rope_dim_offset={rope_dim_offset} with rotary_dim={r}: the rotated lanes pass the end of "
+    if rotary_offset < 0 or rotary_offset + r > head_size:
+        raise KernelMiss(f"rope_dim_offset={rotary_offset} with rotary_dim={r}: the rotated lanes pass the end of "
                          f"the head (head_size={head_size})")
     if kind == "vllm.flashinfer_rotary_embedding":
         if cache.dtype != torch.float32:
@@ -268,6 +279,7 @@ def vllm_sites(node: torch.fx.Node, kind: str, op: Any, v2: bool, group: int) ->
             raise KernelMiss(f"query has {hq} heads and key {hk}: the op requires a multiple (it raises otherwise)")
     head_stride = q_view.stride(-2) if q_view.dim() == lead + 2 else head_size
     sites = []
+    tables = CacheTables(cache_node, pos_node, kind)
     for name, xn, idx, view in tensors:
         if view.dtype not in x_dtypes:
             raise KernelMiss(f"{name} dtype {view.dtype} is not one the op computes exactly here ({x_dtypes})")
@@ -280,11 +292,9 @@ def vllm_sites(node: torch.fx.Node, kind: str, op: Any, v2: bool, group: int) ->
             continue
         if len(res) > 1:
             raise KernelMiss(f"several getitem(..., {idx}) nodes")
-        sites.append(KernelSite(
-            kind=kind, node=res[0], x=xn, layout=layout, head_dim=head_size, rotary_dim=r,
-            interleaved=not is_neox, conjugate=inverse, cos=None, sin=None, seqlen_offset=0, cu_seqlens=None,
-            max_seqlen=None, cos_sin_cache=cache_node, positions=pos_node, group=group, tail_from_x=True,
-            rotary_offset=rope_dim_offset))
+        sites.append(kernel_site_of(res[0], xn, head_size, tables, interleaved=not is_neox, rotary_dim=r,
+                                    conjugate=inverse, rotary_offset=rotary_offset,
+                                    flat_heads=layout in FLAT_LAYOUTS))
     return sites
 
 
@@ -300,7 +310,7 @@ def _base_layout(xv: torch.Tensor, pos: torch.Tensor, head_size: int, name: str)
 
 
 @kernel_site("vllm.rotary_ops")
-def recognise_vllm_op(node: torch.fx.Node, new_group: Callable[[], int]) -> list[KernelSite] | None:
+def recognise_vllm_op(node: torch.fx.Node) -> list[Site] | None:
     """vLLM's in-place rotary ops under auto_functionalized(_v2): their sites. Called outside it, or any other
     rotary-looking op (e.g. vllm::xpu_apply_rotary_emb): KernelMiss with the reason, never claimed."""
     from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_v2
@@ -313,7 +323,7 @@ def recognise_vllm_op(node: torch.fx.Node, new_group: Callable[[], int]) -> list
             raise KernelMiss(reason)
         if kind is None:
             return None
-        return vllm_sites(node, kind, op, t is auto_functionalized_v2, new_group())
+        return vllm_sites(node, kind, op, t is auto_functionalized_v2)
     if isinstance(t, torch._ops.OpOverload):
         kind, reason = vllm_kind(t)
         if kind is not None:
@@ -321,3 +331,28 @@ def recognise_vllm_op(node: torch.fx.Node, new_group: Callable[[], int]) -> list
         if reason:
             raise KernelMiss(reason)
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheTables(KernelTables):
+    """Rows `positions` of a [max_pos, R] cos_sin_cache, cos half then sin half (`kind`: which op reads them; two
+    ops reading the same rows of one cache read the same numbers)."""
+
+    cache: torch.fx.Node
+    positions: torch.fx.Node
+    kind: str = dataclasses.field(compare=False)
+
+    def tensors(self, nodes: dict) -> list[torch.fx.Node]:
+        return [self.cache]
+
+    @property
+    def row_inputs(self) -> tuple:
+        return (self.positions,)
+
+    def emit(self, em: Any, site: Site, nodes: dict) -> tuple:
+        like, r = site.node, site.params.rotary_dim
+        cos = em.call(aten.slice.Tensor, (self.cache, 1, 0, r // 2), like=like)
+        sin = em.call(aten.slice.Tensor, (self.cache, 1, r // 2, r), like=like)
+        pos = em.call(aten.unsqueeze.default, (self.positions, -1), like=like)  # [T, 1] / [B, S, 1]
+        check_before(self.positions, pos)
+        return cos, sin, pos

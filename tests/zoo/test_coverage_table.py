@@ -21,8 +21,9 @@ def _row(**over) -> dict:
 
 def _report(*norms: str) -> Report:
     """A report whose sites kept their norms for these reasons (the records the pass writes)."""
-    site = dict(graph=0, node="n", style="neox", rotary_dim=8, head_dim=8, table_form="per-pair", conjugate=False,
-                x_dtype="float32", table_dtype="float32", out_dtype="float32", shape=(1, 4, 2, 8), source="x.py:1")
+    params = dict(interleaved=False, rotary_dim=8, full_tables=False, conjugate=False, out_dtype="float32")
+    site = dict(graph=0, node="n", head_dim=8, x_dtype="float32", table_dtype="float32", shape=(1, 4, 2, 8),
+                source="x.py:1", params=params)
     return Report(sites=[Site(**site, norm=n) for n in norms])
 
 

@@ -1,0 +1,477 @@
+"""The Triton rotary kernel: one program per token rotates every head row of q, k (and v) with one table row.
+
+Why it looks the way it does (docs/design.md section 3, measured on the H200):
+- RoPE is pure data movement, so the only goal is the copy floor. Every x access is a contiguous run: NeoX
+  rows are loaded as their two halves, interleaved rows are loaded whole and their pairs split in registers
+  (`tl.reshape` + `tl.split`, then `tl.join` to store). Loading pairs with stride 2 or through a computed
+  partner index was 1.5-4.6x the floor. NeoX that rotates whole rows reads each row with one load whose
+  lanes are remapped so that the tile's two halves are the row's halves (padded apart when half the head
+  dim is not a power of two, as at D=80), and splits them in registers: 1.07x the floor at D=80 where two
+  half loads were 1.19x. With a pass-through tail the two half loads stay (the tile sweep was even).
+- q's and k's head blocks form one list of work items; NSPLIT programs per token share it (only for few
+  tokens, as in decode: splitting large launches was always slower in the tile sweep).
+- The program loads its table row once and loops over the head blocks of q and then of k, so tables are read
+  once and reused across all heads of both tensors, and q and k take one launch whatever their head counts.
+- Tables are arbitrary strided views that broadcast against x (a slice of a packed table, the real part of
+  complex freqs): they are never copied; their broadcast strides (0 on broadcast dims) come as arguments.
+- Head dims that are not powers of two (80, 96, ...) are padded to one with masks.
+- A norm across heads, or a per-head norm over padded rows, holds the token's head rows in registers between its
+  statistics and the rotation (HELD); a tensor of one head takes several tokens a program (TOKS); a pass-through
+  head gives every head block a program of its own; streaming cache hints (STREAM) only where the sweep measured
+  them faster.
+
+The three forms of a row's rotated lanes (`NEOX_ROW`, `INTERLEAVED`, else NeoX as two halves) differ in how a
+block is loaded, split into the two members of each pair and stored; the `@triton.jit` helpers below hold those
+forms, and Triton inlines them into the kernel. A block travels as a pair `(a, b)`: the halves in the halves form;
+in the rows forms the loaded tile twice (`a is b`), which stays whole until the norm and the weight have acted on
+it (a reduction or a weight on split halves costs layout conversions through shared memory) and is split then.
+
+The host side (kernels/triton_plan.py) maps any layout onto the kernel's fixed form: up to three token dims (t0,
+t1, t2, outermost first), taken by the grid, and one head dim, looped over inside a program.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # an optional backend: the registry tolerates this
+    raise ImportError(f"rope_fusion.kernels.triton_kernel needs triton: {e}") from e
+
+
+@triton.jit
+def _rsqrt(ms, MATH_FP64: tl.constexpr):
+    """1 / sqrt(ms): one instruction in fp32 where 1 / sqrt takes two and their range fix-ups (eps keeps ms
+    normal); in fp64 the quotient, rsqrt being an approximation there too (rsqrt.approx.f64)."""
+    if MATH_FP64:
+        return 1.0 / tl.sqrt(ms)
+    else:
+        return tl.math.rsqrt(ms)
+
+
+@triton.jit
+def _block_row(lanes, row_off, lj, NEOX_ROW: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The lane offsets of a block's rotated lanes: the remapped NeoX row, the interleaved row, or the first NeoX
+    half (the second is BH lanes on)."""
+    if NEOX_ROW:
+        return row_off
+    elif INTERLEAVED:
+        return lanes
+    else:
+        return lj
+
+
+@triton.jit
+def _block_mask(lanes, row_mask, j, ROT: tl.constexpr, HALF: tl.constexpr, NEOX_ROW: tl.constexpr,
+                INTERLEAVED: tl.constexpr):
+    """The lanes of `_block_row` that hold rotated lanes of x (the rest pad the tile to a power of two)."""
+    if NEOX_ROW:
+        return row_mask
+    elif INTERLEAVED:
+        return lanes < ROT
+    else:
+        return j < HALF
+
+
+@triton.jit
+def _load_block(ptr, row, m, BH: tl.constexpr, ROWS_FORM: tl.constexpr, XPOL: tl.constexpr, cdt: tl.constexpr):
+    """A block's rotated lanes (offsets `row` from ptr, mask m) as (a, b), converted to cdt: a rows form's tile
+    (twice), or the two NeoX halves."""
+    if ROWS_FORM:
+        v = tl.load(ptr + row, mask=m, other=0.0, eviction_policy=XPOL).to(cdt)
+        return v, v
+    else:
+        a = tl.load(ptr + row, mask=m, other=0.0, eviction_policy=XPOL).to(cdt)
+        b = tl.load(ptr + BH + row, mask=m, other=0.0, eviction_policy=XPOL).to(cdt)
+        return a, b
+
+
+@triton.jit
+def _load_weights(wp, m, row, BH: tl.constexpr, ROWS_FORM: tl.constexpr, cdt: tl.constexpr):
+    """A per-head weight's lanes for a block, as (a, b) like `_load_block`."""
+    if ROWS_FORM:
+        w = tl.load(wp + row, mask=m, other=0.0).to(cdt)
+        return w, w
+    else:
+        wa = tl.load(wp + row, mask=m, other=0.0).to(cdt)
+        wb = tl.load(wp + (BH + row), mask=m, other=0.0).to(cdt)
+        return wa, wb
+
+
+@triton.jit
+def _sum_squares(a, b, ROWS_FORM: tl.constexpr):
+    """Each row's sum of squares over its rotated lanes."""
+    if ROWS_FORM:
+        return tl.sum(a * a, axis=1)
+    else:
+        return tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)
+
+
+@triton.jit
+def _split_pairs(v, ROWS: tl.constexpr, HALF_PAD: tl.constexpr, NEOX_ROW: tl.constexpr):
+    """A rows form's tile as the two members of each pair: the remapped NeoX row's halves (tile lanes l and
+    HALF_PAD + l), or interleaved neighbours (lanes 2j and 2j + 1)."""
+    if NEOX_ROW:
+        return tl.split(tl.permute(tl.reshape(v, (ROWS, 2, HALF_PAD)), (0, 2, 1)))
+    else:
+        return tl.split(tl.reshape(v, (ROWS, HALF_PAD, 2)))
+
+
+@triton.jit
+def _join_pairs(oa, ob, ROWS: tl.constexpr, HALF_PAD: tl.constexpr, NEOX_ROW: tl.constexpr):
+    """The inverse of `_split_pairs`: the rotated pairs as one tile of the row's form."""
+    if NEOX_ROW:
+        return tl.reshape(tl.permute(tl.join(oa, ob), (0, 2, 1)), (ROWS, 2 * HALF_PAD))
+    else:
+        return tl.reshape(tl.join(oa, ob), (ROWS, 2 * HALF_PAD))
+
+
+@triton.jit
+def _store_block(op, oa, ob, m, hmask, row, j, BH: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr,
+                 HALF_PAD: tl.constexpr, NEOX_ROW: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 DEINTERLEAVE: tl.constexpr, OMOD: tl.constexpr):
+    """Store a block's rotated pairs in the row's form (de-interleaved: pairs read interleaved, written as the two
+    NeoX halves)."""
+    if DEINTERLEAVE:
+        mo = hmask & (j < HALF)
+        tl.store(op + j, oa.to(op.dtype.element_ty), mask=mo, cache_modifier=OMOD)
+        tl.store(op + HALF + j, ob.to(op.dtype.element_ty), mask=mo, cache_modifier=OMOD)
+    elif NEOX_ROW or INTERLEAVED:
+        o = _join_pairs(oa, ob, ROWS, HALF_PAD, NEOX_ROW)
+        tl.store(op + row, o.to(op.dtype.element_ty), mask=m, cache_modifier=OMOD)
+    else:
+        tl.store(op + row, oa.to(op.dtype.element_ty), mask=m, cache_modifier=OMOD)
+        tl.store(op + BH + row, ob.to(op.dtype.element_ty), mask=m, cache_modifier=OMOD)
+
+
+@triton.jit
+def _head_column(heads, HEAD_I64: tl.constexpr):
+    """The block's head indices as a column; 32-bit where every head's offset in a token's rows is known to fit
+    (32-bit multiplies, not 64-bit ones)."""
+    if HEAD_I64:
+        return heads.to(tl.int64)[:, None]
+    else:
+        return heads[:, None]
+
+
+@triton.jit
+def _load_tables(c_row, s_row, ia, ib, tmask, SCD: tl.constexpr, SSD: tl.constexpr, TOKS: tl.constexpr,
+                 FULL_TABLES: tl.constexpr, ANGLES: tl.constexpr, CONJ: tl.constexpr, cdt: tl.constexpr):
+    """The token's table row as (cos a, sin a, cos b, sin b), the entries of each pair's first and second
+    member ((TOKS, 1) row pointers give (TOKS, lanes) tables); angles turned into their cos and sin, once per
+    token for every head; sin negated for the conjugate rotation."""
+    if TOKS > 1:
+        ca = tl.load(c_row + (ia * SCD)[None, :], mask=tmask[None, :], other=0.0).to(cdt)
+        sa = tl.load(s_row + (ia * SSD)[None, :], mask=tmask[None, :], other=0.0).to(cdt)
+        if FULL_TABLES:
+            cb = tl.load(c_row + (ib * SCD)[None, :], mask=tmask[None, :], other=0.0).to(cdt)
+            sb = tl.load(s_row + (ib * SSD)[None, :], mask=tmask[None, :], other=0.0).to(cdt)
+    else:
+        ca = tl.load(c_row + ia * SCD, mask=tmask, other=0.0).to(cdt)[None, :]
+        sa = tl.load(s_row + ia * SSD, mask=tmask, other=0.0).to(cdt)[None, :]
+        if FULL_TABLES:
+            cb = tl.load(c_row + ib * SCD, mask=tmask, other=0.0).to(cdt)[None, :]
+            sb = tl.load(s_row + ib * SSD, mask=tmask, other=0.0).to(cdt)[None, :]
+    if ANGLES:
+        ca = tl.cos(ca)
+        sa = tl.sin(sa)
+        if FULL_TABLES:
+            cb = tl.cos(cb)
+            sb = tl.sin(sb)
+    if not FULL_TABLES:
+        cb = ca
+        sb = sa
+    if CONJ:
+        sa = -sa
+        sb = -sb
+    return ca, sa, cb, sb
+
+
+@triton.jit
+def rotary_kernel(
+    q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, cos_ptr, sin_ptr, pos_ptr, wq_ptr, wk_ptr, wv_ptr,
+    tokens_1, tokens_2, q_heads, k_heads, v_heads, nsplit, cos_stride_row, sin_stride_row, cache_rows,
+    wq_stride_head, wk_stride_head, wv_stride_head, eps,
+    q_stride_t0, q_stride_t1, q_stride_t2, q_stride_head, qo_stride_t0, qo_stride_t1, qo_stride_t2, qo_stride_head,
+    k_stride_t0, k_stride_t1, k_stride_t2, k_stride_head, ko_stride_t0, ko_stride_t1, ko_stride_t2, ko_stride_head,
+    v_stride_t0, v_stride_t1, v_stride_t2, v_stride_head, vo_stride_t0, vo_stride_t1, vo_stride_t2, vo_stride_head,
+    cos_stride_t0, cos_stride_t1, cos_stride_t2, sin_stride_t0, sin_stride_t1, sin_stride_t2,
+    ROT: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, TAIL_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, NSIDES: tl.constexpr, INTERLEAVED: tl.constexpr, FULL_TABLES: tl.constexpr,
+    CONJ: tl.constexpr, MATH_FP64: tl.constexpr, NEOX_ROW: tl.constexpr, HAS_POS: tl.constexpr,
+    NORM: tl.constexpr, HAS_W: tl.constexpr, HEAD_PAD: tl.constexpr, DEINTERLEAVE: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, SCD: tl.constexpr, SSD: tl.constexpr, BH: tl.constexpr, OFFSET: tl.constexpr,
+    ANGLES: tl.constexpr, W_HEADS: tl.constexpr, W_TILE: tl.constexpr, HEAD_I64: tl.constexpr,
+    STREAM: tl.constexpr, HELD: tl.constexpr, TOKS: tl.constexpr,
+):
+    """Rotate the rows of one token of q (and k, and v): grid = (tokens, nsplit).
+
+    Strides are named by tensor (q, its output qo, ...) and axis: t0, t1, t2 the token dims of the grid (sizes
+    tokens_0 = the grid's share, tokens_1, tokens_2), head the dim looped over; with positions (HAS_POS) the
+    cos_stride_t* are the strides of positions, and a row of the caches is cos_stride_row apart.
+    The head blocks of q, then of k, then of v form one list of work items; program `split` of a token takes items
+    split, split + nsplit, ... (nsplit = 1: one program does all of q and k; nsplit = 2 with one block each:
+    q and k in separate programs of the same launch). NORM 1 RMS-normalises each head row first, NORM 2 all
+    heads of the token (from the tile itself when one block holds every head, ONE_BLOCK; else a first pass
+    over the token's rows sums their squares), times the per-lane weight. NeoX pairs lie within blocks of
+    2 * BH lanes (BH = ROT / 2: one block, plain NeoX). The rotated lanes start at lane OFFSET; the others
+    (a pass-through head before them, a tail after them) form one pass-through tile of TAIL_PAD lanes."""
+    HALF: tl.constexpr = ROT // 2
+    PASS: tl.constexpr = HEAD_DIM - ROT
+    ROWS_FORM: tl.constexpr = NEOX_ROW or INTERLEAVED  # a block is one tile, split into pairs in registers
+    # STREAM: x's rows are read for the last time here and the outputs are not read back by this launch, so they
+    # may leave L2 first (evict_first loads, streaming .cs stores): where the sweep measured it faster.
+    XPOL: tl.constexpr = "evict_first" if STREAM else ""
+    OMOD: tl.constexpr = ".cs" if STREAM else ""
+    # lane of x held by pass-through tile lane p: the head [0, OFFSET) first, then the tail after the rotation
+    if TAIL_PAD > 0:
+        plane = tl.arange(0, TAIL_PAD)[None, :]
+        if OFFSET == 0:
+            plane = ROT + plane
+        elif OFFSET < PASS:
+            plane = tl.where(plane < OFFSET, plane, plane + ROT)
+    if MATH_FP64:
+        cdt = tl.float64
+    else:
+        cdt = tl.float32
+    # Inductor's launcher types a float argument as fp64 (a direct launch: fp32); left so, eps would promote
+    # the norm's scale and with it every product of the tile to fp64, 1.4-1.6x the fp32 kernel's time.
+    eps = tl.cast(eps, cdt)
+    tok = tl.program_id(0).to(tl.int64)
+    if TOKS > 1:  # TOKS single-row tokens a program, as a (TOKS, lanes) tile (one head: MLA's k_pe)
+        tok = tok * TOKS + tl.arange(0, TOKS).to(tl.int64)[:, None]
+    ROWS: tl.constexpr = BLOCK_H * TOKS  # rows of a tile: heads of a token, or tokens of one head
+    split = tl.program_id(1)
+    i2 = tok % tokens_2
+    rest = tok // tokens_2
+    i1 = rest % tokens_1
+    i0 = rest // tokens_1
+
+    # The table row of this token: loaded once, reused by every head of q and k.
+    lanes = tl.arange(0, 2 * HALF_PAD)[None, :]
+    if NEOX_ROW:
+        # NeoX as one row load: tile lane l < HALF_PAD holds x lane l, lane HALF_PAD + l holds x lane HALF + l,
+        # so the (2, HALF_PAD) reshape of the tile is the two halves, split in registers like interleaved
+        # pairs. Each half is one affine run of addresses, so the load stays vectorized.
+        tl_half = lanes >= HALF_PAD
+        row_off = tl.where(tl_half, lanes - HALF_PAD + HALF, lanes)
+        row_mask = tl.where(tl_half, lanes - HALF_PAD, lanes) < HALF
+    else:
+        row_off = lanes  # unused: stand-ins for the helpers' arguments
+        row_mask = lanes
+    jt = tl.arange(0, HALF_PAD)
+    tmask = jt < HALF
+    if BH < HALF:  # the first lane of pair jt when NeoX pairs lie within blocks of 2 * BH lanes
+        lt = (jt // BH) * (2 * BH) + jt % BH
+    else:
+        lt = jt
+    if FULL_TABLES:
+        if INTERLEAVED and not DEINTERLEAVE:  # a de-interleaved result indexes full tables by output lane
+            ia = 2 * jt
+            ib = 2 * jt + 1
+        else:
+            ia = lt
+            ib = lt + BH
+    else:
+        ia = jt
+        ib = jt
+    if HAS_POS:  # a cache row per token: cos_stride_t* are the strides of positions over the token dims
+        pos = tl.load(pos_ptr + i0 * cos_stride_t0 + i1 * cos_stride_t1 + i2 * cos_stride_t2).to(tl.int64)
+        # the op's rule, 0 <= row < cache_rows (the pass wraps negative positions in the graph where the model's
+        # indexing wraps them): a row outside fails as Inductor's own gathers fail, a device-side assert, which
+        # is compiled in where Inductor compiles its own (its kernels and this one: `assert_indirect_indexing`)
+        tl.device_assert((pos >= 0) & (pos < cache_rows), "rope_fusion: a position outside [0, rows) of the cache")
+        c_row = cos_ptr + pos * cos_stride_row
+        s_row = sin_ptr + pos * sin_stride_row
+    else:
+        c_row = cos_ptr + i0 * cos_stride_t0 + i1 * cos_stride_t1 + i2 * cos_stride_t2
+        s_row = sin_ptr + i0 * sin_stride_t0 + i1 * sin_stride_t1 + i2 * sin_stride_t2
+    ca, sa, cb, sb = _load_tables(c_row, s_row, ia, ib, tmask, SCD, SSD, TOKS, FULL_TABLES, ANGLES, CONJ, cdt)
+
+    hoffs = tl.arange(0, BLOCK_H)
+    j = tl.arange(0, HALF_PAD)[None, :]
+    lj = lt[None, :]
+    nbq = (q_heads + BLOCK_H - 1) // BLOCK_H
+    nbk = (k_heads + BLOCK_H - 1) // BLOCK_H
+    for side in tl.static_range(NSIDES):
+        # side 0 is q, 1 is k, 2 is v: a compile-time choice, so each side's code has its own dtypes.
+        if side == 0:
+            first = split
+            x_row = q_ptr + i0 * q_stride_t0 + i1 * q_stride_t1 + i2 * q_stride_t2
+            o_row = qo_ptr + i0 * qo_stride_t0 + i1 * qo_stride_t1 + i2 * qo_stride_t2
+            sxh = q_stride_head
+            soh = qo_stride_head
+            nheads = q_heads
+            w_ptr = wq_ptr
+            swh = wq_stride_head
+        elif side == 1:
+            x_row = k_ptr + i0 * k_stride_t0 + i1 * k_stride_t1 + i2 * k_stride_t2
+            o_row = ko_ptr + i0 * ko_stride_t0 + i1 * ko_stride_t1 + i2 * ko_stride_t2
+            sxh = k_stride_head
+            soh = ko_stride_head
+            nheads = k_heads
+            w_ptr = wk_ptr
+            swh = wk_stride_head
+            first = (split + nsplit - nbq % nsplit) % nsplit
+        else:
+            x_row = v_ptr + i0 * v_stride_t0 + i1 * v_stride_t1 + i2 * v_stride_t2
+            o_row = vo_ptr + i0 * vo_stride_t0 + i1 * vo_stride_t1 + i2 * vo_stride_t2
+            sxh = v_stride_head
+            soh = vo_stride_head
+            nheads = v_heads
+            w_ptr = wv_ptr
+            swh = wv_stride_head
+            first = (split + nsplit - (nbq + nbk) % nsplit) % nsplit
+        nblocks = (nheads + BLOCK_H - 1) // BLOCK_H
+        ca_w = ca  # this side's table rows, with its weight row folded in where one is (below)
+        sa_w = sa
+        cb_w = cb
+        sb_w = sb
+        if HAS_W and not W_HEADS:
+            # One weight row for every head, loaded once per side instead of once per head block. Held as a whole
+            # (BLOCK_H, lanes) tile when the rows have no padded lanes, else as one (1, lanes) row that the loop
+            # broadcasts (each the faster of the two in the norm sweep: BENCHMARKS.md, Tile choice).
+            if W_TILE:
+                wz = tl.full((BLOCK_H, 1), 0, tl.int32)
+            else:
+                wz = tl.full((1, 1), 0, tl.int32)
+            wrow = _block_row(lanes, row_off, lj, NEOX_ROW, INTERLEAVED)
+            wmask = _block_mask(lanes, row_mask, j, ROT, HALF, NEOX_ROW, INTERLEAVED)
+            w_a = tl.load(w_ptr + OFFSET + (wrow + wz), mask=wmask & (wz == 0), other=0.0).to(cdt)
+            if ROWS_FORM:
+                w_b = w_a
+            else:
+                w_b = tl.load(w_ptr + OFFSET + (BH + wrow + wz), mask=wmask & (wz == 0), other=0.0).to(cdt)
+            if TAIL_PAD > 0:
+                w_t = tl.load(w_ptr + (plane + wz), mask=(tl.arange(0, TAIL_PAD)[None, :] < PASS) & (wz == 0),
+                              other=0.0).to(cdt)
+            # A weight row broadcast over the heads (padded lanes: W_TILE off) is folded into this side's table
+            # rows, once per program: x * w then the rotation is (x_a * w_a) * c_a - (x_b * w_b) * s_a =
+            # x_a * (w_a * c_a) - x_b * (w_b * s_a), a multiply an element fewer in the loop (D=80: 1.26-1.34x ->
+            # 1.20-1.31x the floor). A weight tile stays a multiply in the loop: folded, the four tables become
+            # whole tiles too, and the registers they take cost more (D=128 NeoX 1.10 -> 1.18x; BENCHMARKS.md).
+            if not W_TILE:
+                if ROWS_FORM:
+                    wa, wb = _split_pairs(w_a, 1, HALF_PAD, NEOX_ROW)
+                else:
+                    wa = w_a
+                    wb = w_b
+                ca_w = ca * wa
+                sa_w = sa * wb
+                cb_w = cb * wb
+                sb_w = sb * wa
+        if HELD:
+            # Every head block of this side is loaded before any is used and held in registers (HELD blocks,
+            # unrolled; a side with fewer heads masks the rest), so all of the side's loads are in flight at once.
+            # A norm across heads then reads the token once where the two passes below read it twice, the second
+            # time from L2 (12 heads 1.15 -> 1.10x the floor, 40 heads 1.16 -> 1.05x); a per-head norm over
+            # padded rows (D=80) no longer waits on one block's loads at a time (1.24 -> 1.06x; BENCHMARKS.md,
+            # Tile choice). Blocks are held as loaded, in x's dtype (`held`, and `held_b` for the second halves).
+            held = ()
+            held_b = ()
+            total = tl.full((BLOCK_H,), 0.0, cdt)
+            for hb in tl.static_range(HELD):
+                heads = hb * BLOCK_H + hoffs
+                hcol = _head_column(heads, HEAD_I64)
+                hmask = (heads < nheads)[:, None]
+                row = _block_row(lanes, row_off, lj, NEOX_ROW, INTERLEAVED)
+                # the mask a keyword: Triton evaluates a call's keywords before its positional arguments, and the
+                # mask before the address is the order of the code this replaced (the same PTX)
+                v, vb = _load_block(x_row + hcol * sxh, row,
+                                    m=hmask & _block_mask(lanes, row_mask, j, ROT, HALF, NEOX_ROW, INTERLEAVED),
+                                    BH=BH, ROWS_FORM=ROWS_FORM, XPOL=XPOL, cdt=x_row.dtype.element_ty)
+                held_b = held_b + (vb,)
+                held = held + (v,)
+                if NORM == 2:
+                    vf = v.to(cdt)
+                    total += tl.sum(vf * vf, axis=1)
+                    if not ROWS_FORM:
+                        vf = vb.to(cdt)
+                        total += tl.sum(vf * vf, axis=1)
+            if NORM == 2:
+                token_scale = _rsqrt(tl.sum(total, axis=0) / (nheads * HEAD_DIM) + eps, MATH_FP64)
+            for hb in tl.static_range(HELD):
+                heads = hb * BLOCK_H + hoffs
+                hmask = (heads < nheads)[:, None]
+                hcol = _head_column(heads, HEAD_I64)
+                row = _block_row(lanes, row_off, lj, NEOX_ROW, INTERLEAVED)
+                m = hmask & _block_mask(lanes, row_mask, j, ROT, HALF, NEOX_ROW, INTERLEAVED)
+                a = held[hb].to(cdt)
+                b = held_b[hb].to(cdt)
+                if NORM == 2:
+                    scale = token_scale
+                else:  # a per-head norm: each row's own scale
+                    scale = _rsqrt(_sum_squares(a, b, ROWS_FORM) / HEAD_DIM + eps, MATH_FP64)[:, None]
+                a = a * scale
+                b = b * scale
+                if HAS_W and not W_HEADS:
+                    if W_TILE:
+                        a = a * w_a
+                        b = b * w_b
+                elif HAS_W:
+                    wa, wb = _load_weights(w_ptr + hcol * swh, m, row, BH, ROWS_FORM, cdt)
+                    a = a * wa
+                    b = b * wb
+                if ROWS_FORM:
+                    a, b = _split_pairs(a, BLOCK_H, HALF_PAD, NEOX_ROW)
+                oa = a * ca_w - b * sa_w
+                ob = b * cb_w + a * sb_w
+                _store_block(o_row + hcol * soh, oa, ob, m, hmask, row, j, BH, HALF, BLOCK_H, HALF_PAD, NEOX_ROW,
+                             INTERLEAVED, False, OMOD)
+        else:
+            if NORM == 2 and not ONE_BLOCK:  # one scale for every head of the token: a first pass sums the squares
+                total = tl.full((BLOCK_H,), 0.0, cdt)
+                whole = tl.arange(0, HEAD_PAD)[None, :]
+                for hb in range(0, nblocks):
+                    heads = hb * BLOCK_H + hoffs
+                    hcol = _head_column(heads, HEAD_I64)
+                    xp = x_row + hcol * sxh
+                    v = tl.load(xp + whole, mask=(heads < nheads)[:, None] & (whole < HEAD_DIM), other=0.0).to(cdt)
+                    total += tl.sum(v * v, axis=1)
+                token_scale = _rsqrt(tl.sum(total, axis=0) / (nheads * HEAD_DIM) + eps, MATH_FP64)
+            for hb in range(first, nblocks, nsplit):
+                heads = hb * BLOCK_H + hoffs
+                hmask = (heads < nheads)[:, None]
+                hcol = _head_column(heads, HEAD_I64)
+                xh = x_row + hcol * sxh
+                oh = o_row + hcol * soh
+                row = _block_row(lanes, row_off, lj, NEOX_ROW, INTERLEAVED)
+                m = hmask & _block_mask(lanes, row_mask, j, ROT, HALF, NEOX_ROW, INTERLEAVED)
+                a, b = _load_block(xh + OFFSET, row, m, BH, ROWS_FORM, XPOL, cdt)  # the rotated lanes
+                if TAIL_PAD > 0:
+                    pmask = hmask & (tl.arange(0, TAIL_PAD)[None, :] < PASS)
+                    t = tl.load(xh + plane, mask=pmask, other=0.0, eviction_policy=XPOL).to(cdt)
+                else:
+                    t = tl.full((BLOCK_H, 1), 0.0, cdt)
+                if NORM > 0:
+                    ss = _sum_squares(a, b, ROWS_FORM) + tl.sum(t * t, axis=1)
+                    if NORM == 1:
+                        scale = _rsqrt(ss / HEAD_DIM + eps, MATH_FP64)[:, None]
+                    elif ONE_BLOCK:  # every head of the token is in this tile: no first pass
+                        scale = _rsqrt(tl.sum(ss, axis=0) / (nheads * HEAD_DIM) + eps, MATH_FP64)
+                    else:
+                        scale = token_scale
+                    a = a * scale
+                    b = b * scale
+                    t = t * scale
+                if HAS_W and not W_HEADS:  # a weight row is in the tables (above), a weight tile is applied here
+                    if W_TILE:
+                        a = a * w_a
+                        b = b * w_b
+                    if TAIL_PAD > 0:
+                        t = t * w_t
+                elif HAS_W:
+                    wh = w_ptr + hcol * swh
+                    wa, wb = _load_weights(wh + OFFSET, m, row, BH, ROWS_FORM, cdt)
+                    a = a * wa
+                    b = b * wb
+                    if TAIL_PAD > 0:
+                        t = t * tl.load(wh + plane, mask=pmask, other=0.0).to(cdt)
+                if ROWS_FORM:
+                    a, b = _split_pairs(a, ROWS, HALF_PAD, NEOX_ROW)
+                oa = a * ca_w - b * sa_w
+                ob = b * cb_w + a * sb_w
+                _store_block(oh + OFFSET, oa, ob, m, hmask, row, j, BH, HALF, ROWS, HALF_PAD, NEOX_ROW, INTERLEAVED,
+                             DEINTERLEAVE, OMOD)
+                if TAIL_PAD > 0:
+                    tl.store(oh + plane, t.to(oh.dtype.element_ty), mask=pmask, cache_modifier=OMOD)

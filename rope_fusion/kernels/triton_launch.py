@@ -1,0 +1,246 @@
+"""Launching the Triton rotary kernel: the host side of a call, eager or traced.
+
+`launch` plans a call (kernels/triton_plan.py), caches the plan by geometry and launches the kernel: through its
+own JIT launcher eagerly, through `wrap_triton` when traced (torch.compile, make_fx: kernels/triton_graph.py turns
+that trace into Inductor's user-kernel node). `plan_eager` serves the public functions' direct path: a call
+geometry planned once, its launches replayed (`_DirectLaunches`). `launch_call` is the op's kernel
+(`rope_fusion::rotary_triton` and its arities, and the CUDA device kernel of the public functions).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.library import wrap_triton
+
+from ..ops.reference import gather_rows
+from ..ops.schema import RotaryCall, RotaryParams
+from .triton_kernel import rotary_kernel
+from .triton_plan import NORM_FIRST, Tables, is_true, launch_args, make_launches, per_lane, plan_launch
+
+log = logging.getLogger("rope_fusion")
+
+
+def _interpreted() -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    return isinstance(rotary_kernel, InterpretedFunction)
+
+
+INTERPRETED = _interpreted()  # TRITON_INTERPRET=1: the kernel runs on CPU tensors (tests)
+
+
+def launch_call(call: RotaryCall) -> list | None:
+    """The op's kernel: the rotated xs of a call on CUDA/ROCm tensors (any device under the interpreter), else
+    None (the reference serves other devices)."""
+    if any(t.device.type != "cuda" for t in (*call.xs, call.cos, call.sin)) and not INTERPRETED:
+        return None
+    return launch(call.xs, call.cos, call.sin, call.params, call.positions, call.norm_weights)
+
+
+def _prepare(x: torch.Tensor) -> torch.Tensor:
+    """The kernel reads lanes with unit stride; anything else is made contiguous first."""
+    if x.shape[-1] > 1 and not is_true(x.stride(-1) == 1):
+        return x.contiguous()
+    return x
+
+
+_LAUNCH_CACHE: dict = {}  # geometry key -> launches; keeps the host side of a repeated call to a few us
+
+
+def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams, positions: Any = None,
+           weights: Sequence | None = None, *, kernel: Any = None, block_h: int | None = None,
+           num_warps: int | None = None, nsplit: int | None = None, neox_row: bool | None = None,
+           stream: bool | None = None, held: bool | None = None) -> list:
+    """Rotate 1-3 tensors sharing tables; one launch when their geometry allows it, else one each.
+    With positions, the tables are rows of a cache read per token (`cos[positions]`); with a norm in params,
+    each x is RMS-normalised (and scaled by its weight, one per x, which may vary over heads and lanes only)
+    in the same pass. The tuning options override the rules below (the benchmarks' sweeps use them)."""
+    weights = list(weights) if weights is not None else [None] * len(xs)
+    tiles = dict(block_h=block_h, num_warps=num_warps, nsplit=nsplit, neox_row=neox_row, stream=stream, held=held)
+    tuning = dict(kernel=kernel, **tiles)
+    if params.norm != "none" and any(w is not None and not per_lane(w, x) for w, x in zip(weights, xs)):
+        return _normed_first(xs, cos, sin, params, positions, weights, tuning)
+    xs = [_prepare(x) for x in xs]
+    weights = [w if w is None or is_true(w.stride(-1) == 1) else w.contiguous() for w in weights]
+    outs = [torch.empty(x.shape, dtype=params.out_dtype, device=x.device) for x in xs]
+    fn = kernel if kernel is not None else wrap_triton(rotary_kernel) if _tracing(xs) else rotary_kernel
+    opts = (params, tuple(tiles.items()))
+    tables = Tables(cos, sin, positions, weights)
+    try:
+        key = (tuple((tuple(x.shape), x.stride(), x.dtype) for x in xs), tables.key(), opts)
+        hash(key)
+    except TypeError:  # symbolic sizes: plan every time
+        key = None
+    launches = _LAUNCH_CACHE.get(key) if key is not None else None
+    if launches is None:
+        launches = make_launches(xs, outs, tables, params, **tiles)
+        if launches is not None and key is not None:
+            if len(_LAUNCH_CACHE) > 4096:
+                _LAUNCH_CACHE.clear()
+            _LAUNCH_CACHE[key] = launches
+    if launches is NORM_FIRST:
+        return _normed_first(xs, cos, sin, params, positions, weights, tuning)
+    if launches is not None:
+        pos = positions if positions is not None else cos  # unused pointers stand in for absent tensors
+        checks = row_checks(positions) if fn is rotary_kernel else {}
+        for group, grid, scalars, meta in launches:
+            sides = [group[min(i, len(group) - 1)] for i in range(3)]  # q, k, v; absent sides repeat the last
+            ws = [weights[i] if weights[i] is not None else cos for i in sides]
+            fn[grid](*(xs[i] for i in sides), *(outs[i] for i in sides), cos, sin, pos, *ws, *scalars, **meta,
+                     **checks)
+        return outs
+    # More than 3 token dims that do not merge: materialize x and tables (rare, correct), one launch each.
+    if params.norm != "none":  # materialized tables no longer show which dim holds the heads
+        return _normed_first(xs, cos, sin, params, positions, weights, tuning)
+    if positions is not None:  # checked: a position outside [0, rows) raises, as the kernel's assert does
+        cos, sin = gather_rows(cos, positions), gather_rows(sin, positions)
+    for i, x in enumerate(xs):
+        if is_true(x.numel() == 0):
+            continue
+        x = x.contiguous()
+        c = cos.expand(*x.shape[:-1], cos.shape[-1]).contiguous()
+        s = sin.expand(*x.shape[:-1], sin.shape[-1]).contiguous()
+        t = Tables(c, s, None, [weights[i]])
+        p = plan_launch([x], [outs[i]], t)
+        assert p is not None
+        grid, scalars, meta = launch_args(p, [x], [outs[i]], t, [0], params, **tiles)
+        w = weights[i] if weights[i] is not None else c
+        fn[grid](x, x, x, outs[i], outs[i], outs[i], c, s, c, w, w, w, *scalars, **meta)
+    return outs
+
+
+def row_checks(positions: Any) -> dict:
+    """The compile options of a direct launch (the kernel's own launcher, outside Inductor): with positions, the
+    kernel's row assert compiled in, as Inductor compiles it into the node it launches (`debug`, from its
+    `assert_indirect_indexing`, with Triton's integer-overflow asserts off as Inductor turns them off). Triton
+    drops `tl.device_assert` from a kernel compiled without `debug`, which on the GPU let an eager call read past
+    the cache where the same call in a compiled graph raised a device-side assert."""
+    return {"debug": True, "sanitize_overflow": False} if positions is not None and not INTERPRETED else {}
+
+
+def _tracing(xs: Sequence[torch.Tensor]) -> bool:
+    """Whether a launch is being traced (torch.compile, make_fx, fake or functional tensors): then the kernel goes
+    through `wrap_triton`, the higher-order op a tracer records. Eagerly the kernel's own launcher runs: the HOP,
+    its pytree flattening and its dispatch cost about 1 ms of host time per q/k call on the H200's host."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return True
+    return any(type(x) is not torch.Tensor or torch._is_functional_tensor(x) for x in xs)
+
+
+class _DirectLaunches:
+    """The launches of one call geometry, planned once (`plan_eager`): each later call allocates its outputs and
+    launches. The first launch of an entry goes through the kernel's JIT launcher (`rotary_kernel[grid]`), which
+    returns the compiled kernel; later ones call that compiled kernel's launcher with the same arguments in the
+    kernel's parameter order, as the JIT launcher does after binding them, skipping the binding and
+    specialization of 80 arguments (the call geometry, the key of this plan, fixes every value and pointer
+    alignment Triton specializes on). Its first use is checked once against the JIT launcher's result, outside
+    CUDA graph capture; a mismatch or a launcher API this code does not know keeps the JIT launcher."""
+
+    def __init__(self, launches: list, out_dtype: torch.dtype, checks: dict) -> None:
+        # the kernel takes three sides (q, k, v); absent sides repeat the last, as in `launch`
+        self.entries = [[[group[min(i, len(group) - 1)] for i in range(3)], grid, scalars, meta, None, False]
+                        for group, grid, scalars, meta in launches]
+        self.out_dtype = out_dtype
+        self.checks = checks  # `row_checks`: compile options of the JIT launch, not kernel arguments
+
+    def __call__(self, xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any,
+                 weights: Any) -> list:
+        outs = [torch.empty(x.shape, dtype=self.out_dtype, device=x.device) for x in xs]
+        pos = positions if positions is not None else cos  # unused pointers stand in for absent tensors
+        weights = weights or [None] * len(xs)
+        for entry in self.entries:
+            sides, grid, scalars, meta, runner, checked = entry  # runner: None untried, False unavailable
+            ws = [weights[i] if weights[i] is not None else cos for i in sides]
+            args = (*(xs[i] for i in sides), *(outs[i] for i in sides), cos, sin, pos, *ws, *scalars)
+            if checked:
+                runner(*args)
+            elif runner and not _capturing():
+                runner = self._checked(runner, args, sides, outs, grid, {**meta, **self.checks})
+                entry[4:] = (runner, True) if runner else (False, False)
+            else:
+                compiled = rotary_kernel[grid](*args, **meta, **self.checks)
+                if runner is None:
+                    entry[4] = _compiled_runner(compiled, grid, meta, len(args)) or False
+        return outs
+
+    @staticmethod
+    def _checked(runner: Any, args: tuple, sides: list, outs: list, grid: tuple, meta: dict) -> Any:
+        """The compiled launcher where it writes what the JIT launcher writes, else None (one log line)."""
+        mine = {i: torch.empty_like(outs[i]) for i in sides}
+        jit_args = (*args[:3], *(mine[i] for i in sides), *args[6:])
+        try:
+            runner(*args)
+        except Exception as e:  # a launcher API of another Triton version: the JIT launcher stays
+            log.info("rope_fusion: Triton's compiled-kernel launcher failed (%s); the JIT launcher stays", e)
+            rotary_kernel[grid](*args, **meta)
+            return None
+        rotary_kernel[grid](*jit_args, **meta)
+        if all(torch.equal(outs[i].view(torch.uint8), m.view(torch.uint8)) for i, m in mine.items()):  # NaN too
+            return runner
+        log.warning("rope_fusion: Triton's compiled-kernel launcher wrote other values than its JIT launcher; the "
+                    "JIT launcher stays")
+        for i, m in mine.items():
+            outs[i].copy_(m)
+        return None
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _compiled_runner(compiled: Any, grid: tuple, meta: dict, n_args: int) -> Any:
+    """`compiled[grid]` with the constexpr arguments appended in the kernel's parameter order, or None where the
+    JIT launch returned no compiled kernel (the interpreter) or the parameters are not the ones expected."""
+    from triton.compiler import CompiledKernel
+
+    names = getattr(rotary_kernel, "arg_names", None)
+    if not isinstance(compiled, CompiledKernel) or names is None:
+        return None
+    tail = names[n_args:]
+    if not all(n in meta for n in tail) or len(tail) + 1 != len(meta):  # meta also holds num_warps
+        return None
+    constants = tuple(meta[n] for n in tail)
+    launcher = compiled[(*grid, 1, 1)[:3]]  # it reads three grid dims (the JIT launcher pads them)
+
+    def run(*args: Any) -> None:
+        launcher(*args, *constants)
+    return run
+
+
+def plan_eager(call: RotaryCall) -> Any:
+    """The direct path of the public functions on CUDA (`library.register_device_kernel`'s planner): the launches
+    of this call's geometry, planned once and reused by every call of that geometry. Geometries whose launch
+    copies first (lanes with a stride, a norm applied before the rotation, dims that do not merge) call `launch`
+    each time instead; other devices than CUDA: None (the reference), except under the interpreter."""
+    xs, cos, sin, params = call.xs, call.cos, call.sin, call.params
+    if any(t.device.type != "cuda" for t in (*xs, cos, sin)) and not INTERPRETED:
+        return None
+    weights = call.norm_weights or [None] * len(xs)
+    plain = (all(not (x.shape[-1] > 1 and x.stride(-1) != 1) for x in xs)
+             and all(w is None or (per_lane(w, x) and w.stride(-1) == 1) for w, x in zip(weights, xs)))
+    if plain:
+        outs = [torch.empty(x.shape, dtype=params.out_dtype, device=x.device) for x in xs]
+        launches = make_launches(xs, outs, Tables(cos, sin, call.positions, weights), params)
+        if isinstance(launches, list):
+            return _DirectLaunches(launches, params.out_dtype, row_checks(call.positions))
+
+    def run(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any, weights: Any) -> list:
+        return launch(list(xs), cos, sin, params, positions, weights)
+    return run
+
+
+
+def _normed_first(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams, positions: Any,
+                  weights: list, tuning: dict) -> list:
+    """A norm the kernel's loop cannot apply (a weight that varies over tokens, heads that are not the dim the
+    kernel loops over): normalise first, then rotate. Correct, not fused; the pass never emits these."""
+    from ..ops.reference import rms_norm
+
+    xs = [rms_norm(x.float(), params.norm, params.norm_eps, w) for x, w in zip(xs, weights)]
+    return launch(xs, cos, sin, params.replace(norm="none"), positions, None, **tuning)

@@ -1,0 +1,387 @@
+"""The host planner of the Triton rotary kernel: any layout mapped onto the kernel's fixed form.
+
+The kernel (kernels/triton_kernel.py) takes up to three token dims, spread over the grid, and one head dim, looped
+over inside a program (the innermost dim along which the tables are constant); `plan_launch` finds them for the
+tensors of one launch (`Plan`), and `launch_args` turns a plan into the grid, the scalar arguments and the
+compile-time constants, with the tile rules measured on the H200 (the constants below; BENCHMARKS.md, Tile choice
+and the tile sweep). `make_launches` is both for a call: one launch for all tensors where their geometry allows,
+else one each. It works on fake tensors too: kernels/triton_graph.py plans on the node's fake values, symbolic
+sizes included (hence `is_true`: a fact known without adding a guard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+try:
+    import triton
+except ImportError as e:  # an optional backend: the registry tolerates this
+    raise ImportError(f"rope_fusion.kernels.triton_plan needs triton: {e}") from e
+
+from ..ops.schema import RotaryParams, math_dtype
+
+MAX_HEAD_DIM = 1024  # beyond this one row no longer fits a program's registers comfortably
+MAX_LOOP_HEADS = 512  # a broadcast dim longer than this is spread over the grid instead of looped over
+TILE_ELEMENTS = 2048  # target size of the register tile (heads x padded lanes) of one loop step
+NORM_TILE_ELEMENTS = 512  # the same with a per-head norm (its statistics need registers: norm sweep)
+# the same after a pass-through head (DeepSeek-V3's 128 + 64 lanes): 4 heads, two warps, every head block a program
+# of its own and streaming loads and stores: 1.07x the copy floor of q, against 1.13x for 2 heads a step and one
+# warp looping over a token's heads (BENCHMARKS.md, Tile choice)
+HEAD_PASS_TILE_ELEMENTS = 1024
+HEAD_PAD_WASTE = 1.25  # at most this many padded heads per real head across q and k
+# num_warps = tile / elements per warp: whole rows (interleaved, NeoX as rows) want few warps with many
+# elements each; NeoX read as two half tiles wants four times the warps (BENCHMARKS.md, tile sweep).
+ELEMENTS_PER_WARP = {"rows": 2048, "halves": 512, "head_pass": 384, "held": 2560, "held_heads": 1024}
+MIN_PROGRAMS = 1024  # below this many tokens, head blocks are also spread over the grid
+# A held side (HELD: a norm across heads, or a per-head norm over padded rows) keeps every head row in registers up
+# to this many elements (64 heads of 128 lanes). Across heads: blocks of up to HELD_TILE_ELEMENTS, a warp per
+# ELEMENTS_PER_WARP["held"] of the side: 12 heads 4 a block, one warp, 1.10x the floor (1.05x on contiguous
+# tables); 40 heads 8 a block, two warps, 1.05x. Per head at D=80: rows in NORM_TILE_ELEMENTS blocks, NeoX halves
+# in HELD_TILE_ELEMENTS blocks, a warp per ELEMENTS_PER_WARP["held_heads"] (16 heads: two warps, interleaved
+# 1.06-1.07x, NeoX 1.08-1.10x), up to HELD_HEADS_ELEMENTS a side (`default_held`; BENCHMARKS.md, Tile choice)
+HELD_ELEMENTS = 8192
+HELD_TILE_ELEMENTS = 1024
+HELD_HEADS_ELEMENTS = 3072  # a per-head norm's rule holds a side up to this many elements (24 heads of 80 lanes)
+# Tensors of one head (MLA's k_pe [B, 1, T, 64]) take this many tokens a program once that leaves MIN_PROGRAMS
+# programs: k_pe at 8192 tokens 1.9 us against 6.3 us a token a program (floor 1.5 us; BENCHMARKS.md, Tile choice)
+ROW_TOKENS = 8
+
+
+def is_true(cond: Any) -> bool:
+    """True only when known without adding a guard (sizes may be symbolic under dynamic shapes)."""
+    if isinstance(cond, bool):
+        return cond
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(cond)
+
+
+def hint(v: Any, default: int) -> int:
+    """A size as it is, or `default` where it is symbolic (for rules that need only its order of magnitude)."""
+    return v if isinstance(v, int) else default
+
+
+@dataclasses.dataclass
+class Plan:
+    """One launch's geometry: the sizes and strides the kernel's arguments take."""
+
+    tokens: list  # 3 sizes, outermost first
+    x_strides: list  # per tensor: 4 strides (3 token dims, head dim) of x
+    o_strides: list  # per tensor: the same for its output
+    heads: list  # per tensor: its head count
+    c_strides: list  # 3 token strides + last-dim stride of cos
+    s_strides: list  # the same for sin
+    head: int | None = None  # the dim of x looped over inside a program (None: one row per token)
+
+
+@dataclasses.dataclass
+class Tables:
+    """The tables of a launch: plain tables that broadcast against x, or cache rows picked by positions
+    (then positions, with a trailing dim, stand in for the tables in the grid plan: the row is constant
+    wherever positions are)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: Any = None
+    weights: list = dataclasses.field(default_factory=list)  # norm weights, one per x (or None)
+
+    def key(self) -> tuple:
+        geo = [(tuple(t.shape), t.stride(), t.dtype) for t in (self.cos, self.sin, *self.weights) if t is not None]
+        if self.positions is not None:
+            geo.append((tuple(self.positions.shape), self.positions.stride()))
+        return tuple(geo)
+
+    def planned(self) -> tuple:
+        if self.positions is None:
+            return self.cos, self.sin
+        p = self.positions.unsqueeze(-1)
+        return p, p
+
+
+def plan_launch(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables: Tables) -> Plan | None:
+    """One launch's geometry for tensors that share tables, or None if they cannot share one grid."""
+    cos, sin = tables.planned()
+    lead = [tuple(x.shape[:-1]) for x in xs]
+    n = len(lead[0])
+    if any(len(s) != n for s in lead):
+        return None
+    width = cos.shape[-1]
+    c_exp = [cos.expand(*s, width).stride() for s in lead]
+    s_exp = [sin.expand(*s, width).stride() for s in lead]
+    differ = [i for i in range(n) if any(not is_true(s[i] == lead[0][i]) for s in lead)]
+    if len(differ) > 1:
+        return None
+    if differ:
+        head = differ[0]
+    else:
+        cands = [i for i in range(n)
+                 if all(is_true(st[i] == 0) for st in c_exp + s_exp)
+                 and not is_true(lead[0][i] == 1) and hint(lead[0][i], MAX_LOOP_HEADS + 1) <= MAX_LOOP_HEADS]
+        head = min(cands, key=lambda i: (hint(abs(xs[0].stride(i)), 1 << 62), -i)) if cands else None
+
+    # Token dims: every other non-unit dim, with the strides of every tensor that walks it.
+    dims = []  # (size, [strides...]) with strides ordered: x0, o0, x1, o1, ..., cos, sin
+    for i in range(n):
+        if i == head or is_true(lead[0][i] == 1):
+            continue
+        strides = []
+        for x, o in zip(xs, outs):
+            strides += [x.stride(i), o.stride(i)]
+        strides += [c_exp[0][i], s_exp[0][i]]
+        if any(not is_true(c[i] == c_exp[0][i]) for c in c_exp) or \
+           any(not is_true(s[i] == s_exp[0][i]) for s in s_exp):
+            return None
+        dims.append((lead[0][i], strides))
+    merged: list = []
+    for size, strides in dims:
+        if merged:
+            psize, pstrides = merged[-1]
+            if all(is_true(ps == st * size) for ps, st in zip(pstrides, strides)):
+                merged[-1] = (psize * size, strides)
+                continue
+        merged.append((size, strides))
+    if len(merged) > 3:
+        return None
+    nstr = 2 * len(xs) + 2
+    while len(merged) < 3:
+        merged.insert(0, (1, [0] * nstr))
+    tokens = [m[0] for m in merged]
+
+    def column(k: int) -> list:
+        return [m[1][k] for m in merged]
+
+    x_strides, o_strides, heads = [], [], []
+    for t, (x, o) in enumerate(zip(xs, outs)):
+        if head is None:
+            x_strides.append(column(2 * t) + [0])
+            o_strides.append(column(2 * t + 1) + [0])
+            heads.append(1)
+        else:
+            x_strides.append(column(2 * t) + [x.stride(head)])
+            o_strides.append(column(2 * t + 1) + [o.stride(head)])
+            heads.append(x.shape[head])
+    return Plan(tokens, x_strides, o_strides, heads, column(nstr - 2) + [tables.cos.stride(-1)],
+                 column(nstr - 1) + [tables.sin.stride(-1)], head)
+
+
+def block_heads(heads: Sequence[Any], lanes_pad: int, tile: int = TILE_ELEMENTS) -> int:
+    """Heads per loop step: the largest tile up to TILE_ELEMENTS whose padding of q's and k's head counts to
+    whole blocks stays within HEAD_PAD_WASTE (the rule BENCHMARKS.md's tile sweep supports)."""
+    hs = [hint(h, 16) for h in heads if hint(h, 16) > 0]
+    cap = max(1, tile // lanes_pad)
+    top = min(cap, triton.next_power_of_2(max(hs)))
+    best = 1
+    bh = 1
+    while bh <= top:
+        padded = sum(-(-h // bh) * bh for h in hs)
+        if padded <= sum(hs) * HEAD_PAD_WASTE:
+            best = bh
+        bh *= 2
+    return best
+
+
+def default_neox_row(interleaved: bool, rotary_dim: int, head_dim: int) -> bool:
+    """NeoX rotating whole rows takes the one-remapped-load form, a norm before the rotation included (1.09x
+    against 1.17x the floor at D=128, 1.39x against 1.41x at D=80); with a pass-through tail the two half loads
+    stay (tile sweeps, BENCHMARKS.md)."""
+    return not interleaved and rotary_dim == head_dim
+
+
+def default_held(params: RotaryParams, head_dim: int, heads: Sequence[Any]) -> bool:
+    """Hold a side's head rows in registers (HELD) under a norm across heads (read once, not twice), and under a
+    per-head norm whose rows are padded (D=80 in 128 lanes), where the head loop left too few bytes in flight:
+    8-24 heads of 80, 1.17-1.34x the floor -> 1.06-1.19x (level at worst). Not at D=128, where the loop is level
+    or faster (1.09 against 1.10-1.16x), nor past HELD_HEADS_ELEMENTS a side (40 heads level, 64 heads up to
+    2.5x slower with the warps the rule would give), nor with fewer k heads than q heads (GQA: the short side's
+    unrolled blocks are masked loads, 1.33-1.63x against the loop's 1.19-1.28x; BENCHMARKS.md, Tile choice)."""
+    if params.norm == "rms_across_heads":
+        return True
+    rows = 2 * triton.next_power_of_2(max(1, params.rotary_dim // 2))
+    return (params.norm == "rms" and params.rotary_dim == head_dim and rows != head_dim
+            and all(isinstance(h, int) for h in heads) and len(set(heads)) == 1
+            and heads[0] * rows <= HELD_HEADS_ELEMENTS)
+
+
+def default_stream(params: RotaryParams) -> bool:
+    """Streaming cache hints (evict_first loads of x, .cs stores) where the sweep measured them faster: a norm
+    across heads read in two passes, whose second pass re-reads the token's rows from L2 (12 heads 1.15 -> 1.13x
+    the floor; `launch_args` turns them off where those rows are held instead), a pass-through head (M8: 1.09 ->
+    1.08), and a per-head norm over padded rows (D=80: 1.213 -> 1.209, 1.314 -> 1.301 in the head loop; held,
+    1.075 -> 1.068, Flux form). At D=128 under a per-head
+    norm they were slower (1.09 -> 1.12x), so nothing else takes them."""
+    padded = triton.next_power_of_2(max(1, params.rotary_dim // 2)) * 2 != params.rotary_dim
+    return params.norm == "rms_across_heads" or bool(params.rotary_offset) or (params.norm == "rms" and padded)
+
+
+def warps_for(tile: int, form: str) -> int:
+    """A power of two (Triton requires it; a pass-through tile makes rows like 64 + 128 lanes)."""
+    n = max(1, min(8, tile // ELEMENTS_PER_WARP[form]))
+    return 1 << (n.bit_length() - 1)
+
+
+
+def per_lane(w: torch.Tensor, x: torch.Tensor) -> bool:
+    """A norm weight the kernel may take: at most [heads, lanes] (`norm_fits` checks it against the plan)."""
+    return w.dim() <= 2
+
+
+
+NORM_FIRST = "normalise first"  # `make_launches`: the kernel cannot apply this norm in its loop
+
+
+def norm_fits(p: Plan, xs: list, weights: list, params: RotaryParams) -> bool:
+    """The kernel normalises the rows it loops over: all heads of a token (x's dim -2) must be that loop for
+    a norm across heads, and a weight may vary along that loop's dim and the lanes only."""
+    if params.norm == "none":
+        return True
+    for x, w in zip(xs, weights):
+        n = x.dim() - 1
+        if params.norm == "rms_across_heads" and p.head != n - 1 and not is_true(x.shape[-2] == 1):
+            return False
+        if w is not None:
+            ws = w.expand(x.shape).stride()
+            if not all(i == p.head or is_true(ws[i] == 0) or is_true(x.shape[i] == 1) for i in range(n)):
+                return False
+    return True
+
+
+def make_launches(xs: list, outs: list, tables: Tables, params: RotaryParams, **tiles: Any) -> list | str | None:
+    """[(tensor indices, grid, scalar args, meta args)]: one entry for all tensors together when possible;
+    NORM_FIRST when the norm does not fit the kernel's loop. tiles: `launch`'s tile options (None: the rules)."""
+    groups = [list(range(len(xs)))]
+    plan = plan_launch(xs, outs, tables)
+    weights = tables.weights or [None] * len(xs)
+    if plan is None and len(xs) > 1:
+        groups = [[i] for i in range(len(xs))]
+    launches = []
+    for group in groups:
+        gx = [xs[i] for i in group]
+        go = [outs[i] for i in group]
+        if any(is_true(x.numel() == 0) for x in gx):
+            continue
+        p = plan_launch(gx, go, tables) if len(groups) > 1 else plan
+        if p is None:
+            return None
+        if not norm_fits(p, gx, [weights[i] for i in group], params):
+            return NORM_FIRST
+        launches.append((group, *launch_args(p, gx, go, tables, group, params, **tiles)))
+    return launches
+
+
+def weight_head_stride(w: Any, x: torch.Tensor, head: int | None) -> int:
+    """The head stride of a norm weight as it broadcasts against x (its lanes are contiguous: `launch`)."""
+    if w is None or head is None:
+        return 0
+    return w.expand(x.shape).stride(head)
+
+
+INT32_MAX = 2**31 - 1
+
+
+def heads_fit_int32(p: Plan, block_h: int, weight_strides: Sequence) -> bool:
+    """Whether every head offset the loop computes (head index, padded to whole blocks, times the head stride of
+    x, its output or a per-head weight) is known to fit 32 bits; symbolic strides that might not keep 64."""
+    for i, h in enumerate(p.heads):
+        strides = [p.x_strides[i][3], p.o_strides[i][3], weight_strides[i]]
+        if not all(isinstance(v, int) for v in (h, *strides)):
+            return False
+        top = -(-h // block_h) * block_h  # past the last head of the last (padded) block
+        if any(top * abs(st) > INT32_MAX for st in strides):
+            return False
+    return True
+
+
+
+def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, params: RotaryParams, *,
+                 block_h: int | None = None, num_warps: int | None = None, nsplit: int | None = None,
+                 neox_row: bool | None = None, stream: bool | None = None, held: bool | None = None) -> tuple:
+    """(grid, scalar arguments, compile-time constants with num_warps) of one launch of plan p: the tile rules
+    above, where the tuning options (`launch`'s) do not set them."""
+    interleaved, rotary_dim = params.interleaved, params.rotary_dim
+    head_dim = xs[0].shape[-1]
+    half_pad = triton.next_power_of_2(max(1, rotary_dim // 2))
+    tail_pad = triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
+    lanes_pad = 2 * half_pad + tail_pad  # registers per head row, the pass-through tail included
+    ntok = p.tokens[0] * p.tokens[1] * p.tokens[2]
+    if held is None:
+        held = default_held(params, head_dim, p.heads)
+    # rows held in registers (HELD, below): static head counts, a program per token, whole heads rotated from lane 0
+    held = (held and params.norm != "none" and tail_pad == 0 and not params.rotary_offset
+            and not params.deinterleave and all(isinstance(h, int) for h in p.heads) and isinstance(ntok, int)
+            and (nsplit == 1 if nsplit is not None else ntok >= MIN_PROGRAMS)
+            and max(p.heads) * lanes_pad <= HELD_ELEMENTS)
+    if neox_row is None:  # held under a per-head norm, NeoX reads its halves apart (no split in registers)
+        neox_row = default_neox_row(interleaved, rotary_dim, head_dim) and not (held and params.norm == "rms")
+    neox_row = bool(neox_row) and not interleaved and params.rotary_blocks == 1
+    tile = NORM_TILE_ELEMENTS if params.norm == "rms" else \
+        HEAD_PASS_TILE_ELEMENTS if params.rotary_offset else TILE_ELEMENTS
+    if held and (params.norm == "rms_across_heads" or not (interleaved or neox_row)):
+        tile = HELD_TILE_ELEMENTS
+    bh = block_h or block_heads(p.heads, lanes_pad, tile)
+    # a norm across heads whose heads all fit one block takes its statistics from that tile (a larger block to
+    # get there was slower in the norm sweep: 1.32x against 1.17x the floor at 12 heads x 128)
+    one_block = params.norm == "rms_across_heads" and all(is_true(h <= bh) for h in p.heads)
+    nblocks = sum(-(-hint(h, 1) // bh) for h in p.heads)  # work items: head blocks of q, then of k
+    if nsplit is None:
+        nsplit = 1
+        if params.rotary_offset:  # every head block a program of its own (HEAD_PASS_TILE_ELEMENTS)
+            nsplit = nblocks
+        elif isinstance(ntok, int):
+            if ntok < MIN_PROGRAMS:
+                nsplit = max(1, min(nblocks, -(-MIN_PROGRAMS // max(ntok, 1))))
+        elif nblocks > 1:  # a symbolic token count (vLLM: decode and prefill run one graph): the same rule
+            nsplit = torch.sym_max(1, torch.sym_min(nblocks, (ntok + MIN_PROGRAMS - 1) // ntok))
+    toks = 1
+    if (isinstance(ntok, int) and nsplit == 1 and all(isinstance(h, int) and h == 1 for h in p.heads)
+            and params.norm != "rms_across_heads" and ntok % ROW_TOKENS == 0 and ntok // ROW_TOKENS >= MIN_PROGRAMS):
+        toks = ROW_TOKENS
+    side_blocks = [-(-h // bh) if isinstance(h, int) else 0 for h in p.heads]
+    held = held and not one_block and max(side_blocks) * bh * lanes_pad <= HELD_ELEMENTS
+    if held and num_warps is None:
+        num_warps = warps_for(max(side_blocks) * bh * lanes_pad,
+                               "held" if params.norm == "rms_across_heads" else "held_heads")
+    none = [0, 0, 0, 0]
+    sk, sv = (p.x_strides[i] if len(xs) > i else none for i in (1, 2))
+    sko, svo = (p.o_strides[i] if len(xs) > i else none for i in (1, 2))
+    hk, hv = (p.heads[i] if len(xs) > i else 0 for i in (1, 2))
+    cos, sin = tables.cos, tables.sin
+    wide = math_dtype(xs, cos, sin, params.out_dtype) == torch.float64
+    # with positions: the row strides and the rows that a position may pick (the kernel asserts 0 <= row < rows)
+    rows = (cos.stride(0), sin.stride(0), cache_rows(cos, sin)) if tables.positions is not None else (0, 0, 0)
+    weights = [tables.weights[i] if tables.weights else None for i in group]
+    wq, wk, wv = (weight_head_stride(weights[i], xs[i], p.head) if len(xs) > i else 0 for i in range(3))
+    scalars = (p.tokens[1], p.tokens[2], p.heads[0], hk, hv, nsplit, *rows, wq, wk, wv, float(params.norm_eps),
+               *p.x_strides[0], *p.o_strides[0], *sk, *sko, *sv, *svo, *p.c_strides[:3], *p.s_strides[:3])
+    meta = dict(ROT=rotary_dim, HEAD_DIM=head_dim, HALF_PAD=half_pad, TAIL_PAD=tail_pad, BLOCK_H=bh,
+                NSIDES=len(xs), INTERLEAVED=interleaved, FULL_TABLES=params.full_tables, CONJ=params.conjugate,
+                MATH_FP64=wide, NEOX_ROW=neox_row, HAS_POS=tables.positions is not None,
+                NORM={"none": 0, "rms": 1, "rms_across_heads": 2}[params.norm],
+                HAS_W=any(w is not None for w in weights), HEAD_PAD=triton.next_power_of_2(head_dim),
+                # a weight that varies over heads is loaded per head block; one shared by every head, once
+                W_HEADS=not all(is_true(sw == 0) for sw in (wq, wk, wv)), W_TILE=lanes_pad == head_dim,
+                HEAD_I64=not heads_fit_int32(p, bh, (wq, wk, wv)),
+                DEINTERLEAVE=params.deinterleave, ONE_BLOCK=one_block, OFFSET=params.rotary_offset,
+                ANGLES=params.angle_tables,
+                # the tables' lane strides are compile-time constants: Inductor launches the kernel with runtime
+                # scalars that Triton does not specialize, and a lane stride only known at run time turns the
+                # vector loads into gathers (the in-graph kernel ran at twice the time of a direct launch)
+                SCD=p.c_strides[3], SSD=p.s_strides[3], BH=rotary_dim // 2 // params.rotary_blocks,
+                STREAM=default_stream(params) and not (held and params.norm == "rms_across_heads")
+                if stream is None else bool(stream),
+                HELD=max(side_blocks) if held else 0,  # head blocks held per side (a constexpr: unrolled)
+                TOKS=toks,
+                num_warps=num_warps or warps_for(bh * lanes_pad, "head_pass" if params.rotary_offset else
+                                                  "rows" if interleaved or neox_row else "halves"))
+    return (ntok // toks if toks > 1 else ntok, nsplit), scalars, meta
+
+
+def cache_rows(cos: torch.Tensor, sin: torch.Tensor) -> Any:
+    """The rows of the cos and sin caches that a position may pick (the fewer, where the two differ)."""
+    c, s = cos.shape[0], sin.shape[0]
+    if isinstance(c, int) and isinstance(s, int):
+        return min(c, s)
+    return c if is_true(c <= s) else s if is_true(s <= c) else torch.sym_min(c, s)
