@@ -52,10 +52,6 @@ KNOWN_GAPS = {  # case id -> (applies to dynamic?, the fields that differ and th
     "N8_magi_packed_sin_first": (
         (False, True), dict(table_form="per-lane"),
         "the table is duplicated by cat after a leading-dim unsqueeze, so it is read full width instead of half"),
-    "M9_hidream_rotation_matrices": (
-        (True,), dict(sites=0, kernels=0),
-        "with a symbolic head count the rotation-matrix table, unsqueezed for the heads, cannot be aligned with "
-        "x's lanes (promoting x's head dim needs it concrete): left unfused, and no near miss is recorded"),
 }
 
 

@@ -484,6 +484,13 @@ def rule_unsqueeze(interp, node):
             interp.note_lanes(node, value)
             raise Unsupported("unsqueeze between leading dims: the result is a new source")
         return known
+    if pos == first_grid and not _is_gather(value):
+        # a computed table given a heads dim in front of its lanes (HiDream's `freqs_cis[:, :, None]` for a
+        # [B, S, H, D] x): a new source over the value's grid whose related lanes share atoms, so that x's
+        # heads stay leading (a symbolic head count cannot join the grid); else the dim joins the grid
+        known = interp.identified_source(node, value)
+        if known is not None:
+            return known
     shape = value.shape[:pos] + (1,) + value.shape[pos:]
     return LaneValue(shape, value.k + 1, value.entries, False, value.wide)
 
