@@ -80,6 +80,23 @@ def test_the_npu_graph_form_refuses_a_parameter_it_does_not_map():
         npu_graph._plan(RotaryCall([x], cos, sin, _params(dummy=1)), None, ge=False)
 
 
+def test_the_triton_backend_refuses_a_parameter_its_kernel_does_not_take(monkeypatch):
+    """Until a field is in triton_plan.KERNEL_FIELDS the backend refuses the site by name and an eager call runs
+    the reference: never a launch that ignores the field. Both checked with the kernel's module as imported
+    (the eager path under the interpreter, which serves CPU tensors)."""
+    pytest.importorskip("triton")
+    from rope_fusion.kernels import triton_launch, triton_rotary
+    from rope_fusion.ops.backends import SiteSpec
+
+    spec = SiteSpec("cuda", ((2, 4, 32),), torch.float32, torch.float32, _params(dummy=1))
+    assert "dummy" in (triton_rotary.supports(spec) or "")
+    assert triton_rotary.supports(SiteSpec("cuda", ((2, 4, 32),), torch.float32, torch.float32, _params())) is None
+    monkeypatch.setattr(triton_launch, "INTERPRETED", True)
+    x, cos, sin = torch.randn(2, 4, 32), torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    call = RotaryCall([x], cos, sin, _params(dummy=1))
+    assert triton_launch.launch_call(call) is None and triton_launch.plan_eager(call) is None
+
+
 def test_a_new_parameter_touches_at_most_seven_package_files():
     assert len(TOUCHED) <= 7
     assert all((PACKAGE / path).is_file() for path in (*TOUCHED, *NPU_FAST_PATH))

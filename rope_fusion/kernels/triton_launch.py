@@ -19,7 +19,7 @@ from torch.library import wrap_triton
 from ..ops.reference import gather_rows
 from ..ops.schema import RotaryCall, RotaryParams
 from .triton_kernel import rotary_kernel
-from .triton_plan import NORM_FIRST, Tables, is_true, launch_args, make_launches, per_lane, plan_launch
+from .triton_plan import KERNEL_FIELDS, NORM_FIRST, Tables, is_true, launch_args, make_launches, per_lane, plan_launch
 
 log = logging.getLogger("rope_fusion")
 
@@ -39,6 +39,8 @@ def launch_call(call: RotaryCall) -> list | None:
     """The op's kernel: the rotated xs of a call on CUDA/ROCm tensors (any device under the interpreter), else
     None (the reference serves other devices)."""
     if any(t.device.type != "cuda" for t in (*call.xs, call.cos, call.sin)) and not INTERPRETED:
+        return None
+    if call.params.unhandled(KERNEL_FIELDS):  # a parameter the kernel does not take: the reference
         return None
     return launch(call.xs, call.cos, call.sin, call.params, call.positions, call.norm_weights)
 
@@ -219,7 +221,7 @@ def plan_eager(call: RotaryCall) -> Any:
     copies first (lanes with a stride, a norm applied before the rotation, dims that do not merge) call `launch`
     each time instead; other devices than CUDA: None (the reference), except under the interpreter."""
     xs, cos, sin, params = call.xs, call.cos, call.sin, call.params
-    if any(t.device.type != "cuda" for t in (*xs, cos, sin)) and not INTERPRETED:
+    if any(t.device.type != "cuda" for t in (*xs, cos, sin)) and not INTERPRETED or params.unhandled(KERNEL_FIELDS):
         return None
     weights = call.norm_weights or [None] * len(xs)
     plain = (all(not (x.shape[-1] > 1 and x.stride(-1) != 1) for x in xs)

@@ -249,6 +249,13 @@ def norm_fits(p: Plan, xs: list, weights: list, params: RotaryParams) -> bool:
     return True
 
 
+# The RotaryParams fields that `launch_args` hands the kernel: a field outside them (one added to the schema later)
+# makes the backend refuse the site (`triton_rotary.supports`) and an eager call run the reference
+# (`triton_launch`), never a launch that ignores it.
+KERNEL_FIELDS = ("interleaved", "rotary_dim", "full_tables", "conjugate", "out_dtype", "norm", "norm_eps",
+                 "deinterleave", "rotary_blocks", "rotary_offset", "angle_tables")
+
+
 def make_launches(xs: list, outs: list, tables: Tables, params: RotaryParams, **tiles: Any) -> list | str | None:
     """[(tensor indices, grid, scalar args, meta args)]: one entry for all tensors together when possible;
     NORM_FIRST when the norm does not fit the kernel's loop. tiles: `launch`'s tile options (None: the rules)."""

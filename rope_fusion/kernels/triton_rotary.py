@@ -19,7 +19,7 @@ from ..ops.library import define_rotary_ops, register_device_kernel
 from ..ops.schema import RotaryCall
 from .triton_graph import emit_triton
 from .triton_launch import launch, launch_call, plan_eager
-from .triton_plan import MAX_HEAD_DIM
+from .triton_plan import KERNEL_FIELDS, MAX_HEAD_DIM
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -36,6 +36,9 @@ def supports(spec: SiteSpec) -> str | None:
     dtypes = (spec.x_dtype, spec.table_dtype, spec.params.out_dtype)
     if not all(d in SUPPORTED_DTYPES for d in dtypes):
         return f"dtypes {dtypes} not among {SUPPORTED_DTYPES}"
+    unknown = spec.params.unhandled(KERNEL_FIELDS)
+    if unknown:
+        return f"the kernel does not take {', '.join(unknown)}"
     head_dim = spec.head_dim
     if not isinstance(head_dim, int):
         return "the head dim is symbolic"
