@@ -484,10 +484,12 @@ def rule_unsqueeze(interp, node):
             interp.note_lanes(node, value)
             raise Unsupported("unsqueeze between leading dims: the result is a new source")
         return known
-    if pos == first_grid and not _is_gather(value):
-        # a computed table given a heads dim in front of its lanes (HiDream's `freqs_cis[:, :, None]` for a
-        # [B, S, H, D] x): a new source over the value's grid whose related lanes share atoms, so that x's
-        # heads stay leading (a symbolic head count cannot join the grid); else the dim joins the grid
+    if pos == first_grid and not _is_gather(value) and any(as_int(d) is None for d in value.shape[:pos]):
+        # a computed table of symbolic leading dims given a heads dim in front of its lanes (HiDream's
+        # `freqs_cis[:, :, None]` for a [B, S, H, D] x, dynamic=True): a new source over the value's grid whose
+        # related lanes share atoms, so that x's heads stay leading (a symbolic head count cannot join the
+        # grid). With static sizes the dim joins the grid (below): the lanes then still show the angles that
+        # cos and sin were taken of, which the op reads instead of the tables (`angle_tables`)
         known = interp.identified_source(node, value)
         if known is not None:
             return known
