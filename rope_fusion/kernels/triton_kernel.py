@@ -155,6 +155,12 @@ def _head_column(heads, HEAD_I64: tl.constexpr):
 
 
 @triton.jit
+def _token_row(ptr, i0, i1, i2, strides):
+    """A token's first row of one tensor: strides (t0, t1, t2, head) hold its token dims' strides first."""
+    return ptr + i0 * strides[0] + i1 * strides[1] + i2 * strides[2]
+
+
+@triton.jit
 def _load_tables(c_row, s_row, ia, ib, tmask, SCD: tl.constexpr, SSD: tl.constexpr, TOKS: tl.constexpr,
                  FULL_TABLES: tl.constexpr, ANGLES: tl.constexpr, CONJ: tl.constexpr, cdt: tl.constexpr):
     """The token's table row as (cos a, sin a, cos b, sin b), the entries of each pair's first and second
@@ -293,35 +299,32 @@ def rotary_kernel(
     lj = lt[None, :]
     nbq = (q_heads + BLOCK_H - 1) // BLOCK_H
     nbk = (k_heads + BLOCK_H - 1) // BLOCK_H
+    # each side's tensors, head count and strides, picked by the side's index (a compile-time constant)
+    x_ptrs = (q_ptr, k_ptr, v_ptr)
+    o_ptrs = (qo_ptr, ko_ptr, vo_ptr)
+    w_ptrs = (wq_ptr, wk_ptr, wv_ptr)
+    side_heads = (q_heads, k_heads, v_heads)
+    w_strides = (wq_stride_head, wk_stride_head, wv_stride_head)
+    x_strides = ((q_stride_t0, q_stride_t1, q_stride_t2, q_stride_head),
+                 (k_stride_t0, k_stride_t1, k_stride_t2, k_stride_head),
+                 (v_stride_t0, v_stride_t1, v_stride_t2, v_stride_head))
+    o_strides = ((qo_stride_t0, qo_stride_t1, qo_stride_t2, qo_stride_head),
+                 (ko_stride_t0, ko_stride_t1, ko_stride_t2, ko_stride_head),
+                 (vo_stride_t0, vo_stride_t1, vo_stride_t2, vo_stride_head))
     for side in tl.static_range(NSIDES):
         # side 0 is q, 1 is k, 2 is v: a compile-time choice, so each side's code has its own dtypes.
+        x_row = _token_row(x_ptrs[side], i0, i1, i2, x_strides[side])
+        o_row = _token_row(o_ptrs[side], i0, i1, i2, o_strides[side])
+        sxh = x_strides[side][3]
+        soh = o_strides[side][3]
+        nheads = side_heads[side]
+        w_ptr = w_ptrs[side]
+        swh = w_strides[side]
         if side == 0:
             first = split
-            x_row = q_ptr + i0 * q_stride_t0 + i1 * q_stride_t1 + i2 * q_stride_t2
-            o_row = qo_ptr + i0 * qo_stride_t0 + i1 * qo_stride_t1 + i2 * qo_stride_t2
-            sxh = q_stride_head
-            soh = qo_stride_head
-            nheads = q_heads
-            w_ptr = wq_ptr
-            swh = wq_stride_head
-        elif side == 1:
-            x_row = k_ptr + i0 * k_stride_t0 + i1 * k_stride_t1 + i2 * k_stride_t2
-            o_row = ko_ptr + i0 * ko_stride_t0 + i1 * ko_stride_t1 + i2 * ko_stride_t2
-            sxh = k_stride_head
-            soh = ko_stride_head
-            nheads = k_heads
-            w_ptr = wk_ptr
-            swh = wk_stride_head
-            first = (split + nsplit - nbq % nsplit) % nsplit
-        else:
-            x_row = v_ptr + i0 * v_stride_t0 + i1 * v_stride_t1 + i2 * v_stride_t2
-            o_row = vo_ptr + i0 * vo_stride_t0 + i1 * vo_stride_t1 + i2 * vo_stride_t2
-            sxh = v_stride_head
-            soh = vo_stride_head
-            nheads = v_heads
-            w_ptr = wv_ptr
-            swh = wv_stride_head
-            first = (split + nsplit - (nbq + nbk) % nsplit) % nsplit
+        else:  # the split that takes this side's first block, after the blocks of q (and of k)
+            before = nbq if side == 1 else nbq + nbk
+            first = (split + nsplit - before % nsplit) % nsplit
         nblocks = (nheads + BLOCK_H - 1) // BLOCK_H
         ca_w = ca  # this side's table rows, with its weight row folded in where one is (below)
         sa_w = sa
