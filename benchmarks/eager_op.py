@@ -45,16 +45,28 @@ import rope_fusion  # noqa: E402
 from benchmarks.kernels import bench_ms, environment, graph_ms, max_err, print_table, write_json  # noqa: E402
 from benchmarks.timing import step_ms, sync  # noqa: E402
 
-SITES = {  # name: (tokens, heads, head dim, interleaved)
-    "qwen_vit": (32768, 16, 80, False),
-    "flux": (4608, 24, 128, True),
-    "llama": (8192, 32, 128, False),
+SITES = {  # name: (tokens, heads, head dim, interleaved, packed sequences: 0 none)
+    "qwen_vit": (32768, 16, 80, False, 0),
+    "flux": (4608, 24, 128, True, 0),
+    "llama": (8192, 32, 128, False, 0),
+    "qwen_vit_varlen": (32768, 16, 80, False, 8),  # the tower's batch of 8 images packed, [T, H, D], cu_seqlens
 }
 COLUMNS = ("floor", "rope_fusion", "rope_fusion_op", "flash_attn", "liger", "torch_ops", "diffusers")
 
 
+ROTARY_FILE: str | None = None  # --rotary-file: a copy of flash-attn's rotary.py (it needs only triton)
+
+
 def _flash_attn_rotary() -> tuple[Callable | None, str]:
-    """flash-attn's Triton `apply_rotary`, else vLLM's copy of it; (None, why) when neither imports."""
+    """flash-attn's Triton `apply_rotary`, else vLLM's copy of it, else the file given by --rotary-file; (None,
+    why) when none imports."""
+    if ROTARY_FILE:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("flash_attn_rotary", ROTARY_FILE)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.apply_rotary, f"apply_rotary of {os.path.basename(ROTARY_FILE)} (flash-attn's Triton kernel)"
     try:
         from flash_attn.ops.triton.rotary import apply_rotary
 
@@ -79,8 +91,9 @@ def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
-def make_site(tokens: int, heads: int, head_dim: int, interleaved: bool, device: str) -> dict:
-    """q, k [1, T, H, D] and the same angles in every function's table layout."""
+def make_site(tokens: int, heads: int, head_dim: int, interleaved: bool, device: str, packed: int = 0) -> dict:
+    """q, k [1, T, H, D] and the same angles in every function's table layout; with `packed`, that many sequences
+    of T / packed tokens each: q, k [T, H, D], `cu_seqlens`, and tables of one sequence's rows."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, tokens, heads, head_dim, generator=g).to(device, torch.bfloat16)
     k = torch.randn(1, tokens, heads, head_dim, generator=g).to(device, torch.bfloat16)
@@ -91,15 +104,25 @@ def make_site(tokens: int, heads: int, head_dim: int, interleaved: bool, device:
         cos_full, sin_full = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
     else:
         cos_full, sin_full = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-    return dict(q=q, k=k, cos=cos, sin=sin, cos_full=cos_full, sin_full=sin_full, interleaved=interleaved)
+    site = dict(q=q, k=k, cos=cos, sin=sin, cos_full=cos_full, sin_full=sin_full, interleaved=interleaved,
+                cu_seqlens=None)
+    if packed:
+        n = tokens // packed
+        site.update(q=q[0], k=k[0], cos=cos[:n], sin=sin[:n], max_seqlen=n,
+                    positions=torch.arange(tokens, device=device) % n,
+                    cu_seqlens=torch.arange(0, tokens + 1, n, device=device, dtype=torch.int32))
+    return site
 
 
 def variants(site: dict, device: str) -> dict[str, tuple[Callable[[], Any] | None, str]]:
     """column -> (call, note): the call returns (q_out, k_out) [1, T, H, D]; None with the reason it is missing."""
     q, k, cos, sin, il = site["q"], site["k"], site["cos"], site["sin"], site["interleaved"]
-    c3, s3 = cos[:, None], sin[:, None]  # [T, 1, D/2] against [1, T, H]
     out: dict[str, tuple[Callable[[], Any] | None, str]] = {}
     out["floor"] = (lambda: (q.clone(), k.clone()), "")
+    cu = site["cu_seqlens"]
+    if cu is not None:
+        return _packed_variants(site, device, out)
+    c3, s3 = cos[:, None], sin[:, None]  # [T, 1, D/2] against [1, T, H]
     out["rope_fusion"] = (lambda: rope_fusion.apply_rotary_qk(q, k, c3, s3, interleaved=il), "")
     kw = dict(interleaved=il, rotary_dim=q.shape[-1], full_tables=False, conjugate=False, out_dtype=q.dtype)
     op = torch.ops.rope_fusion.rotary_qk.default
@@ -145,6 +168,34 @@ def variants(site: dict, device: str) -> dict[str, tuple[Callable[[], Any] | Non
     return out
 
 
+def _packed_variants(site: dict, device: str, out: dict) -> dict:
+    """The columns that take packed sequences: rope_fusion (cu_seqlens), the op with the positions they derive,
+    flash-attn's varlen call on q then k, and the torch spelling of a gather by those positions."""
+    q, k, cos, sin, il, cu = site["q"], site["k"], site["cos"], site["sin"], site["interleaved"], site["cu_seqlens"]
+    out["rope_fusion"] = (lambda: rope_fusion.apply_rotary_qk(q, k, cos, sin, interleaved=il, cu_seqlens=cu), "")
+    out["rope_fusion_op"] = (None, "the op takes cu_seqlens through the same planner: see rope_fusion")
+    fa, why = _flash_attn_rotary()
+    if fa is None or device != "cuda":
+        out["flash_attn"] = (None, why if fa is None else "a Triton kernel: CUDA only")
+    else:
+        n = site["max_seqlen"]
+        out["flash_attn"] = (lambda: (fa(q, cos, sin, interleaved=il, cu_seqlens=cu, max_seqlen=n),
+                                      fa(k, cos, sin, interleaved=il, cu_seqlens=cu, max_seqlen=n)), why)
+    out["liger"] = (None, "no packed sequences")
+    pos = site["positions"]
+    width = cos.shape[-1] * 2
+    rot = _rotate_pairs if il else _rotate_half
+
+    def torch_ops():
+        c, s = cos[pos], sin[pos]
+        cf = (c.repeat_interleave(2, -1) if il else torch.cat((c, c), -1))[:, None, :width]
+        sf = (s.repeat_interleave(2, -1) if il else torch.cat((s, s), -1))[:, None, :width]
+        return q * cf + rot(q) * sf, k * cf + rot(k) * sf
+    out["torch_ops"] = (torch_ops, "tables gathered by the positions cu_seqlens gives")
+    out["diffusers"] = (None, "no packed sequences")
+    return out
+
+
 def host_us(fn: Callable[[], Any], device: str, calls: int) -> float:
     """Host microseconds per call over `calls` back-to-back calls; on the GPU a sleep kernel queued first keeps
     it busy throughout, so no call waits for it (what an eager model's host sees when it runs ahead)."""
@@ -161,12 +212,55 @@ def host_us(fn: Callable[[], Any], device: str, calls: int) -> float:
     return 1e6 * elapsed / calls
 
 
+def host_profile(shape: tuple, device: str, calls: int) -> dict:
+    """Where an eager call's host time goes: the call, its two output allocations, its plan's launches alone and
+    the launcher they use, each timed as `host_us` times the call; then the call under cProfile."""
+    import cProfile
+    import io
+    import pstats
+
+    from rope_fusion.ops import library
+
+    site = make_site(*shape[:4], device=device, packed=shape[4])
+    call = variants(site, device)["rope_fusion"][0]
+    call()
+    q, k = site["q"], site["k"]
+    parts = {"call": host_us(call, device, calls),
+             "two torch.empty": host_us(lambda: (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                                                  torch.empty(k.shape, dtype=k.dtype, device=k.device)),
+                                        device, calls)}
+    plans = list(library._EAGER_PLANS.values())
+    plan = plans[-1] if plans else None
+    runner = getattr(plan, "run", None)
+    entries = getattr(runner, "entries", None)
+    if entries:
+        parts["launchers"] = [getattr(e[4], "__qualname__", repr(e[4])) for e in entries]
+        cos, sin = site["cos"][:, None], site["sin"][:, None]
+        if site["cu_seqlens"] is None:
+            parts["plan.run (allocations + launches)"] = host_us(lambda: runner((q, k), cos, sin, None, None),
+                                                                 device, calls)
+    if device == "cuda":
+        parts["current stream"] = host_us(lambda: torch._C._cuda_getCurrentRawStream(0), device, calls)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        call()
+    prof.disable()
+    sync(device)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+    parts["cprofile"] = text.getvalue()
+    for name, value in parts.items():
+        print(f"  host {name}: {value if isinstance(value, (str, list)) else f'{value:.1f} us'}")
+    return parts
+
+
 def run_site(name: str, shape: tuple, device: str, calls: int) -> dict:
-    site = make_site(*shape, device=device)
+    site = make_site(*shape[:4], device=device, packed=shape[4])
     calls_by_column = variants(site, device)
     want = calls_by_column["rope_fusion"][0]()
     rec: dict = {"site": name, "tokens": shape[0], "heads": shape[1], "head_dim": shape[2],
-                 "interleaved": shape[3], "columns": {}}
+                 "interleaved": shape[3], "packed": shape[4], "columns": {}}
     for column in COLUMNS:
         fn, note = calls_by_column[column]
         entry: dict = {"note": note}
@@ -195,22 +289,31 @@ def main() -> None:
     ap.add_argument("--sites", nargs="*", default=list(SITES), choices=list(SITES))
     ap.add_argument("--calls", type=int, default=200, help="back-to-back calls of the host timing")
     ap.add_argument("--out", default=None, help="write the records as JSON here")
+    ap.add_argument("--rotary-file", help="flash-attn's rotary.py to load when neither flash-attn nor vLLM imports")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also where rope_fusion's host time goes: its parts timed alone, and a cProfile")
     args = ap.parse_args()
+    global ROTARY_FILE
+    ROTARY_FILE = args.rotary_file
     calls = 20 if args.quick else args.calls
     result: dict = {"env": environment(), "device": args.device, "calls": calls, "sites": []}
     cpu_note = "" if args.device == "cuda" else "; on the CPU rope_fusion runs the reference: a smoke test, not timings"
     for name in args.sites:
-        tokens, heads, dim, il = SITES[name]
-        shape = (max(16, tokens // 256) if args.quick else tokens, heads, dim, il)
+        tokens, heads, dim, il, packed = SITES[name]
+        shape = (max(16 * max(packed, 1), tokens // 256) if args.quick else tokens, heads, dim, il, packed)
         rec = run_site(name, shape, args.device, calls)
         result["sites"].append(rec)
         rows = []
         for column, e in rec["columns"].items():
             rows.append([column, e.get("graph_ms"), e.get("x_floor"), e.get("bench_ms"), e.get("host_us"),
                          e.get("max_err"), e.get("error") or e.get("note") or ""])
-        print_table(f"{name}: {shape[0]} tokens x {heads} heads x {dim}, {'interleaved' if il else 'NeoX'} "
-                    f"({args.device}; ms per q+k call{cpu_note})", rows,
+        packing = f", {packed} sequences packed" if packed else ""
+        print_table(f"{name}: {shape[0]} tokens x {heads} heads x {dim}, {'interleaved' if il else 'NeoX'}"
+                    f"{packing} ({args.device}; ms per q+k call{cpu_note})", rows,
                     ["column", "graph ms", "x floor", "do_bench ms", "host us", "max err", "note"])
+        if args.host_profile:
+            rec["host_profile"] = host_profile(shape, args.device, calls)
+            write_json(args.out, result)
     write_json(args.out, result)
 
 

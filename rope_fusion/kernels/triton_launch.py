@@ -10,6 +10,7 @@ geometry planned once, its launches replayed (`_DirectLaunches`). `launch_call` 
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -197,8 +198,10 @@ def _capturing() -> bool:
 
 
 def _compiled_runner(compiled: Any, grid: tuple, meta: dict, n_args: int) -> Any:
-    """`compiled[grid]` with the constexpr arguments appended in the kernel's parameter order, or None where the
-    JIT launch returned no compiled kernel (the interpreter) or the parameters are not the ones expected."""
+    """A launcher of the compiled kernel for the arguments of `_DirectLaunches` (the kernel's non-constexpr
+    parameters, in order), or None where the JIT launch returned no compiled kernel (the interpreter) or the
+    parameters are not the ones expected. Torch's static launcher (the C++ launcher Inductor uses for its own
+    Triton kernels) where it takes this kernel, else the compiled kernel's own launcher."""
     from triton.compiler import CompiledKernel
 
     names = getattr(rotary_kernel, "arg_names", None)
@@ -207,11 +210,93 @@ def _compiled_runner(compiled: Any, grid: tuple, meta: dict, n_args: int) -> Any
     tail = names[n_args:]
     if not all(n in meta for n in tail) or len(tail) + 1 != len(meta):  # meta also holds num_warps
         return None
-    constants = tuple(meta[n] for n in tail)
+    return _static_runner(compiled, grid, n_args) or _triton_runner(compiled, grid, tuple(meta[n] for n in tail))
+
+
+def _triton_runner(compiled: Any, grid: tuple, constants: tuple) -> Any:
+    """`compiled[grid]` with the constexpr arguments appended in the kernel's parameter order."""
     launcher = compiled[(*grid, 1, 1)[:3]]  # it reads three grid dims (the JIT launcher pads them)
 
     def run(*args: Any) -> None:
         launcher(*args, *constants)
+    return run
+
+
+def _static_launcher_class() -> Any:
+    try:  # torch >= 2.12 names the module for Triton kernels on every device, earlier releases for CUDA
+        from torch._inductor.runtime.static_triton_launcher import StaticallyLaunchedCudaKernel
+    except ImportError:
+        try:
+            from torch._inductor.runtime.static_cuda_launcher import StaticallyLaunchedCudaKernel
+        except ImportError:
+            return None
+    return StaticallyLaunchedCudaKernel
+
+
+def static_arguments(compiled: Any, n_args: int) -> list | None:
+    """The positions, among a direct launch's n_args arguments, of the compiled kernel's runtime parameters (what
+    its cubin takes: neither constexpr nor specialised to a constant by Triton), or None where one falls outside
+    them or the compiled kernel does not say."""
+    src = getattr(compiled, "src", None)
+    signature = getattr(src, "signature", None)
+    if not isinstance(signature, dict):
+        return None
+    names = getattr(getattr(src, "fn", None), "arg_names", None)
+    if names is None:
+        return None
+    constants = {k[0] if isinstance(k, tuple) else names.index(k) if isinstance(k, str) else k
+                 for k in getattr(src, "constants", {})}
+    types = [signature.get(n, signature.get(i)) for i, n in enumerate(names)]
+    keep = [i for i, ty in enumerate(types) if ty not in (None, "constexpr") and i not in constants]
+    return keep if keep and keep[-1] < n_args else None
+
+
+def static_kernel(compiled: Any, keep: list) -> Any:
+    """Torch's static launcher for the compiled kernel (its cubin not yet loaded), or None where torch has none or
+    it does not take this kernel (launch hooks, scratch memory, clusters, another parameter count)."""
+    cls = _static_launcher_class()
+    if cls is None or torch.version.hip is not None or "cubin" not in getattr(compiled, "asm", {}):
+        return None
+    import os
+    import tempfile
+    directory = tempfile.mkdtemp(prefix="rope_fusion_cubin_")
+    path = os.path.join(directory, f"{compiled.name}.cubin")
+    try:
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        compiled._cubin_path = path  # where the static launcher reads the cubin from (Inductor sets it too)
+        kernel = cls(compiled)
+        if len(kernel.arg_tys) != len(keep):
+            return None
+        if torch.cuda.is_available():
+            kernel.load_kernel(torch.cuda.current_device())
+        return kernel
+    except Exception as e:  # an API of another torch or Triton release, or a kernel it does not take
+        log.info("rope_fusion: torch's static Triton launcher does not take this kernel (%s); Triton's stays", e)
+        return None
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+        os.rmdir(directory)
+
+
+def _static_runner(compiled: Any, grid: tuple, n_args: int) -> Any:
+    """The compiled kernel launched by torch's static launcher: its cubin loaded once, each call passing the grid,
+    the current stream and the kernel's runtime arguments to one C++ call. Triton's own launcher binds the
+    kernel's 80-odd arguments, constexprs included, in Python on every call. None where the static launcher does
+    not take the kernel; the caller then keeps Triton's launcher."""
+    keep = static_arguments(compiled, n_args)
+    kernel = static_kernel(compiled, keep) if keep is not None else None
+    if kernel is None or not torch.cuda.is_available():
+        return None
+    gx, gy, gz = (*grid, 1, 1)[:3]
+    launch = kernel.run
+    stream_of = torch._C._cuda_getCurrentRawStream
+    device = torch.cuda.current_device()
+    pick = operator.itemgetter(*keep)
+
+    def run(*args: Any) -> None:
+        launch(gx, gy, gz, stream_of(device), *pick(args))
     return run
 
 

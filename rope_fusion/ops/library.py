@@ -367,9 +367,43 @@ def _direct(tensors: Sequence[Any]) -> bool:
             and not torch._C._are_functorch_transforms_active())
 
 
-def _geometry(t: Any) -> Any:
+def _geometry(t: torch.Tensor) -> tuple:
     # the data pointer's 16-byte alignment: Triton specializes a launch on it
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
+
+
+def _direct_key(xs: tuple, cos: Any, sin: Any, options: dict) -> tuple | None:
+    """The plan key of a call that may go straight to its device's kernel: the arity, each tensor's geometry and
+    every other option as the caller spelled it (an order of keywords is a key of its own). None where the call
+    must go through the op: tracing, a dispatch mode or functorch transform (fake and functional tensors live
+    under one), a tensor subclass, autograd to record; or an option that cannot be a key. One pass over the
+    arguments: this is most of the library's host time per call on a cache hit."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
+            or torch._C._are_functorch_transforms_active():
+        return None
+    grad = torch.is_grad_enabled()
+    key: list = [len(xs)]
+    try:
+        for t in (*xs, cos, sin):
+            if type(t) is not torch.Tensor or grad and t.requires_grad:
+                return None
+            key.append(_geometry(t))
+        for name, v in options.items():
+            if isinstance(v, torch.Tensor):
+                if type(v) is not torch.Tensor or grad and v.requires_grad:
+                    return None
+                v = _geometry(v)
+            elif isinstance(v, (list, tuple)):  # norm_weight: one weight per tensor
+                if any(isinstance(w, torch.Tensor) and (type(w) is not torch.Tensor or grad and w.requires_grad)
+                       for w in v):
+                    return None
+                v = (type(v), *(_geometry(w) if isinstance(w, torch.Tensor) else w for w in v))
+            key.append((name, v))
+        out = tuple(key)
+        hash(out)
+    except (TypeError, RuntimeError):  # an unhashable option, a tensor without storage: nothing to cache
+        return None
+    return out
 
 
 def _apply(xs: tuple, cos: torch.Tensor, sin: torch.Tensor, options: dict) -> Any:
@@ -378,10 +412,13 @@ def _apply(xs: tuple, cos: torch.Tensor, sin: torch.Tensor, options: dict) -> An
     (torch.compile, FX, fake tensors) or a dispatch mode, it calls the op, so the mode, the tracer and autograd
     see `rope_fusion::rotary*`."""
     arity = len(xs)
-    keywords = _KEYWORDS[arity]
-    if not keywords.issuperset(options):
-        unknown = sorted(set(options) - keywords)
-        raise TypeError(f"unknown option(s) {unknown}; expected {sorted(keywords)}")
+    key = _direct_key(xs, cos, sin, options)
+    plan = _EAGER_PLANS.get(key) if key is not None else None
+    if plan is None:
+        keywords = _KEYWORDS[arity]
+        if not keywords.issuperset(options):
+            unknown = sorted(set(options) - keywords)
+            raise TypeError(f"unknown option(s) {unknown}; expected {sorted(keywords)}")
     positions = options.pop("positions", None)
     cu_seqlens, offsets = options.pop("cu_seqlens", None), options.pop("seqlen_offsets", None)
     if offsets is not None and not isinstance(offsets, torch.Tensor):
@@ -389,34 +426,21 @@ def _apply(xs: tuple, cos: torch.Tensor, sin: torch.Tensor, options: dict) -> An
         offsets = None
     own = [options.pop(f"{n}_norm_weight", None) for n in TENSOR_NAMES[arity]] if arity > 1 else [None]
     weights = _weights(arity, options.pop("norm_weight", None), own)
-    tensors = (*xs, cos, sin, positions, *(weights or ()), cu_seqlens, offsets)
-    if torch.compiler.is_compiling() or not all(_is_plain(t) for t in tensors):  # traced, fake, a subclass
-        return _via_op(RotaryCall(list(xs), cos, sin, _resolve(xs, options), positions, weights, cu_seqlens,
-                                  offsets))
-    try:
-        key = (arity, tuple(sorted(options.items())), weights is None, tuple(_geometry(t) for t in tensors))
-        plan = _EAGER_PLANS.get(key)
-    except (TypeError, RuntimeError):  # an unhashable option, a tensor without storage: nothing to cache
-        key, plan = None, None
-    direct = _direct(tensors)
     if plan is None:
-        params = _resolve(xs, options)
-        call = RotaryCall(list(xs), cos, sin, params, positions, weights, cu_seqlens, offsets)
+        tensors = (*xs, cos, sin, positions, *(weights or ()), cu_seqlens, offsets)
+        call = RotaryCall(list(xs), cos, sin, _resolve(xs, options), positions, weights, cu_seqlens, offsets)
+        if key is None or not all(_is_plain(t) for t in tensors) or not _direct(tensors):
+            return _via_op(call)  # traced, fake, a subclass, autograd: the op runs (and checks) this call
         check_call(call)
-        if not direct:  # the op runs (and checks) this call; plan the direct path when one comes
-            return _via_op(call)
         load_backends()  # device kernels (Triton on CUDA) register on import
-        plan = _Eager(params, device_runner(unpacked(call)))  # packed sequences: planned with their positions
-        if key is not None:
-            if len(_EAGER_PLANS) >= _MAX_PLANS:
-                _EAGER_PLANS.clear()
-            _EAGER_PLANS[key] = plan
-    if direct:
-        if cu_seqlens is not None:  # each call's positions from its cu_seqlens, then the positions path
-            positions = packed_positions(eager_op, cu_seqlens, offsets, xs[0].shape[0], xs[0].dim(), xs[0].device)
-        outs = plan.run(xs, cos, sin, positions, weights)
-        return outs[0] if arity == 1 else tuple(outs)
-    return _via_op(RotaryCall(list(xs), cos, sin, plan.params, positions, weights, cu_seqlens, offsets))
+        plan = _Eager(call.params, device_runner(unpacked(call)))  # packed sequences: planned with their positions
+        if len(_EAGER_PLANS) >= _MAX_PLANS:
+            _EAGER_PLANS.clear()
+        _EAGER_PLANS[key] = plan
+    if cu_seqlens is not None:  # each call's positions from its cu_seqlens, then the positions path
+        positions = packed_positions(eager_op, cu_seqlens, offsets, xs[0].shape[0], xs[0].dim(), xs[0].device)
+    outs = plan.run(xs, cos, sin, positions, weights)
+    return outs[0] if arity == 1 else tuple(outs)
 
 
 def _offset_caches(cos: torch.Tensor, sin: torch.Tensor, offset: Any, cu_seqlens: Any) -> tuple:
