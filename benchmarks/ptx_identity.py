@@ -8,9 +8,10 @@ seen to.
 The specialisations are the ones the host planner launches with: each case below calls the public `launch` with
 a recording stand-in for the kernel, at the shapes of benchmarks/kernels.py's rows and of the tests' forms (NeoX
 and interleaved, partial rotary, a pass-through head, norms per head and across heads, positions into caches,
-packed sequences, q/k/v, the held, rows, halves and head-pass forms, fp32/bf16/fp16/fp64). Each recorded launch
-is bound and specialised by Triton's own JIT machinery on the CPU tensors (their alignment and the integer
-values Triton specialises on are the same as on the GPU), with the compile options of a direct launch
+packed sequences (as positions, and as cu_seqlens searched in the kernel), q/k/v, the held, rows, halves and
+head-pass forms, fp32/bf16/fp16/fp64). Each recorded launch is bound and specialised by Triton's own JIT machinery
+on the CPU tensors (their alignment and the integer values Triton specialises on are the same as on the GPU), with
+the compile options of a direct launch
 (`row_checks`: the row assert compiled in where positions are read), then compiled for sm_90.
 
 The baseline holds, per launch, a hash of its specialisation taken by position (argument types, constexpr values,
@@ -20,6 +21,7 @@ with debug locations, the kernel's symbol names and the device assert's source f
     python -m benchmarks.ptx_identity --record benchmarks/ptx_baseline.json   # before the change
     python -m benchmarks.ptx_identity --compare benchmarks/ptx_baseline.json  # after: exit 1 on a difference
     python -m benchmarks.ptx_identity --compare F --dump DIR                  # also write each normalised PTX
+    python -m benchmarks.ptx_identity --extend F    # add the launches of new cases to F, its entries kept as they are
 
 Run it without TRITON_INTERPRET (an interpreted kernel has no compiler behind it).
 """
@@ -152,6 +154,18 @@ def _cases() -> dict[str, dict]:
         cases[f"vllm qwen2.5-7b T={T}"] = _vllm(T, 128, 128, True, 28, 4, 32768)
     # packed sequences: positions derived from cu_seqlens (int32, as cumsum of int32 lengths gives them)
     cases["packed varlen [T,H,D] int32 positions"] = _vllm(4096, 64, 64, False, 8, 8, 4096, pos_dtype=torch.int32)
+    # packed sequences searched in the kernel: cu_seqlens read as they are (int32 and int64), per-sequence offsets,
+    # a norm folded, one sequence (Triton specialises a count of 1), one head a program's several tokens (TOKS)
+    for name, c, cu, off in (
+            ("il int32", _vllm(4096, 64, 64, False, 8, 8, 4096), torch.zeros(9, dtype=torch.int32), None),
+            ("neox int64 offsets", _vllm(4096, 128, 128, True, 32, 8, 8192), torch.zeros(9, dtype=torch.int64),
+             torch.zeros(8, dtype=torch.int64)),
+            ("neox+norm int32 offsets", _vllm(4096, 128, 128, True, 32, 8, 8192, norm=True),
+             torch.zeros(5, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)),
+            ("one sequence", _vllm(4096, 64, 64, False, 8, 8, 4096), torch.zeros(2, dtype=torch.int32), None),
+            ("one head", _vllm(8192, 64, 64, True, 1, 1, 8192), torch.zeros(17, dtype=torch.int64), None)):
+        c.pop("positions")
+        cases[f"packed cu_seqlens {name}"] = {**c, "cu_seqlens": cu, "seqlen_offsets": off}
     # backward: the closed-form inverse is the conjugate rotation of the output gradients
     cases["backward N1 1x32760x12x128"] = _spelling("N1", 1, 32760, 12, 12, 128, conjugate=True)
     cases["backward flux-il [B,S,H,D]"] = _flux(1, 12, 32760, 128, bhsd=False, conjugate=True)
@@ -224,10 +238,11 @@ def record_launches(cases: dict[str, dict] | None = None) -> list[Launch]:
     out = []
     for name, c in (cases or _cases()).items():
         rec = _Recorder()
-        launch(c["xs"], c["cos"], c["sin"], c["params"], c.get("positions"), c.get("weights"), kernel=rec,
-               **c.get("tiles", {}))
+        launch(c["xs"], c["cos"], c["sin"], c["params"], c.get("positions"), c.get("weights"),
+               cu_seqlens=c.get("cu_seqlens"), seqlen_offsets=c.get("seqlen_offsets"), kernel=rec, **c.get("tiles", {}))
+        rows = c.get("positions") if c.get("positions") is not None else c.get("cu_seqlens")
         for i, (args, kwargs) in enumerate(rec.calls):
-            out.append(Launch(name, i, args, {**kwargs, **row_checks(c.get("positions"))}))
+            out.append(Launch(name, i, args, {**kwargs, **row_checks(rows)}))
     return out
 
 
@@ -255,8 +270,12 @@ def specialise(kernel: Any, launch: Launch) -> tuple[dict, str]:
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    key = [list(signature.values()), [repr(constexprs[k]) for k in sorted(constexprs)],
-           sorted((list(k), repr(v)) for k, v in attrs.items()),
+    # a parameter the kernel gained with a default, left at it, is not part of the key: the launch compiles what it
+    # compiled before the parameter existed (the PTX hash checks that), so a baseline outlives such an addition
+    kept = [i for i, p in enumerate(kernel.params) if not (p.has_default and bound[p.name] is p.default)]
+    types = list(signature.values())
+    key = [[types[i] for i in kept], [repr(constexprs[k]) for k in sorted(constexprs) if k[0] in kept],
+           sorted((list(k), repr(v)) for k, v in attrs.items() if k[0] in kept),
            sorted((k, repr(v)) for k, v in options.__dict__.items())]
     job = dict(signature=signature, constexprs=constexprs, attrs=attrs, options=dict(options.__dict__))
     return job, _sha(json.dumps(key))
@@ -344,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--record", metavar="F", help="write the baseline of hashes to F")
     mode.add_argument("--compare", metavar="F", help="compare with the baseline in F")
+    mode.add_argument("--extend", metavar="F", help="add the launches F lacks to it, keeping the entries it holds")
     ap.add_argument("--dump", metavar="DIR", help="also write each launch's normalised PTX into DIR")
     ap.add_argument("--only", help="only the cases whose name contains this")
     ap.add_argument("--jobs", type=int, default=2, help="compiles run in this many processes")
@@ -359,6 +379,17 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(data, f, indent=1)
             f.write("\n")
         print(f"{len(now)} launches recorded in {args.record}")
+        return 0
+    if args.extend:  # the entries a baseline holds are what a later change is checked against: never rewritten
+        with open(args.extend) as f:
+            data = json.load(f)
+        held = {(r["case"], r["launch"]) for r in data["launches"]}
+        added = [r for r in now if (r["case"], r["launch"]) not in held]
+        data["launches"] += added
+        with open(args.extend, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        print(f"{len(added)} launches added to {args.extend} ({len(held)} kept)")
         return 0
     with open(args.compare) as f:
         data = json.load(f)

@@ -209,8 +209,9 @@ def test_triton_kernel_interpreted(interpreted_kernel, interleaved, rotary_dim, 
 
 
 def test_triton_user_kernel_node():
-    """The pass's Triton emission of a packed call: the positions' ATen ops traced before the user-kernel node,
-    which reads them as positions; the graph, run with the kernel interpreted, gives the packed rotation."""
+    """The pass's Triton emission of a packed call: cu_seqlens and seqlen_offsets are the user-kernel node's
+    inputs, no ATen op derives positions before it; the graph, run with the kernel interpreted, gives the packed
+    rotation."""
     pytest.importorskip("triton")
     import torch.fx as fx
     from test_kernel_sites import _Run
@@ -229,8 +230,9 @@ def test_triton_user_kernel_node():
     outs = emit_triton(g, fm, call, nodes[0])
     g.output(tuple(outs))
     (hop,) = [n for n in g.nodes if n.target is triton_kernel_wrapper_functional]
-    assert hop.kwargs["kwargs"]["HAS_POS"]
-    assert any(n.target is torch.ops.aten.searchsorted.Tensor for n in g.nodes)
+    kw = hop.kwargs["kwargs"]
+    assert kw["HAS_POS"] and kw["PACKED"] and kw["pos_ptr"] is nodes[4] and kw["off_ptr"] is nodes[5]
+    assert not any(n.target is torch.ops.aten.searchsorted.Tensor for n in g.nodes)
     got = _Run(fx.GraphModule({}, g)).run(*real)
     for o, x in zip(got, (q, k)):
         close(o, per_sequence(x, cos, sin, cu, off, **opts(True, 16)), torch.float32)
@@ -434,8 +436,7 @@ def test_flash_attn_varlen_with_a_dynamic_token_count():
 @pytest.mark.parametrize("offs", ["int", "tensor"])
 def test_gpu_eager_and_compiled_varlen_site(offs):
     """Eagerly the Triton kernel at the derived positions; compiled, flash-attn's varlen launches of q and k become
-    one rotary_qk on the Triton backend (its user-kernel node, the positions' ATen ops before it), both the packed
-    rotation."""
+    one rotary_qk on the Triton backend (its user-kernel node, which takes cu_seqlens), both the packed rotation."""
     from conftest import compile_with_pass
     from test_kernel_sites import _vllm_rotary_module
 

@@ -12,8 +12,9 @@ strides (they are constants of the call), and only with eager values does Induct
 of a user kernel's inputs; without them it keeps just their stride order, free to hand the kernel a
 re-laid-out copy (a dense copy of a strided view, say) whose strides the kernel would misread.
 
-Packed sequences (`cu_seqlens`) are traced with their positions (ops/packed.py): the ATen ops that derive them
-become nodes before the kernel, which takes them as positions. Under symbolic sizes such a call is not planned.
+Packed sequences (`cu_seqlens`, `seqlen_offsets`) are kernel inputs as they are: the kernel finds each token's
+sequence itself (ops/packed.py's contract), so no ATen ops derive positions before it. Under symbolic sizes such
+a call is not planned.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from torch._higher_order_ops.triton_kernel_wrap import (
     triton_kernel_wrapper_mutation,
 )
 
-from ..ops.packed import unpacked
 from ..ops.schema import RotaryCall
 from .triton_kernel import rotary_kernel
 from .triton_launch import launch
@@ -64,8 +64,9 @@ def emit_triton(graph: fx.Graph, fake_mode: Any, call: RotaryCall, like: fx.Node
         full = [None] * len(call.tensors())
         for slot, a in zip(slots, args):
             full[slot] = a
-        c = unpacked(RotaryCall.parse(full, call.params.kwargs(), n))  # packed sequences: their positions, traced
-        return tuple(launch(c.xs, c.cos, c.sin, c.params, c.positions, c.norm_weights))
+        c = RotaryCall.parse(full, call.params.kwargs(), n)
+        return tuple(launch(c.xs, c.cos, c.sin, c.params, c.positions, c.norm_weights, cu_seqlens=c.cu_seqlens,
+                            seqlen_offsets=c.seqlen_offsets))
 
     with fake_mode, enable_python_dispatcher():
         gm = make_fx(fn, tracing_mode="real")(*vals)
@@ -185,7 +186,7 @@ class _SymbolicPlan:
     @classmethod
     def of(cls, call: RotaryCall, inputs: list, vals: list, fake_mode: Any) -> _SymbolicPlan | None:
         if fake_mode is None or fake_mode.shape_env is None or call.cu_seqlens is not None:
-            return None  # packed sequences: positions derived on the stand-ins would not be the graph's
+            return None  # packed sequences: their count is a kernel argument that this plan does not map
         env = fake_mode.shape_env
         try:
             hint = [([_hint(env, d) for d in v.shape], [_hint(env, d) for d in v.stride()]) for v in vals]

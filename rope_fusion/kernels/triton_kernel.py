@@ -161,6 +161,28 @@ def _token_row(ptr, i0, i1, i2, strides):
 
 
 @triton.jit
+def _packed_row(cu_ptr, off_ptr, batch, t):
+    """Token t's row of the caches in packed sequences (ops/packed.py): t - cu_seqlens[b] (+ seqlen_offsets[b]) for
+    the sequence b with cu_seqlens[b] <= t < cu_seqlens[b + 1], found by a binary search over the batch + 1 starts
+    (the last start <= t: a sequence left empty by a repeated start is passed over). The range halves whatever the
+    values, so every token of a (TOKS, 1) tile takes the same steps, and each step's start is in bounds. A token
+    before cu_seqlens[0] or from cu_seqlens[-1] on fails the assert (compiled in where the row assert is)."""
+    base = tl.full(t.shape, 0, tl.int64)
+    size = tl.to_tensor(batch) + 1
+    while size > 1:
+        half = size // 2
+        base = tl.where(tl.load(cu_ptr + base + half) <= t, base + half, base)
+        size -= half
+    start = tl.load(cu_ptr + base).to(tl.int64)
+    inside = (start <= t) & (base < batch)
+    tl.device_assert(inside, "rope_fusion: a token outside every sequence of cu_seqlens")
+    row = t - start
+    if off_ptr is not None:
+        row += tl.load(off_ptr + base, mask=inside, other=0).to(tl.int64)
+    return row
+
+
+@triton.jit
 def _load_tables(c_row, s_row, ia, ib, tmask, SCD: tl.constexpr, SSD: tl.constexpr, TOKS: tl.constexpr,
                  FULL_TABLES: tl.constexpr, ANGLES: tl.constexpr, CONJ: tl.constexpr, cdt: tl.constexpr):
     """The token's table row as (cos a, sin a, cos b, sin b), the entries of each pair's first and second
@@ -209,12 +231,17 @@ def rotary_kernel(
     ONE_BLOCK: tl.constexpr, SCD: tl.constexpr, SSD: tl.constexpr, BH: tl.constexpr, OFFSET: tl.constexpr,
     ANGLES: tl.constexpr, W_HEADS: tl.constexpr, W_TILE: tl.constexpr, HEAD_I64: tl.constexpr,
     STREAM: tl.constexpr, HELD: tl.constexpr, TOKS: tl.constexpr,
+    off_ptr=None, batch=None, PACKED: tl.constexpr = False,
 ):
     """Rotate the rows of one token of q (and k, and v): grid = (tokens, nsplit).
 
     Strides are named by tensor (q, its output qo, ...) and axis: t0, t1, t2 the token dims of the grid (sizes
     tokens_0 = the grid's share, tokens_1, tokens_2), head the dim looped over; with positions (HAS_POS) the
-    cos_stride_t* are the strides of positions, and a row of the caches is cos_stride_row apart.
+    cos_stride_t* are the strides of positions, and a row of the caches is cos_stride_row apart. With PACKED too,
+    the tokens are packed sequences (`_packed_row`): pos_ptr holds their `batch` + 1 starts cu_seqlens, off_ptr
+    their first rows seqlen_offsets (None: 0), and cos_stride_t* turn the token dims into the index along x's
+    first dim (the planner's geometry of the positions the op would derive). Launches without it leave the last
+    three parameters at their defaults, which compile to the code they compiled to before these existed.
     The head blocks of q, then of k, then of v form one list of work items; program `split` of a token takes items
     split, split + nsplit, ... (nsplit = 1: one program does all of q and k; nsplit = 2 with one block each:
     q and k in separate programs of the same launch). NORM 1 RMS-normalises each head row first, NORM 2 all
@@ -282,7 +309,10 @@ def rotary_kernel(
         ia = jt
         ib = jt
     if HAS_POS:  # a cache row per token: cos_stride_t* are the strides of positions over the token dims
-        pos = tl.load(pos_ptr + i0 * cos_stride_t0 + i1 * cos_stride_t1 + i2 * cos_stride_t2).to(tl.int64)
+        if PACKED:  # pos_ptr holds cu_seqlens, and cos_stride_t* give the token's index in x's first dim
+            pos = _packed_row(pos_ptr, off_ptr, batch, i0 * cos_stride_t0 + i1 * cos_stride_t1 + i2 * cos_stride_t2)
+        else:
+            pos = tl.load(pos_ptr + i0 * cos_stride_t0 + i1 * cos_stride_t1 + i2 * cos_stride_t2).to(tl.int64)
         # the op's rule, 0 <= row < cache_rows (the pass wraps negative positions in the graph where the model's
         # indexing wraps them): a row outside fails as Inductor's own gathers fail, a device-side assert, which
         # is compiled in where Inductor compiles its own (its kernels and this one: `assert_indirect_indexing`)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.library import wrap_triton
 
+from ..ops.packed import eager_op, packed_positions
 from ..ops.reference import gather_rows
 from ..ops.schema import RotaryCall, RotaryParams
 from .triton_kernel import rotary_kernel
@@ -43,7 +44,9 @@ def launch_call(call: RotaryCall) -> list | None:
         return None
     if call.params.unhandled(KERNEL_FIELDS):  # a parameter the kernel does not take: the reference
         return None
-    return launch(call.xs, call.cos, call.sin, call.params, call.positions, call.norm_weights)
+    # packed sequences as they are: the kernel finds each token's sequence, no positions are derived for it
+    return launch(call.xs, call.cos, call.sin, call.params, call.positions, call.norm_weights,
+                  cu_seqlens=call.cu_seqlens, seqlen_offsets=call.seqlen_offsets)
 
 
 def _prepare(x: torch.Tensor) -> torch.Tensor:
@@ -57,16 +60,20 @@ _LAUNCH_CACHE: dict = {}  # geometry key -> launches; keeps the host side of a r
 
 
 def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams, positions: Any = None,
-           weights: Sequence | None = None, *, kernel: Any = None, block_h: int | None = None,
-           num_warps: int | None = None, nsplit: int | None = None, neox_row: bool | None = None,
-           stream: bool | None = None, held: bool | None = None) -> list:
+           weights: Sequence | None = None, *, cu_seqlens: Any = None, seqlen_offsets: Any = None,
+           kernel: Any = None, block_h: int | None = None, num_warps: int | None = None, nsplit: int | None = None,
+           neox_row: bool | None = None, stream: bool | None = None, held: bool | None = None) -> list:
     """Rotate 1-3 tensors sharing tables; one launch when their geometry allows it, else one each.
-    With positions, the tables are rows of a cache read per token (`cos[positions]`); with a norm in params,
-    each x is RMS-normalised (and scaled by its weight, one per x, which may vary over heads and lanes only)
-    in the same pass. The tuning options override the rules below (the benchmarks' sweeps use them)."""
+    With positions, the tables are rows of a cache read per token (`cos[positions]`); with cu_seqlens (and
+    seqlen_offsets), x packs sequences and the kernel finds each token's row itself (ops/packed.py's contract);
+    with a norm in params, each x is RMS-normalised (and scaled by its weight, one per x, which may vary over heads
+    and lanes only) in the same pass. The tuning options override the rules below (the benchmarks' sweeps use
+    them)."""
+    if cu_seqlens is not None and positions is not None:
+        raise ValueError("pass positions or cu_seqlens, not both")
     weights = list(weights) if weights is not None else [None] * len(xs)
     tiles = dict(block_h=block_h, num_warps=num_warps, nsplit=nsplit, neox_row=neox_row, stream=stream, held=held)
-    tuning = dict(kernel=kernel, **tiles)
+    tuning = dict(kernel=kernel, cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets, **tiles)
     if params.norm != "none" and any(w is not None and not per_lane(w, x) for w, x in zip(weights, xs)):
         return _normed_first(xs, cos, sin, params, positions, weights, tuning)
     xs = [_prepare(x) for x in xs]
@@ -74,7 +81,7 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
     outs = [torch.empty(x.shape, dtype=params.out_dtype, device=x.device) for x in xs]
     fn = kernel if kernel is not None else wrap_triton(rotary_kernel) if _tracing(xs) else rotary_kernel
     opts = (params, tuple(tiles.items()))
-    tables = Tables(cos, sin, positions, weights)
+    tables = Tables(cos, sin, positions, weights, cu_seqlens, seqlen_offsets)
     try:
         key = (tuple((tuple(x.shape), x.stride(), x.dtype) for x in xs), tables.key(), opts)
         hash(key)
@@ -90,17 +97,21 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
     if launches is NORM_FIRST:
         return _normed_first(xs, cos, sin, params, positions, weights, tuning)
     if launches is not None:
-        pos = positions if positions is not None else cos  # unused pointers stand in for absent tensors
-        checks = row_checks(positions) if fn is rotary_kernel else {}
+        # unused pointers stand in for absent tensors; packed sequences' starts take the positions' place
+        pos = positions if positions is not None else cu_seqlens if cu_seqlens is not None else cos
+        checks = row_checks(pos if tables.rows else None) if fn is rotary_kernel else {}
+        packed = {"off_ptr": seqlen_offsets} if cu_seqlens is not None else {}  # a tensor of this call
         for group, grid, scalars, meta in launches:
             sides = [group[min(i, len(group) - 1)] for i in range(3)]  # q, k, v; absent sides repeat the last
             ws = [weights[i] if weights[i] is not None else cos for i in sides]
-            fn[grid](*(xs[i] for i in sides), *(outs[i] for i in sides), cos, sin, pos, *ws, *scalars, **meta,
-                     **checks)
+            fn[grid](*(xs[i] for i in sides), *(outs[i] for i in sides), cos, sin, pos, *ws, *scalars,
+                     **{**meta, **packed}, **checks)
         return outs
     # More than 3 token dims that do not merge: materialize x and tables (rare, correct), one launch each.
     if params.norm != "none":  # materialized tables no longer show which dim holds the heads
         return _normed_first(xs, cos, sin, params, positions, weights, tuning)
+    if cu_seqlens is not None:  # here, and only here, the rows are derived as the op derives them
+        positions = packed_positions(eager_op, cu_seqlens, seqlen_offsets, xs[0].shape[0], xs[0].dim(), xs[0].device)
     if positions is not None:  # checked: a position outside [0, rows) raises, as the kernel's assert does
         cos, sin = gather_rows(cos, positions), gather_rows(sin, positions)
     for i, x in enumerate(xs):

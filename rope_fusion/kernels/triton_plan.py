@@ -88,11 +88,21 @@ class Tables:
     sin: torch.Tensor
     positions: Any = None
     weights: list = dataclasses.field(default_factory=list)  # norm weights, one per x (or None)
+    # packed sequences (ops/packed.py), read by the kernel itself: each token's row is found from these
+    cu_seqlens: Any = None
+    seqlen_offsets: Any = None
+
+    @property
+    def rows(self) -> bool:
+        """Whether the tables are cache rows picked per token (by positions, or by packed sequences)."""
+        return self.positions is not None or self.cu_seqlens is not None
 
     def key(self) -> tuple:
         geo = [(tuple(t.shape), t.stride(), t.dtype) for t in (self.cos, self.sin, *self.weights) if t is not None]
         if self.positions is not None:
             geo.append((tuple(self.positions.shape), self.positions.stride()))
+        if self.cu_seqlens is not None:  # the sequence count is a kernel argument; the offsets' presence a constant
+            geo.append(("packed", tuple(self.cu_seqlens.shape), self.seqlen_offsets is None))
         return tuple(geo)
 
     def planned(self) -> tuple:
@@ -104,14 +114,19 @@ class Tables:
 
 def plan_launch(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables: Tables) -> Plan | None:
     """One launch's geometry for tensors that share tables, or None if they cannot share one grid."""
-    cos, sin = tables.planned()
     lead = [tuple(x.shape[:-1]) for x in xs]
     n = len(lead[0])
     if any(len(s) != n for s in lead):
         return None
-    width = cos.shape[-1]
-    c_exp = [cos.expand(*s, width).stride() for s in lead]
-    s_exp = [sin.expand(*s, width).stride() for s in lead]
+    if tables.cu_seqlens is not None:
+        # packed sequences: the row varies along x's first dim only, as the positions the op would derive
+        # ([T, 1, ..., 1]) vary; their strides over the token dims give the kernel each token's index in that dim
+        c_exp = s_exp = [(1, *[0] * n) for _ in lead]
+    else:
+        cos, sin = tables.planned()
+        width = cos.shape[-1]
+        c_exp = [cos.expand(*s, width).stride() for s in lead]
+        s_exp = [sin.expand(*s, width).stride() for s in lead]
     differ = [i for i in range(n) if any(not is_true(s[i] == lead[0][i]) for s in lead)]
     if len(differ) > 1:
         return None
@@ -358,14 +373,14 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
     cos, sin = tables.cos, tables.sin
     wide = math_dtype(xs, cos, sin, params.out_dtype) == torch.float64
     # with positions: the row strides and the rows that a position may pick (the kernel asserts 0 <= row < rows)
-    rows = (cos.stride(0), sin.stride(0), cache_rows(cos, sin)) if tables.positions is not None else (0, 0, 0)
+    rows = (cos.stride(0), sin.stride(0), cache_rows(cos, sin)) if tables.rows else (0, 0, 0)
     weights = [tables.weights[i] if tables.weights else None for i in group]
     wq, wk, wv = (weight_head_stride(weights[i], xs[i], p.head) if len(xs) > i else 0 for i in range(3))
     scalars = (p.tokens[1], p.tokens[2], p.heads[0], hk, hv, nsplit, *rows, wq, wk, wv, float(params.norm_eps),
                *p.x_strides[0], *p.o_strides[0], *sk, *sko, *sv, *svo, *p.c_strides[:3], *p.s_strides[:3])
     meta = dict(ROT=rotary_dim, HEAD_DIM=head_dim, HALF_PAD=half_pad, TAIL_PAD=tail_pad, BLOCK_H=bh,
                 NSIDES=len(xs), INTERLEAVED=interleaved, FULL_TABLES=params.full_tables, CONJ=params.conjugate,
-                MATH_FP64=wide, NEOX_ROW=neox_row, HAS_POS=tables.positions is not None,
+                MATH_FP64=wide, NEOX_ROW=neox_row, HAS_POS=tables.rows,
                 NORM={"none": 0, "rms": 1, "rms_across_heads": 2}[params.norm],
                 HAS_W=any(w is not None for w in weights), HEAD_PAD=triton.next_power_of_2(head_dim),
                 # a weight that varies over heads is loaded per head block; one shared by every head, once
@@ -381,9 +396,18 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
                 if stream is None else bool(stream),
                 HELD=max(side_blocks) if held else 0,  # head blocks held per side (a constexpr: unrolled)
                 TOKS=toks,
+                # packed sequences: their count (the search's range) and the constant that turns the search on;
+                # off_ptr, the offsets, is a tensor of each call (`launch` passes it), None here
+                off_ptr=None, batch=packed_batch(tables), PACKED=tables.cu_seqlens is not None,
                 num_warps=num_warps or warps_for(bh * lanes_pad, "head_pass" if params.rotary_offset else
                                                   "rows" if interleaved or neox_row else "halves"))
     return (ntok // toks if toks > 1 else ntok, nsplit), scalars, meta
+
+
+def packed_batch(tables: Tables) -> Any:
+    """The number of packed sequences (cu_seqlens holds batch + 1 starts), or None without them: the kernel's
+    `batch`, left at its default where nothing is packed."""
+    return tables.cu_seqlens.shape[0] - 1 if tables.cu_seqlens is not None else None
 
 
 def cache_rows(cos: torch.Tensor, sin: torch.Tensor) -> Any:
