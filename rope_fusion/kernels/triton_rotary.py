@@ -17,6 +17,7 @@ import torch
 from ..ops.backends import Backend, SiteSpec, emit_op_call, register_backend
 from ..ops.library import define_rotary_ops, register_device_kernel
 from ..ops.schema import RotaryCall
+from . import triton_launch, triton_slice  # noqa: F401  (triton_slice registers rotary_slice_'s in-place kernel)
 from .triton_graph import emit_triton
 from .triton_launch import launch, launch_call, plan_eager
 from .triton_plan import KERNEL_FIELDS, MAX_HEAD_DIM
@@ -31,7 +32,8 @@ ROTARY_TRITON, ROTARY_QK_TRITON, ROTARY_QKV_TRITON = TRITON_OPS
 
 def supports(spec: SiteSpec) -> str | None:
     """Sites this backend takes: GPU tensors of float dtypes and a static head dim the kernel can hold."""
-    if spec.device_type != "cuda":  # ROCm tensors also have device type "cuda"
+    # ROCm tensors also have device type "cuda"; under the interpreter (tests) the kernel runs on CPU tensors
+    if spec.device_type != "cuda" and not (spec.device_type == "cpu" and triton_launch.INTERPRETED):
         return f"runs on CUDA/ROCm devices, the site is on {spec.device_type}"
     dtypes = (spec.x_dtype, spec.table_dtype, spec.params.out_dtype)
     if not all(d in SUPPORTED_DTYPES for d in dtypes):
@@ -52,7 +54,7 @@ def _emit(emitter: Any, call: RotaryCall, like: Any) -> list | None:
     generated code, no op dispatch per call). Where it cannot (sizes symbolic beyond what the node takes),
     `auto` declines the site, and the lowering takes it: the opaque op would pay the dispatcher on every call.
     Asked for by name, the backend emits that opaque op."""
-    if emitter.fake_mode is not None:
+    if emitter.fake_mode is not None and call.xs[0].meta["val"].device.type == "cuda":
         outs = emit_triton(emitter.graph, emitter.fake_mode, call, like)
         if outs is not None:
             return outs

@@ -27,6 +27,7 @@ from .grouping import arithmetic_dtype
 from .norms import NormPrologue, dies_with, norm_prologue
 from .site import KernelTables, Site, TableRef
 from .site_costs import site_spec
+from .slice_writes import emit_slice_write, group_writes
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -332,6 +333,8 @@ class PlannedGroup:
     anchor: fx.Node
     params: RotaryParams  # what the op was called with: the sites' own, and a folded norm or angle tables
     norm: str = ""  # what happened to a QK-norm before the rotation
+    replaced: list | None = None  # per match, the node whose uses `finals` take (the site's, or its slice_scatter)
+    fold: str = ""  # a slice write folded into the node, or why one was not
 
 
 def fold_norms(group: tuple, nodes: dict, depends_on: Callable) -> tuple[list | None, str]:
@@ -438,15 +441,40 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
         call = RotaryCall(xs, cos, sin, params, positions, weights, cu_seqlens, seqlen_offsets)
         spec = dataclasses.replace(site_spec(xs, cos, sin, params, m0, positions), measure=AutoSite(group, call))
         backend, fallback = choose(spec)
-        outs = backend.emit(em, call, m0.node)
-        if outs is None:  # declined at emission (under auto only): the lowering, never a slower opaque call
-            fallback = f"{backend.name}: {em.declined or 'declined at emission'}; the lowering instead"
-            backend = get_backend("inductor")
+        writes = group_writes(group, xs) if backend.name in FOLDS_SLICE_WRITES else []
+        if writes and not isinstance(writes, str):  # the rotation written into the bases' slices in place
+            finals = emit_slice_write(em, call, writes, m0.node)
+            replaced = [w.scatter for w in writes]
+            fold = "slice write: " + ", ".join(f"{w.base.name}[dim {w.dim}, {w.start}:{w.end}]" for w in writes)
+        else:
             outs = backend.emit(em, call, m0.node)
-        finals = [_unflatten(em, o, m) for o, m in zip(outs, group)]
+            if outs is None:  # declined at emission (under auto only): the lowering, never a slower opaque call
+                fallback = f"{backend.name}: {em.declined or 'declined at emission'}; the lowering instead"
+                backend = get_backend("inductor")
+                outs = backend.emit(em, call, m0.node)
+            finals = [_unflatten(em, o, m) for o, m in zip(outs, group)]
+            replaced = [m.node for m in group]
+            fold = f"slice write not folded: {writes}" if isinstance(writes, str) and _writes_back(group) else ""
     op_name = f"rope_fusion.{OP_NAMES[len(group)]}"
     norm = f"{params.norm} folded" if norms is not None else (f"left in the graph: {norm_note}" if norm_note else "")
-    return PlannedGroup(group, inputs, finals, op_name, backend.name, fallback, cos, sin, anchor, params, norm)
+    return PlannedGroup(group, inputs, finals, op_name, backend.name, fallback, cos, sin, anchor, params, norm,
+                        replaced, fold)
+
+
+# Backends whose fused node Inductor cannot fuse with a `slice_scatter` after it: a rotation written into a slice
+# is folded into their node (passes/slice_writes.py). The lowering fuses with the scatter, and Inductor writes each
+# row once already.
+FOLDS_SLICE_WRITES = ("triton",)
+
+
+def _writes_back(group: tuple) -> bool:
+    """Whether a member's result flows into a slice_scatter (through a copy): a write the fold did not take."""
+    for m in group:
+        for u in m.node.users:
+            if u.target is aten.slice_scatter.default or u.target is aten.copy.default and any(
+                    w.target is aten.slice_scatter.default for w in u.users):
+                return True
+    return False
 
 
 def _group_arithmetic_dtype(group: tuple, nodes: dict, depends_on: Callable) -> torch.dtype | None:
@@ -504,8 +532,8 @@ def erase_between(graph: fx.Graph, start: fx.Node, end: fx.Node) -> None:
 def commit(planned: list[PlannedGroup]) -> None:
     """Replace the uses of every planned site."""
     for p in planned:
-        for m, new in zip(p.group, p.finals):
-            m.node.replace_all_uses_with(new)
+        for old, new in zip(p.replaced or [m.node for m in p.group], p.finals):
+            old.replace_all_uses_with(new)
 
 
 def finish(graph: fx.Graph, planned: list[PlannedGroup], order: dict) -> None:

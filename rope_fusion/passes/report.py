@@ -101,6 +101,7 @@ class Kernel:
     sites: list  # indices into Report.sites
     fallback: str = ""  # why the backend that was asked for did not take the site
     choice: str = ""  # how `auto` chose on a device it measures: "measured ...", "cached ..." or "table: ..."
+    fold: str = ""  # data movement folded into the node ("slice write: q[dim 2, 226:4096], ..."), or why not
 
 
 @dataclasses.dataclass
@@ -221,6 +222,8 @@ class Report:
                 lines.append(f"  kernel {k.op}[{k.backend}] fell back: {k.fallback}{mark(k.graph)}")
             if k.choice:
                 lines.append(f"  kernel {k.op}[{k.backend}] auto: {k.choice}{mark(k.graph)}")
+            if k.fold:
+                lines.append(f"  kernel {k.op}[{k.backend}] {k.fold}{mark(k.graph)}")
         for m in self.misses:
             lines.append(f"  miss {m.node}: {m.reason} at {m.source}{mark(m.graph)}")
         if self.host_tables:

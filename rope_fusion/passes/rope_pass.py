@@ -357,7 +357,7 @@ class RopeFusionPass(PassBase):
                 graph_kind=self.report.graph_records[index].kind, norm=p.norm))
         backend, fallback = self._backend_of(p)
         choice = self._choices.pop(p.group[0].node, "")
-        self.report.kernels.append(Kernel(index, p.op_name, backend, ids, fallback, choice))
+        self.report.kernels.append(Kernel(index, p.op_name, backend, ids, fallback, choice, p.fold))
 
     def _backend_of(self, p: emission.PlannedGroup) -> tuple[str, str]:
         """The backend that took a group, and why not the one asked for ("" when it was)."""

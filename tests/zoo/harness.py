@@ -61,7 +61,12 @@ def _target_name(node: torch.fx.Node) -> str:
 
 
 def _is_rope_op(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and "rope_fusion" in str(node.target)
+    """A rope_fusion op, or the functional form of one that writes in place (a slice write folded in)."""
+    if node.op != "call_function":
+        return False
+    if node.target is torch.ops.higher_order.auto_functionalized and node.args:
+        return "rope_fusion" in str(node.args[0])
+    return "rope_fusion" in str(node.target)
 
 
 def _val(node):

@@ -1,0 +1,63 @@
+"""The Triton kernel rotating slices in place: the CUDA implementation of `rope_fusion::rotary_slice_` and its
+arities (ops/slice_write.py).
+
+The kernel takes an output pointer and strides per tensor, so the slice of the base is its own output: each
+program loads a row tile (a head block, or a token's held heads) before it stores that tile, and no two programs
+share a row, so reading x from the memory it writes is safe, and the rows outside the slice are never touched.
+Where the plan is not one the kernel runs in a single pass over each row (a norm applied before the launch, more
+token dims than the kernel merges, a de-interleaved output, lanes that are not contiguous) the rotation is computed
+into fresh buffers and copied into the slice: correct, one copy more.
+"""
+
+from __future__ import annotations
+
+from ..ops.schema import RotaryCall
+from ..ops.slice_write import register_in_place
+from . import triton_launch
+from .triton_plan import KERNEL_FIELDS, NORM_FIRST, Tables, is_true, make_launches, per_lane
+
+
+def rotate_in_place(call: RotaryCall, views: list) -> bool:
+    """Rotate `views` (the call's xs) in place; False where the kernel cannot serve the call (the reference
+    then runs)."""
+    if any(t.device.type != "cuda" for t in (*views, call.cos, call.sin)) and not triton_launch.INTERPRETED:
+        return False
+    params = call.params
+    if params.unhandled(KERNEL_FIELDS):
+        return False
+    weights = list(call.norm_weights) if call.norm_weights else [None] * len(views)
+    one_pass = (not params.deinterleave and all(is_true(v.stride(-1) == 1) for v in views)
+                and not (params.norm != "none" and any(w is not None and not per_lane(w, v)
+                                                       for w, v in zip(weights, views))))
+    launches = None
+    if one_pass:
+        weights = [w if w is None or is_true(w.stride(-1) == 1) else w.contiguous() for w in weights]
+        tables = Tables(call.cos, call.sin, call.positions, weights)
+        launches = make_launches(views, views, tables, params)
+    if launches is None or launches is NORM_FIRST:
+        outs = triton_launch.launch(views, call.cos, call.sin, params, call.positions, call.norm_weights)
+        for view, out in zip(views, outs):
+            view.copy_(out)
+        return True
+    kernel = triton_launch.rotary_kernel  # read per call: the tests interpret the module's kernel
+    pos = call.positions if call.positions is not None else call.cos  # unused pointers stand in for absent ones
+    checks = triton_launch.row_checks(call.positions)
+    for group, grid, scalars, meta in launches:
+        sides = [group[min(i, len(group) - 1)] for i in range(3)]  # q, k, v; absent sides repeat the last
+        ws = [weights[i] if weights[i] is not None else call.cos for i in sides]
+        kernel[grid](*(views[i] for i in sides), *(views[i] for i in sides), call.cos, call.sin, pos, *ws, *scalars,
+                     **meta, **checks)
+    return True
+
+
+def _is_empty(views: list) -> bool:
+    return any(is_true(v.numel() == 0) for v in views)
+
+
+def _serve(call: RotaryCall, views: list) -> bool:
+    if _is_empty(views):
+        return True
+    return rotate_in_place(call, views)
+
+
+register_in_place("cuda", _serve)

@@ -1,0 +1,207 @@
+"""A rotation written back into a slice of a larger tensor (CogVideoX's `q[:, :, text:] = rope(q[:, :, text:])`)
+is folded into the fused node for a backend whose node Inductor cannot fuse with the scatter: the op
+`rope_fusion::rotary*_slice_` rotates the rows of the slice in place, emitted as `auto_functionalized`, and
+Inductor's reinplacing writes into the base (or into a clone of it, where the base is read again).
+
+The Triton kernel runs interpreted on the CPU (tests/triton_interpreted.py); Inductor compiles the rest of the
+graph to C++. The numerics are checked against an fp64 evaluation of the model's own code on fresh inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from conftest import check_numerics, compile_with_pass, fp64_eval  # noqa: E402
+from torch._inductor.utils import run_and_get_code  # noqa: E402
+from triton_interpreted import interpreted  # noqa: E402
+
+import rope_fusion  # noqa: E402
+from rope_fusion.ops import slice_write  # noqa: E402
+from rope_fusion.ops.reference import rotary_reference  # noqa: E402
+
+TEXT = 3
+
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    """The Triton backend on CPU tensors: its kernel interpreted, in place for the slice op too."""
+    import rope_fusion.kernels.triton_kernel as tk
+    import rope_fusion.kernels.triton_launch as launching
+    import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the backend and the in-place kernel)
+
+    monkeypatch.setattr(launching, "rotary_kernel", interpreted(tk.rotary_kernel))
+    monkeypatch.setattr(launching, "INTERPRETED", True)
+    monkeypatch.setitem(slice_write.IN_PLACE, "cpu", slice_write.IN_PLACE["cuda"])
+
+
+def rope(x, cos, sin):
+    """diffusers' apply_rotary_emb (use_real, unbind -1), as CogVideoX calls it on [B, H, S, D]."""
+    cos, sin = cos[None, None], sin[None, None]
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def cogvideox_attention(q, k, v, cos, sin):
+    q = F.layer_norm(q, (q.shape[-1],))
+    k = F.layer_norm(k, (k.shape[-1],))
+    q[:, :, TEXT:] = rope(q[:, :, TEXT:], cos, sin)
+    k[:, :, TEXT:] = rope(k[:, :, TEXT:], cos, sin)
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def middle_rows(x, cos, sin):
+    y = x * 1.0
+    y[:, :, TEXT:TEXT + cos.shape[0]] = rope(y[:, :, TEXT:TEXT + cos.shape[0]], cos, sin)
+    return y
+
+
+def read_again(x, cos, sin):
+    """The base is read after the write (its old values): Inductor must write into a clone."""
+    y = x * 2.0
+    z = torch.slice_scatter(y, rope(y[:, :, TEXT:], cos, sin), 2, TEXT)
+    return z, y + 1.0
+
+
+def shifted_rows(x, cos, sin):
+    """Rows read and rows written differ: not a write of the rotation into its own slice."""
+    y = x * 1.0
+    y[:, :, TEXT + 1:] = rope(y[:, :, TEXT:-1], cos, sin)
+    return y
+
+
+def inputs(s=11, rows=None, heads=2, d=16, dtype=torch.float32, n=3):
+    rows = rows if rows is not None else s - TEXT
+    xs = [torch.randn(2, heads, s, d, dtype=dtype) for _ in range(n)]
+    return (*xs, torch.randn(rows, d), torch.randn(rows, d))
+
+
+def _compiled_code(fn, args, **pass_kw):
+    torch._dynamo.reset()
+    p = rope_fusion.RopeFusionPass(**pass_kw)
+    with torch._inductor.config.patch(post_grad_custom_post_pass=p, fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        out, code = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
+    return out, "\n".join(code), p
+
+
+def _after(p):
+    return p.capture.graphs[-1].after.counts
+
+
+def test_cogvideox_attention_writes_into_q_and_k(triton_on_cpu):
+    args = inputs()
+    out, p = compile_with_pass(cogvideox_attention, *[a.clone() for a in args], backend="triton")
+    r = p.report
+    assert (len(r.sites), len(r.kernels)) == (2, 1), r.table()
+    assert r.kernels[0].op == "rope_fusion.rotary_qk" and r.kernels[0].fold.startswith("slice write:"), r.table()
+    counts = _after(p)
+    assert counts["aten.slice_scatter.default"] == 0 and counts["aten.copy.default"] == 0, counts
+    assert counts["auto_functionalized"] == 1 and p.capture.graphs[-1].after.rope_ops == 1, counts
+    check_numerics(cogvideox_attention, [a.clone() for a in args], out, context=r.table())
+
+
+def test_generated_code_rotates_in_place(triton_on_cpu):
+    args = inputs()
+    out, code, p = _compiled_code(cogvideox_attention, [a.clone() for a in args], backend="triton")
+    assert "rope_fusion.rotary_qk_slice_" in code, code
+    for copy in ("slice_scatter", "clone", ".copy_("):
+        assert copy not in code, f"{copy} in the generated code:\n{code}"
+    check_numerics(cogvideox_attention, [a.clone() for a in args], out, context=p.report.table())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_untouched_rows_equal_the_input(triton_on_cpu, dtype):
+    x, cos, sin = inputs(s=13, rows=6, dtype=dtype, n=1)
+    out, p = compile_with_pass(middle_rows, x, cos, sin, backend="triton")
+    assert p.report.kernels and p.report.kernels[0].fold, p.report.table()
+    assert torch.equal(out[:, :, :TEXT], x[:, :, :TEXT]) and torch.equal(out[:, :, TEXT + 6:], x[:, :, TEXT + 6:])
+    check_numerics(middle_rows, (x, cos, sin), out, context=p.report.table())
+
+
+def test_a_base_read_again_keeps_its_values(triton_on_cpu):
+    x, cos, sin = inputs(n=1)
+    (z, y1), code, p = _compiled_code(read_again, (x, cos, sin), backend="triton")
+    assert p.report.kernels and p.report.kernels[0].fold, p.report.table()
+    assert "rope_fusion.rotary_slice_" in code and "slice_scatter" not in code, code
+    assert "clone" in code, code  # Inductor's reinplacing left the base alone and wrote into its copy
+    want = fp64_eval(read_again, x, cos, sin)
+    torch.testing.assert_close(y1, (2.0 * x + 1.0))  # the old values of the base, not the rotated ones
+    check_numerics(read_again, (x, cos, sin), (z, y1), context=p.report.table())
+    assert torch.equal(z[:, :, :TEXT], (2.0 * x)[:, :, :TEXT]) and want[0].dtype == torch.float64
+
+
+def test_other_rows_are_not_folded_and_say_why(triton_on_cpu):
+    x, cos, sin = inputs(rows=7, n=1)
+    out, p = compile_with_pass(shifted_rows, x, cos, sin, backend="triton")
+    r = p.report
+    assert len(r.sites) == 1, r.table()
+    assert r.kernels[0].fold == "slice write not folded: it is written into other rows than its x is read from", \
+        r.table()
+    assert "slice write not folded" in r.table()
+    assert _after(p)["aten.slice_scatter.default"] == 1
+    check_numerics(shifted_rows, (x, cos, sin), out, context=r.table())
+
+
+def test_the_lowering_keeps_the_scatter_it_fuses_with():
+    """On the CPU (`auto`: the lowering) nothing is folded: Inductor fuses the op's lowering with the scatter and
+    writes each row once, which the fold would only split into two kernels."""
+    args = inputs()
+    out, code, p = _compiled_code(cogvideox_attention, [a.clone() for a in args])
+    assert [k.fold for k in p.report.kernels] == [""], p.report.table()
+    assert "rotary_qk_slice_" not in code
+    check_numerics(cogvideox_attention, [a.clone() for a in args], out, context=p.report.table())
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_op_rotates_only_its_rows(monkeypatch, in_place, request):
+    if in_place:
+        request.getfixturevalue("triton_on_cpu")
+    q, k = torch.randn(2, 5, 3, 32), torch.randn(2, 5, 1, 32)
+    cos, sin = torch.randn(3, 1, 16), torch.randn(3, 1, 16)
+    kw = dict(interleaved=False, rotary_dim=32, full_tables=False, conjugate=False, out_dtype=torch.float32)
+    qb, kb = q.clone(), k.clone()
+    torch.ops.rope_fusion.rotary_qk_slice_(qb, kb, cos, sin, **kw, slice_dims=[1, 1], slice_starts=[1, 2],
+                                           slice_ends=[4, 5])
+    for got, x, (s, e) in ((qb, q, (1, 4)), (kb, k, (2, 5))):
+        want = rotary_reference(x[:, s:e].double(), cos.double(), sin.double(), **{**kw, "out_dtype": torch.float64})
+        torch.testing.assert_close(got[:, s:e].double(), want, rtol=1e-6, atol=1e-6)
+        assert torch.equal(got[:, :s], x[:, :s]) and torch.equal(got[:, e:], x[:, e:])
+
+
+def test_the_op_names_a_bad_slice():
+    x, cos, sin = torch.randn(2, 5, 32), torch.randn(3, 16), torch.randn(3, 16)
+    kw = dict(interleaved=False, rotary_dim=32, full_tables=False, conjugate=False, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="before the lanes"):
+        torch.ops.rope_fusion.rotary_slice_(x, cos, sin, **kw, slice_dims=[2], slice_starts=[0], slice_ends=[3])
+    with pytest.raises(ValueError, match="out of range"):
+        torch.ops.rope_fusion.rotary_slice_(x, cos, sin, **kw, slice_dims=[1], slice_starts=[3], slice_ends=[6])
+    with pytest.raises(ValueError, match="out_dtype"):
+        torch.ops.rope_fusion.rotary_slice_(x, cos, sin, **{**kw, "out_dtype": torch.bfloat16}, slice_dims=[1],
+                                            slice_starts=[2], slice_ends=[5])
+
+
+def test_diffusers_cogvideox_fuses_its_sites_with_the_fold(triton_on_cpu):
+    from tests.zoo.entries import ENTRIES
+
+    entry = next(e for e in ENTRIES if e.name == "cogvideox")
+    model, kwargs = entry.build()
+    model = model.eval()
+    names = list(kwargs)
+
+    def forward(*args):
+        return model(**dict(zip(names, args)), return_dict=False)[0]
+
+    args = list(kwargs.values())
+    with torch.no_grad():
+        want = forward(*args)
+        got, p = compile_with_pass(forward, *args, backend="triton")
+    r = p.report
+    folded = [k for k in r.kernels if k.fold.startswith("slice write:")]
+    assert (len(r.sites), len(r.kernels), len(folded)) == (entry.sites, entry.kernels, entry.kernels), r.table()
+    assert _after(p)["aten.slice_scatter.default"] == 0, r.table()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
