@@ -229,6 +229,11 @@ def host_profile(shape: tuple, device: str, calls: int) -> dict:
              "two torch.empty": host_us(lambda: (torch.empty(q.shape, dtype=q.dtype, device=q.device),
                                                   torch.empty(k.shape, dtype=k.dtype, device=k.device)),
                                         device, calls)}
+    nq, nk = q.numel(), k.numel()
+    parts["one torch.empty, two views"] = host_us(
+        lambda: (lambda b: (b[:nq].view(q.shape), b[nq:].view(k.shape)))(
+            torch.empty(nq + nk, dtype=q.dtype, device=q.device)), device, calls)
+    parts["one torch.empty"] = host_us(lambda: torch.empty(nq + nk, dtype=q.dtype, device=q.device), device, calls)
     plans = list(library._EAGER_PLANS.values())
     plan = plans[-1] if plans else None
     runner = getattr(plan, "run", None)

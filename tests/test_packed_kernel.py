@@ -212,3 +212,37 @@ def test_the_user_kernel_node_takes_cu_seqlens(with_offsets):
     assert kw["off_ptr"] is nodes[5]  # None without offsets
     deriving = {torch.ops.aten.searchsorted.Tensor, torch.ops.aten.embedding.default, torch.ops.prims.iota.default}
     assert not {n.target for n in g.nodes} & deriving, str(g)
+
+
+@pytest.mark.parametrize("with_offsets", [False, True])
+def test_the_public_functions_direct_path_takes_packed_sequences_to_the_kernel(monkeypatch, with_offsets):
+    """`apply_rotary_qk(..., cu_seqlens=)` eagerly: its plan launches the kernel with cu_seqlens (one launch a call,
+    no positions derived by ATen ops once planned), every call of the geometry after the first replaying the plan; the
+    results match the per-sequence fp64 rotation, with and without per-sequence offsets."""
+    import rope_fusion
+    from rope_fusion.ops import library
+
+    launches = []
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return KERNEL[grid]
+
+    monkeypatch.setattr(launching, "rotary_kernel", Counting())
+    monkeypatch.setattr(launching, "INTERPRETED", True)
+    monkeypatch.setattr(library, "_EAGER_PLANS", {})
+    monkeypatch.setitem(library.DEVICE_KERNELS, "cpu", library.DEVICE_KERNELS["cuda"])  # CPU tensors, the kernel's
+    for call in range(3):
+        (q, k), cu, offsets, cos, sin = random_case(20 + call, [3, 0, 5, 2], torch.int64, with_offsets)
+        offsets = offsets.long() if offsets is not None else None  # one geometry: one plan
+        args, kw = (q, k, cos, sin), dict(interleaved=False, cu_seqlens=cu, seqlen_offsets=offsets)
+        ops = _aten_ops(lambda a=args, kw=kw: launches.append(rope_fusion.apply_rotary_qk(*a, **kw)))
+        qo, ko = launches.pop()
+        if call:  # the plan replayed (the first call plans and validates)
+            assert not ops & {"aten::searchsorted", "aten::embedding", "aten::sub", "aten::arange"}, ops
+        for out, x in zip((qo, ko), (q, k)):
+            want = expected(x, cos, sin, cu, offsets, None, interleaved=False, rotary_dim=x.shape[-1],
+                            full_tables=False)
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert len(launches) == 3 and len(library._EAGER_PLANS) == 1  # one launch of q and k a call, one plan

@@ -50,8 +50,10 @@ def test_static_launcher_takes_the_runtime_arguments_of_planned_launches():
     codes = {"O": torch.Tensor, "i": int, "l": int, "f": float, "d": float}
     for launch in launches:
         compiled = _compiled(launch)
-        keep = triton_launch.static_arguments(compiled, len(launch.args))
-        assert keep is not None, launch.case
+        found = triton_launch.static_arguments(compiled, len(launch.args))
+        assert found is not None, launch.case
+        keep, pointers = found
+        assert pointers == [i for i in keep if isinstance(launch.args[i], torch.Tensor)], launch.case
         kernel = triton_launch.static_kernel(compiled, keep)
         assert kernel is not None, f"{launch.case}: the static launcher refused the kernel"
         picked = [launch.args[i] for i in keep]

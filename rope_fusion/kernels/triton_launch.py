@@ -10,7 +10,6 @@ geometry planned once, its launches replayed (`_DirectLaunches`). `launch_call` 
 from __future__ import annotations
 
 import logging
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -150,23 +149,31 @@ def _tracing(xs: Sequence[torch.Tensor]) -> bool:
 class _DirectLaunches:
     """The launches of one call geometry, planned once (`plan_eager`): each later call allocates its outputs and
     launches. The first launch of an entry goes through the kernel's JIT launcher (`rotary_kernel[grid]`), which
-    returns the compiled kernel; later ones call that compiled kernel's launcher with the same arguments in the
-    kernel's parameter order, as the JIT launcher does after binding them, skipping the binding and
-    specialization of 80 arguments (the call geometry, the key of this plan, fixes every value and pointer
-    alignment Triton specializes on). Its first use is checked once against the JIT launcher's result, outside
-    CUDA graph capture; a mismatch or a launcher API this code does not know keeps the JIT launcher."""
+    returns the compiled kernel; later ones call that compiled kernel through torch's static launcher or Triton's
+    own (`_compiled_runner`) with the same arguments, skipping the binding and specialization of 80-odd arguments
+    (the call geometry, the key of this plan, fixes every value and pointer alignment Triton specializes on). Its
+    first use is checked once against the JIT launcher's result, outside CUDA graph capture; a mismatch or a
+    launcher API this code does not know keeps the JIT launcher. Packed sequences pass cu_seqlens where positions
+    go; their per-sequence offsets, a tensor of each call, keep the JIT launcher (its compiled form would fix
+    them)."""
 
-    def __init__(self, launches: list, out_dtype: torch.dtype, checks: dict) -> None:
+    def __init__(self, launches: list, out_dtype: torch.dtype, checks: dict, offsets: bool = False) -> None:
         # the kernel takes three sides (q, k, v); absent sides repeat the last, as in `launch`
         self.entries = [[[group[min(i, len(group) - 1)] for i in range(3)], grid, scalars, meta, None, False]
                         for group, grid, scalars, meta in launches]
         self.out_dtype = out_dtype
         self.checks = checks  # `row_checks`: compile options of the JIT launch, not kernel arguments
+        self.offsets = offsets
+        if offsets:  # every launch through the JIT launcher, given this call's offsets
+            for entry in self.entries:
+                entry[4] = False
 
     def __call__(self, xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any,
-                 weights: Any) -> list:
-        outs = [torch.empty(x.shape, dtype=self.out_dtype, device=x.device) for x in xs]
-        pos = positions if positions is not None else cos  # unused pointers stand in for absent tensors
+                 weights: Any, cu_seqlens: Any = None, seqlen_offsets: Any = None) -> list:
+        dtype = self.out_dtype
+        outs = [torch.empty(x.shape, dtype=dtype, device=x.device) for x in xs]
+        # unused pointers stand in for absent tensors; cu_seqlens go where positions do
+        pos = positions if positions is not None else cu_seqlens if cu_seqlens is not None else cos
         weights = weights or [None] * len(xs)
         for entry in self.entries:
             sides, grid, scalars, meta, runner, checked = entry  # runner: None untried, False unavailable
@@ -178,7 +185,8 @@ class _DirectLaunches:
                 runner = self._checked(runner, args, sides, outs, grid, {**meta, **self.checks})
                 entry[4:] = (runner, True) if runner else (False, False)
             else:
-                compiled = rotary_kernel[grid](*args, **meta, **self.checks)
+                call_meta = {**meta, "off_ptr": seqlen_offsets} if self.offsets else meta
+                compiled = rotary_kernel[grid](*args, **call_meta, **self.checks)
                 if runner is None:
                     entry[4] = _compiled_runner(compiled, grid, meta, len(args)) or False
         return outs
@@ -209,10 +217,11 @@ def _capturing() -> bool:
 
 
 def _compiled_runner(compiled: Any, grid: tuple, meta: dict, n_args: int) -> Any:
-    """A launcher of the compiled kernel for the arguments of `_DirectLaunches` (the kernel's non-constexpr
-    parameters, in order), or None where the JIT launch returned no compiled kernel (the interpreter) or the
-    parameters are not the ones expected. Torch's static launcher (the C++ launcher Inductor uses for its own
-    Triton kernels) where it takes this kernel, else the compiled kernel's own launcher."""
+    """A launcher of the compiled kernel for the n_args positional arguments of `_DirectLaunches` (the kernel's
+    parameters up to its first constexpr), the rest of its parameters taken from meta, or None where the JIT
+    launch returned no compiled kernel (the interpreter) or the parameters are not the ones expected. Torch's
+    static launcher (the C++ launcher Inductor uses for its own Triton kernels) where it takes this kernel, else
+    the compiled kernel's own launcher."""
     from triton.compiler import CompiledKernel
 
     names = getattr(rotary_kernel, "arg_names", None)
@@ -221,7 +230,8 @@ def _compiled_runner(compiled: Any, grid: tuple, meta: dict, n_args: int) -> Any
     tail = names[n_args:]
     if not all(n in meta for n in tail) or len(tail) + 1 != len(meta):  # meta also holds num_warps
         return None
-    return _static_runner(compiled, grid, n_args) or _triton_runner(compiled, grid, tuple(meta[n] for n in tail))
+    constants = tuple(meta[n] for n in tail)
+    return _static_runner(compiled, grid, n_args, constants) or _triton_runner(compiled, grid, constants)
 
 
 def _triton_runner(compiled: Any, grid: tuple, constants: tuple) -> Any:
@@ -244,10 +254,10 @@ def _static_launcher_class() -> Any:
     return StaticallyLaunchedCudaKernel
 
 
-def static_arguments(compiled: Any, n_args: int) -> list | None:
-    """The positions, among a direct launch's n_args arguments, of the compiled kernel's runtime parameters (what
-    its cubin takes: neither constexpr nor specialised to a constant by Triton), or None where one falls outside
-    them or the compiled kernel does not say."""
+def static_arguments(compiled: Any, n_args: int) -> tuple[list, list] | None:
+    """The positions, among n_args arguments of the kernel in its parameter order, of the compiled kernel's runtime
+    parameters (what its cubin takes: neither constexpr nor specialised to a constant by Triton), and which of
+    them are pointers; None where one falls outside them or the compiled kernel does not say."""
     src = getattr(compiled, "src", None)
     signature = getattr(src, "signature", None)
     if not isinstance(signature, dict):
@@ -259,12 +269,14 @@ def static_arguments(compiled: Any, n_args: int) -> list | None:
                  for k in getattr(src, "constants", {})}
     types = [signature.get(n, signature.get(i)) for i, n in enumerate(names)]
     keep = [i for i, ty in enumerate(types) if ty not in (None, "constexpr") and i not in constants]
-    return keep if keep and keep[-1] < n_args else None
+    if not keep or keep[-1] >= n_args:
+        return None
+    return keep, [i for i in keep if str(types[i]).startswith("*")]
 
 
 def static_kernel(compiled: Any, keep: list) -> Any:
-    """Torch's static launcher for the compiled kernel (its cubin not yet loaded), or None where torch has none or
-    it does not take this kernel (launch hooks, scratch memory, clusters, another parameter count)."""
+    """Torch's static launcher for the compiled kernel (its cubin loaded where CUDA is), or None where torch has
+    none or it does not take this kernel (launch hooks, scratch memory, clusters, another parameter count)."""
     cls = _static_launcher_class()
     if cls is None or torch.version.hip is not None or "cubin" not in getattr(compiled, "asm", {}):
         return None
@@ -291,23 +303,35 @@ def static_kernel(compiled: Any, keep: list) -> Any:
         os.rmdir(directory)
 
 
-def _static_runner(compiled: Any, grid: tuple, n_args: int) -> Any:
+def _static_runner(compiled: Any, grid: tuple, n_args: int, constants: tuple) -> Any:
     """The compiled kernel launched by torch's static launcher: its cubin loaded once, each call passing the grid,
     the current stream and the kernel's runtime arguments to one C++ call. Triton's own launcher binds the
-    kernel's 80-odd arguments, constexprs included, in Python on every call. None where the static launcher does
-    not take the kernel; the caller then keeps Triton's launcher."""
-    keep = static_arguments(compiled, n_args)
-    kernel = static_kernel(compiled, keep) if keep is not None else None
+    kernel's 80-odd arguments, constexprs included, in Python on every call. Only the tensors vary between calls of
+    a plan (its key fixes every scalar), so the scalars are read once, and each tensor is passed as its data
+    pointer, which the launcher would otherwise look up (a Python call) and check with the driver per pointer on
+    every launch; the plan's key fixes each tensor's device. None where the static launcher does not take the
+    kernel; the caller then keeps Triton's launcher."""
+    found = static_arguments(compiled, n_args + len(constants))
+    if found is None:
+        return None
+    keep, pointers = found
+    if any(i >= n_args for i in pointers) or pointers != keep[:len(pointers)]:  # the layout this relies on
+        return None
+    kernel = static_kernel(compiled, keep)
     if kernel is None or not torch.cuda.is_available():
         return None
     gx, gy, gz = (*grid, 1, 1)[:3]
     launch = kernel.run
     stream_of = torch._C._cuda_getCurrentRawStream
     device = torch.cuda.current_device()
-    pick = operator.itemgetter(*keep)
+    rest = keep[len(pointers):]
+    fixed: list = []  # the scalars, from the first call
 
     def run(*args: Any) -> None:
-        launch(gx, gy, gz, stream_of(device), *pick(args))
+        if not fixed:
+            full = (*args, *constants)
+            fixed.append(tuple(full[i] for i in rest))
+        launch(gx, gy, gz, stream_of(device), *[args[i].data_ptr() for i in pointers], *fixed[0])
     return run
 
 
@@ -315,7 +339,8 @@ def plan_eager(call: RotaryCall) -> Any:
     """The direct path of the public functions on CUDA (`library.register_device_kernel`'s planner): the launches
     of this call's geometry, planned once and reused by every call of that geometry. Geometries whose launch
     copies first (lanes with a stride, a norm applied before the rotation, dims that do not merge) call `launch`
-    each time instead; other devices than CUDA: None (the reference), except under the interpreter."""
+    each time instead; other devices than CUDA: None (the reference), except under the interpreter. Packed
+    sequences are planned as they come: the kernel searches cu_seqlens itself."""
     xs, cos, sin, params = call.xs, call.cos, call.sin, call.params
     if any(t.device.type != "cuda" for t in (*xs, cos, sin)) and not INTERPRETED or params.unhandled(KERNEL_FIELDS):
         return None
@@ -324,14 +349,17 @@ def plan_eager(call: RotaryCall) -> Any:
              and all(w is None or (per_lane(w, x) and w.stride(-1) == 1) for w, x in zip(weights, xs)))
     if plain:
         outs = [torch.empty(x.shape, dtype=params.out_dtype, device=x.device) for x in xs]
-        launches = make_launches(xs, outs, Tables(cos, sin, call.positions, weights), params)
+        tables = Tables(cos, sin, call.positions, weights, call.cu_seqlens, call.seqlen_offsets)
+        launches = make_launches(xs, outs, tables, params)
         if isinstance(launches, list):
-            return _DirectLaunches(launches, params.out_dtype, row_checks(call.positions))
+            rows = call.positions if call.positions is not None else call.cu_seqlens
+            return _DirectLaunches(launches, params.out_dtype, row_checks(rows), call.seqlen_offsets is not None)
 
-    def run(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any, weights: Any) -> list:
-        return launch(list(xs), cos, sin, params, positions, weights)
+    def run(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any, weights: Any,
+            cu_seqlens: Any = None, seqlen_offsets: Any = None) -> list:
+        return launch(list(xs), cos, sin, params, positions, weights, cu_seqlens=cu_seqlens,
+                      seqlen_offsets=seqlen_offsets)
     return run
-
 
 
 def _normed_first(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams, positions: Any,

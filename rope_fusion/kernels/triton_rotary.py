@@ -26,7 +26,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # `rope_fusion::rotary_triton` / `rotary_qk_triton`: the kernel behind an opaque op, for sites whose sizes are
 # symbolic (the user-kernel node of kernels/triton_graph.py needs concrete sizes) and for direct calls.
-TRITON_OPS = define_rotary_ops("_triton", launch_call)  # by arity - 1
+TRITON_OPS = define_rotary_ops("_triton", launch_call, takes_packed=True)  # by arity - 1
 ROTARY_TRITON, ROTARY_QK_TRITON, ROTARY_QKV_TRITON = TRITON_OPS
 
 
@@ -65,6 +65,6 @@ def _emit(emitter: Any, call: RotaryCall, like: Any) -> list | None:
 
 
 register_backend(Backend("triton", supports, _emit))
-register_device_kernel("cuda", launch_call, plan_eager)
+register_device_kernel("cuda", launch_call, plan_eager, takes_packed=True)  # the kernel searches cu_seqlens
 
 __all__ = ["ROTARY_TRITON", "ROTARY_QK_TRITON", "ROTARY_QKV_TRITON", "TRITON_OPS", "launch", "plan_eager", "supports"]

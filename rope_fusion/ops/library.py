@@ -64,12 +64,13 @@ def _fake(arity: int) -> Callable[..., Any]:
     return fake
 
 
-def _eager(impl: Impl | None, arity: int) -> Callable[..., Any]:
+def _eager(impl: Impl | None, arity: int, takes_packed: bool = False) -> Callable[..., Any]:
     def run(*args: Any, **kw: Any) -> Any:
         call = RotaryCall.parse(args, kw, arity)
         check_call(call)  # a direct call deserves the ValueError, not a kernel's failure
         load_backends()  # a compiled graph may run the op before any eager call imported the device kernels
-        call = unpacked(call)  # packed sequences: every implementation takes their positions
+        if not takes_packed:
+            call = unpacked(call)  # packed sequences: the implementation takes their positions
         outs = impl(call) if impl is not None else None
         return _result(outs if outs is not None else reference_outputs(call))
     return run
@@ -136,15 +137,16 @@ def _recomputed_grads(call: RotaryCall, grads: tuple, n_inputs: int) -> tuple:
     return tuple(by_id.get(id(t)) if isinstance(t, torch.Tensor) else None for t in leaves)[:n_inputs]
 
 
-def define_rotary_ops(suffix: str = "", impl: Impl | None = None) -> tuple:
+def define_rotary_ops(suffix: str = "", impl: Impl | None = None, takes_packed: bool = False) -> tuple:
     """Define `rope_fusion::rotary{suffix}`, `rotary_qk{suffix}` and `rotary_qkv{suffix}` (one tensor; q and k;
-    q, k and v that share tables, in one call) and return their default overloads, indexed by arity - 1."""
+    q, k and v that share tables, in one call) and return their default overloads, indexed by arity - 1.
+    `takes_packed`: impl takes packed sequences' cu_seqlens as they are, else their derived positions."""
     ops = []
     for arity, base in OP_NAMES.items():
         name, fn = base + suffix, impl
         qualname = f"rope_fusion::{name}"
         torch.library.define(qualname, op_schema(arity), lib=LIBRARY)
-        torch.library.impl(qualname, "default", lib=LIBRARY)(_eager(fn, arity))
+        torch.library.impl(qualname, "default", lib=LIBRARY)(_eager(fn, arity, takes_packed))
         torch.library.register_fake(qualname, lib=LIBRARY)(_fake(arity))
         torch.library.register_autograd(qualname, _backward, setup_context=_setup_context(arity), lib=LIBRARY)
         ops.append(getattr(torch.ops.rope_fusion, name).default)
@@ -158,39 +160,57 @@ ROTARY, ROTARY_QK, ROTARY_QKV = OPS
 # ---------------------------------------------------------------------------------------------------------
 # Device implementations of eager calls.
 
-# plan(call) -> run(xs, cos, sin, positions, norm_weights) -> outputs: the work of one call geometry done once
-# (a Triton launch's grid and arguments), reused by every later call of that geometry; None: use `impl` per call.
-Runner = Callable[[Sequence[torch.Tensor], torch.Tensor, torch.Tensor, Any, Any], list]
+# plan(call) -> run(xs, cos, sin, positions, norm_weights[, cu_seqlens, seqlen_offsets]) -> outputs: the work of
+# one call geometry done once (a Triton launch's grid and arguments), reused by every later call of that geometry;
+# None: use `impl` per call. A kernel that takes packed sequences gets their cu_seqlens and offsets, any other
+# the positions they derive.
+Runner = Callable[..., list]
 Planner = Callable[[RotaryCall], "Runner | None"]
 
 
 class DeviceKernel:
     """What serves eager calls on one device type: `impl` behind the op's dispatcher key for that device, and
-    `plan` (optional) for the public functions' direct path."""
+    `plan` (optional) for the public functions' direct path; `takes_packed`: both take packed sequences as they
+    come (cu_seqlens), else their derived positions."""
 
-    def __init__(self, impl: Impl, plan: Planner | None = None) -> None:
-        self.impl, self.plan = impl, plan
+    def __init__(self, impl: Impl, plan: Planner | None = None, takes_packed: bool = False) -> None:
+        self.impl, self.plan, self.takes_packed = impl, plan, takes_packed
 
 
 DEVICE_KERNELS: dict[str, DeviceKernel] = {}
 """Device type -> its kernel; a device without one (the CPU) runs the reference."""
 
 
-def register_device_kernel(device_type: str, impl: Impl, plan: Planner | None = None) -> None:
+def register_device_kernel(device_type: str, impl: Impl, plan: Planner | None = None,
+                           takes_packed: bool = False) -> None:
     """Serve eager calls of every arity's op on one device type with `impl` (None from it: reference), and the
-    public functions' direct calls on that device with `plan` (or `impl` per call)."""
+    public functions' direct calls on that device with `plan` (or `impl` per call). With `takes_packed`, both
+    are given packed sequences' cu_seqlens as they are; else the positions they derive."""
     for arity, op in enumerate(OPS, start=1):
-        torch.library.register_kernel(op._schema.name, device_type, _eager(impl, arity), lib=LIBRARY)
-    DEVICE_KERNELS[device_type] = DeviceKernel(impl, plan)
+        torch.library.register_kernel(op._schema.name, device_type, _eager(impl, arity, takes_packed), lib=LIBRARY)
+    DEVICE_KERNELS[device_type] = DeviceKernel(impl, plan, takes_packed)
     _EAGER_PLANS.clear()
 
 
 def _per_call(impl: Impl | None, params: RotaryParams) -> Runner:
-    def run(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any, weights: Any) -> list:
-        call = RotaryCall(list(xs), cos, sin, params, positions, weights)
+    def run(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any, weights: Any,
+            cu_seqlens: Any = None, seqlen_offsets: Any = None) -> list:
+        call = RotaryCall(list(xs), cos, sin, params, positions, weights, cu_seqlens, seqlen_offsets)
         outs = impl(call) if impl is not None else None
         return outs if outs is not None else reference_outputs(call)
     return run
+
+
+def _deriving(run: Runner) -> Runner:
+    """A runner of positions given packed sequences: each call's positions derived from its cu_seqlens (ATen ops,
+    up to nine small kernels eagerly: ops/packed.py)."""
+    def packed_run(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any, weights: Any,
+                   cu_seqlens: Any = None, seqlen_offsets: Any = None) -> list:
+        if cu_seqlens is not None:
+            x = xs[0]
+            positions = packed_positions(eager_op, cu_seqlens, seqlen_offsets, x.shape[0], x.dim(), x.device)
+        return run(xs, cos, sin, positions, weights)
+    return packed_run
 
 
 _NO_KERNEL_LOGGED: set = set()
@@ -198,10 +218,9 @@ _NO_KERNEL_LOGGED: set = set()
 
 def device_runner(call: RotaryCall) -> Runner:
     """How a validated call geometry runs eagerly on its device: the device's planned launch, its kernel per call,
-    or the reference (the CPU; a GPU whose kernel module did not import says so once). A runner takes positions:
-    a call of packed sequences is planned as `packed.unpacked(call)`, and each run is given its derived positions."""
-    if call.cu_seqlens is not None:
-        raise ValueError("device_runner plans calls with positions: pass packed.unpacked(call) for packed sequences")
+    or the reference (the CPU; a GPU whose kernel module did not import says so once). Packed sequences reach a
+    kernel that takes them as they are (the Triton kernel searches cu_seqlens itself); any other is planned as
+    `packed.unpacked(call)` and each run given the positions that call's cu_seqlens derive."""
     device = call.xs[0].device.type
     kernel = DEVICE_KERNELS.get(device)
     if kernel is None:
@@ -211,7 +230,9 @@ def device_runner(call: RotaryCall) -> Runner:
 
             log.info("rope_fusion: no kernel serves %s tensors (optional backends %s did not register one); eager "
                      "calls run the reference", device, sorted(OPTIONAL_BACKENDS))
-        return _per_call(None, call.params)
+        return _per_call(None, call.params)  # the reference derives packed positions itself
+    if call.cu_seqlens is not None and not kernel.takes_packed:
+        return _deriving(device_runner(unpacked(call)))
     run = kernel.plan(call) if kernel.plan is not None else None
     return run if run is not None else _per_call(kernel.impl, call.params)
 
@@ -433,13 +454,11 @@ def _apply(xs: tuple, cos: torch.Tensor, sin: torch.Tensor, options: dict) -> An
             return _via_op(call)  # traced, fake, a subclass, autograd: the op runs (and checks) this call
         check_call(call)
         load_backends()  # device kernels (Triton on CUDA) register on import
-        plan = _Eager(call.params, device_runner(unpacked(call)))  # packed sequences: planned with their positions
+        plan = _Eager(call.params, device_runner(call))
         if len(_EAGER_PLANS) >= _MAX_PLANS:
             _EAGER_PLANS.clear()
         _EAGER_PLANS[key] = plan
-    if cu_seqlens is not None:  # each call's positions from its cu_seqlens, then the positions path
-        positions = packed_positions(eager_op, cu_seqlens, offsets, xs[0].shape[0], xs[0].dim(), xs[0].device)
-    outs = plan.run(xs, cos, sin, positions, weights)
+    outs = plan.run(xs, cos, sin, positions, weights, cu_seqlens, offsets)
     return outs[0] if arity == 1 else tuple(outs)
 
 
