@@ -24,8 +24,9 @@ Row groups (`--groups`, default all; they run in the order norm, flux, vllm, bac
   q_pe and k_pe), M9 HiDream (2x2 rotation matrices built in the graph), M10 CLVP (q, k and v by one table,
   partial NeoX; floor q, k and v; also from the hidden states, projections included), M11 Allegro (three
   NeoX blocks, tables gathered by F.embedding) and V-JEPA 2 (three interleaved blocks, tables from positions
-  in the graph, int64 and fp32 positions); plain compile against the pass (auto, and backend="triton"),
-  kernel launches per call.
+  in the graph, int64 and fp32 positions), M12 CogVideoX (the rotation written back into the video rows of
+  q and k, `q[:, :, text:] = rope(q[:, :, text:])`; alone, and after the processor's LayerNorm); plain compile
+  against the pass (auto, and backend="triton"), kernel launches per call.
 
 Rows of the norm, flux, vllm, backward and coverage groups are timed with triton's do_bench (L2 flushed between
 calls) and, but for `backward`, in CUDA-graph replay (do_bench_cudagraph: no host overhead, as vLLM replays
@@ -505,6 +506,7 @@ class Row:
     norm: bool = False  # the pass should fold a QK-norm into the op
     launches: bool = False  # count kernel launches per call
     backward: bool = False  # time forward + backward; the first two arguments require grad
+    mutates: bool = False  # fn writes into its arguments: the reference and each checked call get clones
 
 
 def _randn(*shape: int, device: str, scale: float = 1.0, grad: bool = False) -> torch.Tensor:
@@ -627,7 +629,7 @@ def _neox_table(S: int, rot: int, device: str, dtype: torch.dtype = torch.bfloat
 
 
 def coverage_rows(quick: bool) -> list[Row]:
-    """(e) catalogue rows M8-M11 (the forms the pass fuses beyond the common ones) at their models' shapes:
+    """(e) catalogue rows M8-M12 (the forms the pass fuses beyond the common ones) at their models' shapes:
     the copy floor, plain compile, the pass (auto) and the pass with backend="triton", kernel launches per call.
 
     - M8 deepseek-v3 mla: q [B, 128, T, 192] of which the last 64 lanes (q_pe) are rotated, k_pe [B, 1, T, 64]
@@ -650,6 +652,16 @@ def coverage_rows(quick: bool) -> list[Row]:
       outputs bf16; the `fp32-pos` row passes float positions (the catalogue's form): the tables are fp32
       and so are the outputs (type promotion), so its ideal is 1.5x the floor (bf16 read, fp32 written).
       Floor: q and k (bf16).
+    - M12 cogvideox slice write: q, k [B, H, 226 text + 17550 video tokens, 64] (CogVideoX-5B: 48 heads x 64;
+      49 frames at 480x720 are 13 x 30 x 45 latent patches), `q[:, :, text:] = apply_rotary_emb(q[:, :, text:],
+      (cos, sin))` and the same for k, full-width interleaved fp32 tables [17550, 64]. The function writes into
+      q and k (graph inputs, mutated): its reference and each variant's checked call run on clones; timed
+      calls rotate the same tensors again (the same work). Floor: q and k (the rows written are 98.7% of them).
+    - M12 cogvideox slice write+norm: the same from the projections on, as CogVideoXAttnProcessor2_0 runs it:
+      q, k [B, S, H*D] viewed to heads and transposed, the processor's LayerNorm (norm_q, norm_k: D, affine,
+      eps 1e-6), then the slice writes into the norm's output (a fresh tensor, as in the model). Plain compile
+      can do norm, rotation and scatter in one kernel per tensor; a fold that keeps the norm out of the kernel
+      reads and writes q and k twice. Floor: q and k.
     """
     rows = []
     # M8: (B, heads, T, nope, rope)
@@ -716,6 +728,25 @@ def coverage_rows(quick: bool) -> list[Row]:
         block = 2 * ((D // 3) // 2)
         rows.append(Row("coverage", f"M11 vjepa2 3-block{suffix}", f"{B}x{H}x{N}x{D} 3x{block}+{D - 3 * block}",
                         sp.vjepa2, make_vjepa2, _qk_args, COVERAGE_VARIANTS, launches=True))
+    # M12 CogVideoX-5B: (B, heads, text tokens, video tokens, D); 49 frames 480x720 -> 13 x 30 x 45 latent patches
+    B, H, TXT, VID, D = (1, 2, 3, 13, 16) if quick else (1, 48, 226, 13 * 30 * 45, 64)
+    S = TXT + VID
+
+    def make_m12(device, B=B, H=H, S=S, VID=VID, D=D):
+        return (_randn(B, H, S, D, device=device), _randn(B, H, S, D, device=device), *sp.flux_tables(VID, D, device))
+
+    rows.append(Row("coverage", "M12 cogvideox slice write", f"{B}x{H}x({TXT}+{VID})x{D}",
+                    sp.cogvideox_slice_write(TXT), make_m12, _qk_args, COVERAGE_VARIANTS, launches=True,
+                    mutates=True))
+
+    def make_m12_norm(device, B=B, H=H, S=S, VID=VID, D=D):
+        ln = [_weight(D, device) if i % 2 == 0 else 0.1 * _randn(D, device=device) for i in range(4)]
+        return (_randn(B, S, H * D, device=device), _randn(B, S, H * D, device=device), *ln,
+                *sp.flux_tables(VID, D, device))
+
+    rows.append(Row("coverage", "M12 cogvideox slice write+norm", f"{B}x({TXT}+{VID})x{H * D} -> {B}x{H}x{S}x{D}",
+                    sp.cogvideox_norm_slice_write(TXT, H), make_m12_norm, _qk_args, COVERAGE_VARIANTS,
+                    launches=True))
     return rows
 
 
@@ -771,7 +802,17 @@ def run_row(row: Row, device: str, variants: list[str], cudagraph: bool, shared:
 
 def _run_forward(row: Row, rec: dict, args: tuple, device: str, variants: list[str], cudagraph: bool,
                  shared: dict) -> None:
-    want = row.fn(*args)
+    def clones(ts: tuple) -> tuple:
+        return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in ts)
+
+    # a function that writes into its arguments is checked on clones of them as made (timed calls write into
+    # `args` again and again)
+    made = clones(args) if row.mutates else args
+
+    def fresh() -> tuple:
+        return clones(made) if row.mutates else args
+
+    want = row.fn(*fresh())
     floor_ts = row.floor(args)
     _time(rec, "floor", lambda: tuple(t.clone() for t in floor_ts), device, cudagraph, row.launches)
     for v in variants:
@@ -787,7 +828,7 @@ def _run_forward(row: Row, rec: dict, args: tuple, device: str, variants: list[s
                     torch._dynamo.maybe_mark_dynamic(vargs[i], 0)
             call = (lambda fn=fn, a=vargs: fn(*a))
             t0 = time.perf_counter()
-            got = call()
+            got = call() if not row.mutates else fn(*fresh())
             rec["first_call_s"][v] = round(time.perf_counter() - t0, 2)
             rec["err"][v] = max_err(got, want)
             if p is not None:

@@ -9,7 +9,11 @@ Models (real classes, random weights, bf16, 2 layers or blocks, the real attenti
 - `hunyuan-video`: diffusers HunyuanVideoTransformer3DModel, 2 + 2 blocks, 544x960, 33 frames: 18360 tokens;
 - `ltx-video`: diffusers LTXVideoTransformer3DModel, 2 blocks, 512x704, 121 frames: 5632 tokens;
 - `qwen3-8b`: transformers Qwen3Model, Qwen3-8B dims (32/8 heads x 128, per-head q/k RMSNorm), 2 layers,
-  8192 tokens prefill; `llama-3-8b` (Llama-3-8B dims) on request, not in the default list.
+  8192 tokens prefill; `llama-3-8b` (Llama-3-8B dims) on request, not in the default list;
+- `cogvideox-5b` (on request, not in the default list): diffusers CogVideoXTransformer3DModel, CogVideoX-5B dims
+  (48 heads x 64, RoPE), 2 blocks, 480x720, 49 frames: 226 text + 17550 video tokens, q and k rotated in
+  place on their video rows (`query[:, :, text:] = apply_rotary_emb(...)`), fp32 tables from the pipeline's
+  `get_3d_rotary_pos_embed`.
 
 Per model: eager once (the reference), then plain torch.compile and torch.compile + RopeFusionPass(), each
 compiled on its first call with caches off (`force_disable_caches`: that call's seconds are the compile time);
@@ -192,6 +196,36 @@ def ltx_video(quick: bool) -> tuple[torch.nn.Module, dict]:
                    width=ww, rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False)
 
 
+def cogvideox(quick: bool) -> tuple[torch.nn.Module, dict]:
+    """CogVideoX rotates only the video rows of q and k, in place (`query[:, :, text:] = apply_rotary_emb(...)`);
+    its RoPE tables are an input, made as CogVideoXPipeline._prepare_rotary_positional_embeddings makes them
+    (fp32 [frames * h * w, head dim] cos and sin, kept fp32 as the pipeline passes them)."""
+    from diffusers import CogVideoXTransformer3DModel
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+    from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
+
+    if quick:  # tests/zoo's tiny CogVideoX
+        cfg = dict(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=2,
+                   text_embed_dim=8, num_layers=2, sample_width=8, sample_height=8, sample_frames=8,
+                   max_text_seq_length=8, use_rotary_positional_embeddings=True)
+        frames, hh, ww, txt = 2, 8, 8, 8  # latents
+    else:  # CogVideoX-5B: the class defaults but 48 heads (x 64) and RoPE (42 layers; diffusers'
+        # scripts/convert_cogvideox_to_diffusers.py); 480x720, 49 frames -> latents 13x60x90, patch 2 ->
+        # 13 x 30 x 45 = 17550 video tokens, after 226 T5 tokens
+        cfg = dict(num_layers=2, num_attention_heads=48, attention_head_dim=64, use_rotary_positional_embeddings=True)
+        frames, hh, ww, txt = 13, 60, 90, 226
+    m = CogVideoXTransformer3DModel(**cfg)
+    c = m.config
+    p = c.patch_size
+    grid = (hh // p, ww // p)
+    crops = get_resize_crop_region_for_grid(grid, c.sample_width // p, c.sample_height // p)
+    cos, sin = get_3d_rotary_pos_embed(embed_dim=c.attention_head_dim, crops_coords=crops, grid_size=grid,
+                                       temporal_size=frames)
+    return m, dict(hidden_states=torch.randn(1, frames, c.in_channels, hh, ww),
+                   encoder_hidden_states=torch.randn(1, txt, c.text_embed_dim), timestep=torch.tensor([500]),
+                   image_rotary_emb=(cos, sin), return_dict=False)
+
+
 def _llm(kind: str, quick: bool) -> tuple[torch.nn.Module, dict]:
     import transformers
 
@@ -231,6 +265,7 @@ MODELS: dict[str, tuple[Callable, bool]] = {
     "qwen-image": (qwen_image, False), "wan-1.3b": (wan, True), "helios": (helios, True),
     "qwen2.5-vl-vision": (qwen25_vl_vision, True), "flux": (flux, True), "hunyuan-video": (hunyuan_video, True),
     "ltx-video": (ltx_video, True), "qwen3-8b": (qwen3, True), "llama-3-8b": (llama, True),
+    "cogvideox-5b": (cogvideox, True),
 }
 DEFAULT_MODELS = ["qwen-image", "wan-1.3b", "helios", "qwen2.5-vl-vision", "flux", "hunyuan-video", "ltx-video",
                   "qwen3-8b"]
@@ -239,6 +274,8 @@ DEFAULT_MODELS = ["qwen-image", "wan-1.3b", "helios", "qwen2.5-vl-vision", "flux
 def _to(v: Any, device: str, dtype: torch.dtype) -> Any:
     if isinstance(v, torch.Tensor):
         return v.to(device, dtype) if v.is_floating_point() else v.to(device)
+    if isinstance(v, tuple) and v and all(isinstance(t, torch.Tensor) for t in v):
+        return tuple(t.to(device) for t in v)  # tables (CogVideoX's image_rotary_emb): their dtype as made
     return v
 
 

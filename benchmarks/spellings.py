@@ -457,3 +457,39 @@ def vjepa2_positions(N: int, grid: int, device, dtype=torch.float32) -> tuple:
     h = (ids - per_frame * d) // grid
     w = ids - per_frame * d - grid * h
     return tuple(p.to(dtype).view(1, 1, N) for p in (d, h, w))
+
+
+# -- M12: CogVideoX, the rotation written back into the video rows of q and k ----------------------------
+
+def cogvideox_slice_write(text_len: int) -> Callable:
+    """(q, k, cos, sin) -> (q, k): diffusers CogVideoXAttnProcessor2_0's RoPE (M12), `query[:, :, text:] =
+    apply_rotary_emb(query[:, :, text:], image_rotary_emb)` and the same for key: q and k [B, H, text + video, D],
+    full-width interleaved fp32 tables [video, D] (`flux_rotary`, sequence_dim=2), the text rows untouched.
+    It writes into its arguments, as the processor writes into its q and k."""
+    def forward(q, k, cos, sin):
+        q[:, :, text_len:] = flux_rotary(q[:, :, text_len:], cos, sin, 2)
+        k[:, :, text_len:] = flux_rotary(k[:, :, text_len:], cos, sin, 2)
+        return q, k
+
+    forward.__name__ = f"cogvideox_slice_write_{text_len}"
+    return forward
+
+
+def cogvideox_norm_slice_write(text_len: int, heads: int, eps: float = 1e-6) -> Callable:
+    """(q, k, wq, bq, wk, bk, cos, sin) -> (q, k): the same from the projections on, as the processor runs it:
+    q and k [B, text + video, H*D] viewed to heads and transposed to [B, H, S, D], `attn.norm_q` / `norm_k`
+    (nn.LayerNorm(D, eps=1e-6), affine: CogVideoX's qk_norm="layer_norm"), then the slice writes into the
+    norm's fresh output."""
+    write = cogvideox_slice_write(text_len)
+
+    def forward(q, k, wq, bq, wk, bk, cos, sin):
+        B, S, E = q.shape
+        D = E // heads
+        q = q.view(B, -1, heads, D).transpose(1, 2)
+        k = k.view(B, -1, heads, D).transpose(1, 2)
+        q = torch.nn.functional.layer_norm(q, (D,), wq, bq, eps)
+        k = torch.nn.functional.layer_norm(k, (D,), wk, bk, eps)
+        return write(q, k, cos, sin)
+
+    forward.__name__ = f"cogvideox_norm_slice_write_{text_len}"
+    return forward
