@@ -220,3 +220,30 @@ def test_gpu_slice_writes_rotate_in_place(fn, n, clone):
     assert p.report.kernels and all(k.fold.startswith("slice write:") for k in p.report.kernels), p.report.table()
     assert "slice_scatter" not in code and ("clone" in code) == clone, code
     check_numerics(fn, args, out, context=p.report.table())
+
+
+def write_into_inputs(q, k, cos, sin):
+    """The rotations written into the function's own inputs: the graph returns nothing, and each rotation's only
+    use is the copy back into its input."""
+    q[:, :, TEXT:] = rope(q[:, :, TEXT:], cos, sin)
+    k[:, :, TEXT:] = rope(k[:, :, TEXT:], cos, sin)
+
+
+@pytest.mark.parametrize("backend", ["triton", "inductor"])
+def test_rotations_written_into_inputs_fuse(triton_on_cpu, backend):
+    """Two rotations whose results only write back into graph inputs are sites: a copy into an input is an effect
+    of the graph, not dead work (they were dropped as dead before, with no report line)."""
+    q, k, _, cos, sin = inputs()
+    want_q, want_k = q.clone(), k.clone()
+    write_into_inputs(want_q, want_k, cos, sin)
+    fq, fk = q.clone(), k.clone()
+    _, p = compile_with_pass(write_into_inputs, fq, fk, cos, sin, backend=backend)
+    r = p.report
+    assert (len(r.sites), len(r.kernels)) == (2, 1), r.table()
+    assert torch.equal(fq[:, :, :TEXT], q[:, :, :TEXT]) and torch.equal(fk[:, :, :TEXT], k[:, :, :TEXT])
+    for got, x in ((fq, q), (fk, k)):
+        want = rotary_reference(x[:, :, TEXT:].double(), cos.double()[None, None], sin.double()[None, None],
+                                interleaved=True, rotary_dim=x.shape[-1], full_tables=True, conjugate=False,
+                                out_dtype=torch.float64)
+        torch.testing.assert_close(got[:, :, TEXT:].double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fq, want_q, rtol=1e-5, atol=1e-5)

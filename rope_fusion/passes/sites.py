@@ -83,12 +83,18 @@ def _needed(chosen: list[Site], acc: Acceptor) -> list[Site]:
     if len(chosen) < 2:
         return chosen
     replaced = {m.node for m in chosen}
-    reaches: set = set()  # nodes whose value reaches the graph output other than through a replaced node
+    reaches: set = set()  # nodes whose value reaches the graph output (or an effect) other than through a replaced node
     for n in sorted(acc.order, key=acc.order.get, reverse=True):
-        if any(u.op == "output" or (u not in replaced and u in reaches) for u in n.users):
+        if any(_sink(u) or (u not in replaced and u in reaches) for u in n.users):
             reaches.add(n)
-    return [m for m in chosen if any(u.op == "output" or (u not in replaced and u in reaches)
-                                     for u in m.node.users)]
+    return [m for m in chosen if any(_sink(u) or (u not in replaced and u in reaches) for u in m.node.users)]
+
+
+def _sink(node: fx.Node) -> bool:
+    """Where a value leaves the graph: its output, or an op with an effect, such as the `copy_` that writes a
+    rotation back into a graph input (`q[:, :, t:] = rope(q[:, :, t:])` on an input q), whose graph may return
+    nothing at all."""
+    return node.op == "output" or (node.op == "call_function" and node.is_impure())
 
 
 def _derived_from(node: fx.Node, last: set, accepted: dict) -> list:
