@@ -244,6 +244,13 @@ def host_profile(shape: tuple, device: str, calls: int) -> dict:
         if site["cu_seqlens"] is None:
             parts["plan.run (allocations + launches)"] = host_us(lambda: runner((q, k), cos, sin, None, None),
                                                                  device, calls)
+            if hasattr(runner, "one_buffer"):  # the outputs as views of one allocation, or not: both timed
+                was = runner.one_buffer
+                runner.one_buffer = not was
+                parts[f"plan.run, one_buffer={not was}"] = host_us(lambda: runner((q, k), cos, sin, None, None),
+                                                                   device, calls)
+                parts[f"call, one_buffer={not was}"] = host_us(call, device, calls)
+                runner.one_buffer = was
     if device == "cuda":
         parts["current stream"] = host_us(lambda: torch._C._cuda_getCurrentRawStream(0), device, calls)
     prof = cProfile.Profile()

@@ -167,11 +167,29 @@ class _DirectLaunches:
         if offsets:  # every launch through the JIT launcher, given this call's offsets
             for entry in self.entries:
                 entry[4] = False
+        self.one_buffer = ONE_BUFFER
+        self.spans: list | None = None  # the outputs' element offsets in one buffer, and its size
+
+    def _outputs(self, xs: Sequence[torch.Tensor]) -> list:
+        """Contiguous outputs in x's shapes: with `one_buffer`, views into one allocation (one allocator call
+        instead of one per output), each starting 128 bytes aligned as a fresh allocation's does for Triton."""
+        dtype = self.out_dtype
+        if not self.one_buffer or len(xs) == 1:
+            return [torch.empty(x.shape, dtype=dtype, device=x.device) for x in xs]
+        if self.spans is None:
+            per = max(1, 128 // torch.empty((), dtype=dtype).element_size())
+            starts, end = [], 0
+            for x in xs:
+                starts.append(end)
+                end += -(-x.numel() // per) * per
+            self.spans = [starts, end]
+        starts, end = self.spans
+        buf = torch.empty(end, dtype=dtype, device=xs[0].device)
+        return [buf[s:s + x.numel()].view(x.shape) for s, x in zip(starts, xs)]
 
     def __call__(self, xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any,
                  weights: Any, cu_seqlens: Any = None, seqlen_offsets: Any = None) -> list:
-        dtype = self.out_dtype
-        outs = [torch.empty(x.shape, dtype=dtype, device=x.device) for x in xs]
+        outs = self._outputs(xs)
         # unused pointers stand in for absent tensors; cu_seqlens go where positions do
         pos = positions if positions is not None else cu_seqlens if cu_seqlens is not None else cos
         weights = weights or [None] * len(xs)
@@ -210,6 +228,9 @@ class _DirectLaunches:
         for i, m in mine.items():
             outs[i].copy_(m)
         return None
+
+
+ONE_BUFFER = False  # the outputs of a direct call as views of one allocation (benchmarks/eager_op.py times both)
 
 
 def _capturing() -> bool:
