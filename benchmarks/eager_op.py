@@ -233,7 +233,9 @@ def host_profile(shape: tuple, device: str, calls: int) -> dict:
     parts["one torch.empty, two views"] = host_us(
         lambda: (lambda b: (b[:nq].view(q.shape), b[nq:].view(k.shape)))(
             torch.empty(nq + nk, dtype=q.dtype, device=q.device)), device, calls)
-    parts["one torch.empty"] = host_us(lambda: torch.empty(nq + nk, dtype=q.dtype, device=q.device), device, calls)
+    cf = torch.contiguous_format
+    parts["two empty_like"] = host_us(
+        lambda: (torch.empty_like(q, memory_format=cf), torch.empty_like(k, memory_format=cf)), device, calls)
     plans = list(library._EAGER_PLANS.values())
     plan = plans[-1] if plans else None
     runner = getattr(plan, "run", None)
@@ -244,13 +246,6 @@ def host_profile(shape: tuple, device: str, calls: int) -> dict:
         if site["cu_seqlens"] is None:
             parts["plan.run (allocations + launches)"] = host_us(lambda: runner((q, k), cos, sin, None, None),
                                                                  device, calls)
-            if hasattr(runner, "one_buffer"):  # the outputs as views of one allocation, or not: both timed
-                was = runner.one_buffer
-                runner.one_buffer = not was
-                parts[f"plan.run, one_buffer={not was}"] = host_us(lambda: runner((q, k), cos, sin, None, None),
-                                                                   device, calls)
-                parts[f"call, one_buffer={not was}"] = host_us(call, device, calls)
-                runner.one_buffer = was
     if device == "cuda":
         parts["current stream"] = host_us(lambda: torch._C._cuda_getCurrentRawStream(0), device, calls)
     prof = cProfile.Profile()

@@ -168,7 +168,7 @@ def _packed_row(cu_ptr, off_ptr, batch, t):
     values, so every token of a (TOKS, 1) tile takes the same steps, and each step's start is in bounds. A token
     before cu_seqlens[0] or from cu_seqlens[-1] on fails the assert (compiled in where the row assert is)."""
     base = tl.full(t.shape, 0, tl.int64)
-    size = tl.to_tensor(batch) + 1
+    size = batch + 1  # a runtime value: `batch` is never specialised (rotary_kernel's do_not_specialize)
     while size > 1:
         half = size // 2
         base = tl.where(tl.load(cu_ptr + base + half) <= t, base + half, base)
@@ -215,7 +215,9 @@ def _load_tables(c_row, s_row, ia, ib, tmask, SCD: tl.constexpr, SSD: tl.constex
     return ca, sa, cb, sb
 
 
-@triton.jit
+# `batch` stays a runtime value even where it is 1, so that the binary search over cu_seqlens is a loop of the
+# compiled kernel on every Triton release (a specialised 1 would be a Python int there)
+@triton.jit(do_not_specialize=["batch"])
 def rotary_kernel(
     q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, cos_ptr, sin_ptr, pos_ptr, wq_ptr, wk_ptr, wv_ptr,
     tokens_1, tokens_2, q_heads, k_heads, v_heads, nsplit, cos_stride_row, sin_stride_row, cache_rows,

@@ -167,25 +167,13 @@ class _DirectLaunches:
         if offsets:  # every launch through the JIT launcher, given this call's offsets
             for entry in self.entries:
                 entry[4] = False
-        self.one_buffer = ONE_BUFFER
-        self.spans: list | None = None  # the outputs' element offsets in one buffer, and its size
 
     def _outputs(self, xs: Sequence[torch.Tensor]) -> list:
-        """Contiguous outputs in x's shapes: with `one_buffer`, views into one allocation (one allocator call
-        instead of one per output), each starting 128 bytes aligned as a fresh allocation's does for Triton."""
-        dtype = self.out_dtype
-        if not self.one_buffer or len(xs) == 1:
-            return [torch.empty(x.shape, dtype=dtype, device=x.device) for x in xs]
-        if self.spans is None:
-            per = max(1, 128 // torch.empty((), dtype=dtype).element_size())
-            starts, end = [], 0
-            for x in xs:
-                starts.append(end)
-                end += -(-x.numel() // per) * per
-            self.spans = [starts, end]
-        starts, end = self.spans
-        buf = torch.empty(end, dtype=dtype, device=xs[0].device)
-        return [buf[s:s + x.numel()].view(x.shape) for s, x in zip(starts, xs)]
+        """Contiguous outputs in x's shapes, as the plan was made for. `empty_like` costs the host about half of
+        what `torch.empty(shape, dtype=, device=)` does (no shape or device to parse); the outputs of one call as
+        views of one allocation cost more than two allocations on the H200's host (the views' dispatch)."""
+        dtype, layout = self.out_dtype, torch.contiguous_format
+        return [torch.empty_like(x, dtype=dtype, memory_format=layout) for x in xs]
 
     def __call__(self, xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any,
                  weights: Any, cu_seqlens: Any = None, seqlen_offsets: Any = None) -> list:
@@ -196,7 +184,11 @@ class _DirectLaunches:
         for entry in self.entries:
             sides, grid, scalars, meta, runner, checked = entry  # runner: None untried, False unavailable
             ws = [weights[i] if weights[i] is not None else cos for i in sides]
-            args = (*(xs[i] for i in sides), *(outs[i] for i in sides), cos, sin, pos, *ws, *scalars)
+            tensors = (*(xs[i] for i in sides), *(outs[i] for i in sides), cos, sin, pos, *ws)
+            if checked and getattr(runner, "tensors_only", False):  # the plan's scalars are the runner's own
+                runner(*tensors)
+                continue
+            args = (*tensors, *scalars)
             if checked:
                 runner(*args)
             elif runner and not _capturing():
@@ -228,9 +220,6 @@ class _DirectLaunches:
         for i, m in mine.items():
             outs[i].copy_(m)
         return None
-
-
-ONE_BUFFER = False  # the outputs of a direct call as views of one allocation (benchmarks/eager_op.py times both)
 
 
 def _capturing() -> bool:
@@ -349,10 +338,11 @@ def _static_runner(compiled: Any, grid: tuple, n_args: int, constants: tuple) ->
     fixed: list = []  # the scalars, from the first call
 
     def run(*args: Any) -> None:
-        if not fixed:
+        if not fixed:  # the first call passes the plan's scalars after the tensors, later ones the tensors alone
             full = (*args, *constants)
             fixed.append(tuple(full[i] for i in rest))
         launch(gx, gy, gz, stream_of(device), *[args[i].data_ptr() for i in pointers], *fixed[0])
+    run.tensors_only = True
     return run
 
 
