@@ -16,6 +16,8 @@ from ..ops.slice_write import register_in_place
 from . import triton_launch
 from .triton_plan import KERNEL_FIELDS, NORM_FIRST, Tables, is_true, make_launches, per_lane
 
+_PLANS: dict = {}  # the views' geometry, tables and params -> their planned launches (the plan once, not per call)
+
 
 def rotate_in_place(call: RotaryCall, views: list) -> bool:
     """Rotate `views` (the call's xs) in place; False where the kernel cannot serve the call (the reference
@@ -33,7 +35,18 @@ def rotate_in_place(call: RotaryCall, views: list) -> bool:
     if one_pass:
         weights = [w if w is None or is_true(w.stride(-1) == 1) else w.contiguous() for w in weights]
         tables = Tables(call.cos, call.sin, call.positions, weights)
-        launches = make_launches(views, views, tables, params)
+        try:
+            key = (tuple((tuple(v.shape), v.stride(), v.dtype, v.device) for v in views), tables.key(), params)
+            hash(key)
+        except TypeError:  # symbolic sizes: plan every time
+            key = None
+        launches = _PLANS.get(key) if key is not None else None
+        if launches is None:
+            launches = make_launches(views, views, tables, params)
+            if key is not None and launches is not None:
+                if len(_PLANS) > 4096:
+                    _PLANS.clear()
+                _PLANS[key] = launches
     if launches is None or launches is NORM_FIRST:
         outs = triton_launch.launch(views, call.cos, call.sin, params, call.positions, call.norm_weights)
         for view, out in zip(views, outs):
