@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -54,6 +55,7 @@ SITES = {  # name: (tokens, heads, head dim, interleaved, packed sequences: 0 no
 COLUMNS = ("floor", "rope_fusion", "rope_fusion_op", "flash_attn", "liger", "torch_ops", "diffusers")
 
 
+HOST_REPEATS = 1  # --host-repeats: host timings per column, the median reported
 ROTARY_FILE: str | None = None  # --rotary-file: a copy of flash-attn's rotary.py (it needs only triton)
 
 
@@ -279,7 +281,9 @@ def run_site(name: str, shape: tuple, device: str, calls: int) -> dict:
             entry["max_err"] = None if column == "floor" else max_err(got, want)
             entry["graph_ms"] = graph_ms(fn, device)
             entry["bench_ms"] = bench_ms(fn, device) if device == "cuda" else step_ms(fn, device, 5, 1)
-            entry["host_us"] = host_us(fn, device, calls)
+            runs = [host_us(fn, device, calls) for _ in range(HOST_REPEATS)]
+            entry["host_us"] = statistics.median(runs)
+            entry["host_us_runs"] = runs
         except Exception as e:  # one column failing leaves the others
             entry["error"] = f"{type(e).__name__}: {e}"
     floor = rec["columns"]["floor"].get("graph_ms")
@@ -297,11 +301,13 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200, help="back-to-back calls of the host timing")
     ap.add_argument("--out", default=None, help="write the records as JSON here")
     ap.add_argument("--rotary-file", help="flash-attn's rotary.py to load when neither flash-attn nor vLLM imports")
+    ap.add_argument("--host-repeats", type=int, default=1,
+                    help="time each column's host time this many times (each --calls calls) and report the median")
     ap.add_argument("--host-profile", action="store_true",
                     help="also where rope_fusion's host time goes: its parts timed alone, and a cProfile")
     args = ap.parse_args()
-    global ROTARY_FILE
-    ROTARY_FILE = args.rotary_file
+    global ROTARY_FILE, HOST_REPEATS
+    ROTARY_FILE, HOST_REPEATS = args.rotary_file, args.host_repeats
     calls = 20 if args.quick else args.calls
     result: dict = {"env": environment(), "device": args.device, "calls": calls, "sites": []}
     cpu_note = "" if args.device == "cuda" else "; on the CPU rope_fusion runs the reference: a smoke test, not timings"
