@@ -331,39 +331,19 @@ def _static_runner(compiled: Any, grid: tuple, n_args: int, constants: tuple) ->
     if kernel is None or not torch.cuda.is_available():
         return None
     gx, gy, gz = (*grid, 1, 1)[:3]
+    launch = kernel.run
     stream_of = torch._C._cuda_getCurrentRawStream
     device = torch.cuda.current_device()
     rest = keep[len(pointers):]
-    fixed: list = []  # the scalars (and any scratch arguments), from the first call
-    c_launch, head, scratch = _c_launcher(kernel)
+    fixed: list = []  # the scalars, from the first call
 
     def run(*args: Any) -> None:
         if not fixed:  # the first call passes the plan's scalars after the tensors, later ones the tensors alone
             full = (*args, *constants)
-            fixed.append((*(full[i] for i in rest), *scratch))
-        ptrs = [args[i].data_ptr() for i in pointers]
-        if c_launch is None:
-            kernel.run(gx, gy, gz, stream_of(device), *ptrs, *fixed[0])
-        else:
-            c_launch(*head[:1], gx, gy, gz, *head[1:], (*ptrs, *fixed[0]), stream_of(device))
+            fixed.append(tuple(full[i] for i in rest))
+        launch(gx, gy, gz, stream_of(device), *[args[i].data_ptr() for i in pointers], *fixed[0])
     run.tensors_only = True
     return run
-
-
-def _c_launcher(kernel: Any) -> tuple:
-    """(launch, (function, num_warps, shared, argument types), scratch arguments): the C++ call that the static
-    launcher's `run` makes, with what `run` works out on every call (the scratch slots of this Triton release,
-    the argument type string) taken once; (None, (), ()) where this torch's launcher does not expose it, and
-    `run` itself is called."""
-    try:
-        c_launch = kernel.C_impl._launch_kernel
-        scratch = tuple(None for flag in (kernel.has_global_scratch, kernel.has_profile_scratch) if flag)
-        head = (kernel.function, kernel.num_warps, kernel.shared, kernel.arg_tys + "O" * len(scratch))
-    except AttributeError:
-        return None, (), ()
-    if kernel.function is None or torch.version.hip is not None:
-        return None, (), ()
-    return c_launch, head, scratch
 
 
 def plan_eager(call: RotaryCall) -> Any:
