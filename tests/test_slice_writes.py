@@ -9,6 +9,8 @@ graph to C++. The numerics are checked against an fp64 evaluation of the model's
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -205,6 +207,54 @@ def test_diffusers_cogvideox_fuses_its_sites_with_the_fold(triton_on_cpu):
     assert (len(r.sites), len(r.kernels), len(folded)) == (entry.sites, entry.kernels, entry.kernels), r.table()
     assert _after(p)["aten.slice_scatter.default"] == 0, r.table()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fast", ["triton", "left"])
+def test_auto_times_the_fold_with_the_scatter_it_removes(triton_on_cpu, monkeypatch, tmp_path, fast):
+    """Under `auto` a slice-write group is timed as each candidate would run it: "left" and "inductor" compute the
+    written bases (the scatters Inductor fuses into the rotation), "triton" is the fold itself, the in-place op on
+    the bases. The three compute the same bases, and the fold is emitted exactly where its timing wins."""
+    from rope_fusion.ops import backends
+    from rope_fusion.passes import auto_decisions, auto_timing
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(auto_timing.ENV, raising=False)
+    monkeypatch.setattr(auto_timing, "_MEASURE_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", ["triton", "inductor"])
+    times = {"left": 10e-6, "inductor": 12e-6, "triton": 5e-6 if fast == "triton" else 11e-6}
+    outputs: dict = {}
+    ops_called = []
+
+    def clock(name, run):
+        if name == "triton":
+            with torch.profiler.profile() as prof:
+                outputs[name] = run()
+            ops_called.extend(e.name for e in prof.events())
+        else:
+            outputs[name] = run()
+        return times[name]
+
+    monkeypatch.setattr(auto_timing, "TIMER", clock)
+    assert not os.path.exists(auto_decisions.decisions_path())
+    args = inputs()
+    out, p = compile_with_pass(cogvideox_attention, *[a.clone() for a in args], backend="auto")
+    r = p.report
+    assert sorted(outputs) == ["inductor", "left", "triton"], r.table()
+    assert "rope_fusion::rotary_qk_slice_" in ops_called, sorted(set(ops_called))
+    for name in ("inductor", "triton"):  # every candidate's values are the written bases, [2, heads, s, d]
+        assert len(outputs[name]) == 2, name
+        for got, want in zip(outputs[name], outputs["left"]):
+            assert got.shape == args[0].shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if fast == "triton":
+        assert [k.backend for k in r.kernels] == ["triton"] and r.kernels[0].fold.startswith("slice write:"), \
+            r.table()
+        assert r.kernels[0].choice.startswith("measured triton 5.0 us, left 10.0 us"), r.table()
+        assert _after(p)["aten.slice_scatter.default"] == 0 and _after(p)["auto_functionalized"] == 1
+    else:
+        assert not r.kernels and all(m.reason.startswith("left to Inductor: measured left 10.0 us")
+                                     for m in r.misses), r.table()
+    check_numerics(cogvideox_attention, [a.clone() for a in args], out, context=r.table())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

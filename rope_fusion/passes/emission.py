@@ -439,9 +439,13 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
                             _narrowed(em, sin, m0.node) if sin is not cos else None)
             sin = cos if sin is None else sin
         call = RotaryCall(xs, cos, sin, params, positions, weights, cu_seqlens, seqlen_offsets)
-        spec = dataclasses.replace(site_spec(xs, cos, sin, params, m0, positions), measure=AutoSite(group, call))
+        # rotations written back into their slices: `auto` times the fold itself, and the scatter it removes
+        found = group_writes(group, xs)
+        folding = found if found and not isinstance(found, str) else None
+        spec = dataclasses.replace(site_spec(xs, cos, sin, params, m0, positions),
+                                   measure=AutoSite(group, call, folding))
         backend, fallback = choose(spec)
-        writes = group_writes(group, xs) if backend.name in FOLDS_SLICE_WRITES else []
+        writes = found if backend.name in FOLDS_SLICE_WRITES else []
         if writes and not isinstance(writes, str):  # the rotation written into the bases' slices in place
             finals = emit_slice_write(em, call, writes, m0.node)
             replaced = [w.scatter for w in writes]
