@@ -24,6 +24,7 @@ difference from rope_fusion's result.
 
     python -m benchmarks.eager_op --out $OUT/eager_op.json         # GPU
     python -m benchmarks.eager_op --device cpu --quick              # CPU smoke test (small shapes, host times)
+    python -m benchmarks.eager_op --host-rounds 5 --sites flux llama  # host times, site after site, 5 rounds
 """
 
 from __future__ import annotations
@@ -264,6 +265,29 @@ def host_profile(shape: tuple, device: str, calls: int) -> dict:
     return parts
 
 
+def host_rounds(names: list[str], quick: bool, device: str, calls: int, rounds: int) -> dict:
+    """Host us per call of rope_fusion and of the floor, site after site, `rounds` times over: one site's figure
+    that stays high in every round is that call's cost, one round high at every site is the host's noise (a
+    column's repeats, back to back, cannot tell the two apart)."""
+    built = {}
+    for name in names:
+        tokens, heads, dim, il, packed = SITES[name]
+        shape = (max(16 * max(packed, 1), tokens // 256) if quick else tokens, heads, dim, il, packed)
+        site = make_site(*shape[:4], device=device, packed=shape[4])
+        fns = variants(site, device)
+        built[name] = {c: fns[c][0] for c in ("rope_fusion", "floor")}
+    out: dict = {name: {c: [] for c in fns} for name, fns in built.items()}
+    for _ in range(rounds):
+        for name, fns in built.items():
+            for column, fn in fns.items():
+                out[name][column].append(host_us(fn, device, calls))
+    for name, cols in out.items():
+        print(f"host rounds {name}: " + "; ".join(
+            f"{c} median {statistics.median(v):.1f} us [{min(v):.1f}, {max(v):.1f}] "
+            f"({', '.join(f'{x:.1f}' for x in v)})" for c, v in cols.items()))
+    return out
+
+
 def run_site(name: str, shape: tuple, device: str, calls: int) -> dict:
     site = make_site(*shape[:4], device=device, packed=shape[4])
     calls_by_column = variants(site, device)
@@ -305,6 +329,9 @@ def main() -> None:
                     help="time each column's host time this many times (each --calls calls) and report the median")
     ap.add_argument("--host-profile", action="store_true",
                     help="also where rope_fusion's host time goes: its parts timed alone, and a cProfile")
+    ap.add_argument("--host-rounds", type=int, default=0,
+                    help="then time the host of rope_fusion and the floor at every site, round after round, this "
+                         "many rounds (a slow site in every round is the site's; in one round, the host's)")
     args = ap.parse_args()
     global ROTARY_FILE, HOST_REPEATS
     ROTARY_FILE, HOST_REPEATS = args.rotary_file, args.host_repeats
@@ -327,6 +354,8 @@ def main() -> None:
         if args.host_profile:
             rec["host_profile"] = host_profile(shape, args.device, calls)
             write_json(args.out, result)
+    if args.host_rounds:
+        result["host_rounds"] = host_rounds(args.sites, args.quick, args.device, calls, args.host_rounds)
     write_json(args.out, result)
 
 
