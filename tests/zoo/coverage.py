@@ -9,6 +9,7 @@ transformers.
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 import time
 
@@ -51,14 +52,19 @@ def coverage_rows(names=None, dtypes=None, full: bool = False, progress=None) ->
     for e in entries.ENTRIES:
         if names and e.name not in names:
             continue
-        modes = [False] + ([True] if full and e.full_compile else [])
+        modes = [False] + ([True] if full and e.full_compile else []) + (["triton"] if e.triton_row else [])
         for mode in modes:
             for dt in (("float32",) if mode else e.dtypes):
                 if dtypes and dt not in dtypes:
                     continue
-                res = harness.run_entry(e, getattr(torch, dt), full=mode, ref64_cache=ref64)
+                if mode == "triton":
+                    with harness.triton_on_cpu():
+                        res = harness.run_entry(e, getattr(torch, dt), backend="triton", ref64_cache=ref64)
+                else:
+                    res = harness.run_entry(e, getattr(torch, dt), full=mode, ref64_cache=ref64)
+                kind = {False: "graph", True: "inductor", "triton": "graph triton"}[mode]
                 row = {
-                    "model": e.name, "category": e.category, "variant": f"{dt} {'inductor' if mode else 'graph'}",
+                    "model": e.name, "category": e.category, "variant": f"{dt} {kind}",
                     "expected": e.sites, "compiled": e.compiled_sites, "fused": res.sites,
                     "kernels": res.kernels, "expected_kernels": e.compiled_kernels,
                     "qk": res.qk_kernels, "graphs": res.graphs, "err": res.err_pass, "err_eager": res.err_eager,
@@ -66,12 +72,22 @@ def coverage_rows(names=None, dtypes=None, full: bool = False, progress=None) ->
                     "pass_seconds": res.pass_seconds,
                     "left": len(res.products_after), "misses": res.misses, "failure": res.failure,
                     "errors": res.errors, "note": e.compile_note or e.expect_failure,
-                    "products_after": res.products_after, "norm": _norms(res.report),
+                    "products_after": res.products_after, "norm": _norms(res.report), "folds": _folds(res.report),
                 }
                 rows.append(row)
                 if progress:
                     progress(row)
     return rows
+
+
+def _folds(report) -> str:
+    """The folds column: the data movement the fused ops took in, by kind (a kernel's `fold` text up to its colon),
+    or the first reason one was not taken."""
+    texts = [k.fold for k in (report.kernels if report is not None else []) if k.fold]
+    taken = collections.Counter(t.split(":")[0] for t in texts if "not folded" not in t.split(":")[0])
+    if taken:
+        return ", ".join(f"{n} {kind}" for kind, n in taken.items())
+    return texts[0] if texts else "-"
 
 
 def _norms(report) -> str:
@@ -93,7 +109,8 @@ COLUMNS = (
     ("cat", "*must*: every site has to fuse, or the row fails; *should*: a form the pass may leave alone, with a "
             "near miss that says why"),
     ("variant", "the dtype, then *graph* (Inductor's front half and post-grad passes, where the pass runs; the "
-                "graph then runs eagerly) or *inductor* (a full torch.compile with C++ code generation)"),
+                "graph then runs eagerly), *inductor* (a full torch.compile with C++ code generation) or *graph "
+                "triton* (graph, with the Triton backend asked for, its kernel interpreted)"),
     ("sites", "RoPE sites per forward, counted from the model's source (in parentheses: those in the compiled "
               "graphs, where Dynamo reuses one graph for several layers after a graph break)"),
     ("fused", "sites in `report.sites`"),
@@ -102,6 +119,10 @@ COLUMNS = (
     ("graphs", "Dynamo graphs the forward compiled into"),
     ("QK-norm", "sites whose RMSNorm before the rotation is folded into the fused op, or why a norm stayed in the "
                 "graph (*-*: the model has no QK-norm there)"),
+    ("folds", "data movement a fused op took in, per kernel: a slice write (the rotation written into the rows "
+              "of a larger tensor in place), a joint cat (text and image pieces read where they are); only the "
+              "Triton backend folds them, so they show on the *graph triton* rows (its kernel interpreted on the "
+              "CPU), or why one was not taken (*-*: nothing to fold)"),
     ("max err", "relative error of the compiled output against an fp64 evaluation of the uncompiled model"),
     ("eager err", "the uncompiled model's own relative error in that dtype, against the same fp64 evaluation"),
     ("status", "*ok*: every expected site fused in the expected kernels and no table x activation product is "
@@ -136,7 +157,7 @@ def format_table(rows, markdown: bool = False) -> str:
             status += ": " + r["misses"][0][0]  # the reason, whole, in the table itself
         body.append([r["model"], r["category"], r["variant"], sites, str(r["fused"]),
                      f"{r['kernels']}/{r['expected_kernels']} ({r['qk']})", str(r["graphs"]), r.get("norm", "-"),
-                     _fmt(r["err"]), _fmt(r["err_eager"]), status])
+                     r.get("folds", "-"), _fmt(r["err"]), _fmt(r["err_eager"]), status])
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in b) + " |" for b in body]

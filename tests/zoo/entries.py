@@ -43,6 +43,7 @@ class Entry:
     # reuse one compiled graph for several layers (per-forward sites > sites the pass sees)
     graph_kernels: int | None = None
     expect_failure: str = ""  # the model cannot be compiled at all: the reason (recorded in the table)
+    triton_row: bool = False  # also a row with the Triton backend (interpreted on the CPU): what only it folds
 
     @property
     def compiled_sites(self) -> int:
@@ -276,7 +277,7 @@ add(
         "img_shapes": [[(1, 4, 4)]]}),
         8, 4, 4, "transformer_qwenimage.py",
         "QwenDoubleStreamAttnProcessor2_0.__call__: apply_rotary_emb_qwen on img q/k (img_freqs) and txt "
-        "q/k (txt_freqs), complex64, 2 blocks", full_compile=True),
+        "q/k (txt_freqs), complex64, 2 blocks", full_compile=True, triton_row=True),
 )
 
 
@@ -373,7 +374,7 @@ add(
         "img_ids": _r(16, 3), "txt_ids": _r(48, 3), "timestep": torch.tensor([0.5])}),
         4, 2, 2, _df_src("transformer_flux.py"),
         "transformer_flux.py FluxAttnProcessor: apply_rotary_emb(query/key, image_rotary_emb) (I4) in the double "
-        "block (joint txt+img) and in the single block: 1 + 1 blocks"),
+        "block (joint txt+img) and in the single block: 1 + 1 blocks", triton_row=True),
     Entry("flux2", _df("Flux2Transformer2DModel", {
         "patch_size": 1, "in_channels": 4, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
         "num_attention_heads": 2, "joint_attention_dim": 32, "timestep_guidance_channels": 256,
@@ -383,7 +384,7 @@ add(
         "timestep": torch.tensor([0.5]), "guidance": torch.tensor([3.5])}),
         4, 2, 2, _df_src("transformer_flux2.py"),
         "transformer_flux2.py Flux2AttnProcessor (double) + Flux2ParallelSelfAttnProcessor (single): "
-        "apply_rotary_emb(query/key), 1 + 1 blocks", dtypes=("float32",)),
+        "apply_rotary_emb(query/key), 1 + 1 blocks", dtypes=("float32",), triton_row=True),
     Entry("hunyuan_video", _df("HunyuanVideoTransformer3DModel", {
         "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 10, "num_layers": 1,
         "num_single_layers": 1, "num_refiner_layers": 1, "patch_size": 1, "patch_size_t": 1,
@@ -395,7 +396,7 @@ add(
         4, 2, 2, _df_src("transformer_hunyuan_video.py"),
         "transformer_hunyuan_video.py HunyuanVideoAttnProcessor2_0: apply_rotary_emb on the image part of q/k "
         "(single block: q[:, :-txt] then cat, M6), 1 double + 1 single block; the token refiner has no rope",
-        slow=True),
+        slow=True, triton_row=True),
     Entry("cogvideox", _df("CogVideoXTransformer3DModel", {
         "num_attention_heads": 2, "attention_head_dim": 16, "in_channels": 4, "out_channels": 4,
         "time_embed_dim": 2, "text_embed_dim": 8, "num_layers": 2, "sample_width": 8, "sample_height": 8,
@@ -405,7 +406,7 @@ add(
         "image_rotary_emb": (_r(16, 16), _r(16, 16))}),
         4, 2, 2, "attention_processor.py|embeddings.py",
         "attention_processor.py CogVideoXAttnProcessor2_0: query[:, :, text_seq_length:] = apply_rotary_emb(...) "
-        "and the same for key (M6), 2 blocks"),
+        "and the same for key (M6), 2 blocks", triton_row=True),
     Entry("ltx", _df("LTXVideoTransformer3DModel", {
         "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 8,
         "cross_attention_dim": 16, "num_layers": 1, "qk_norm": "rms_norm_across_heads", "caption_channels": 16},
