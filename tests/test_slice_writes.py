@@ -297,3 +297,30 @@ def test_rotations_written_into_inputs_fuse(triton_on_cpu, backend):
                                 out_dtype=torch.float64)
         torch.testing.assert_close(got[:, :, TEXT:].double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fq, want_q, rtol=1e-5, atol=1e-5)
+
+
+def scatter_into_input(x, cos, sin):
+    """The rotation scattered into a copy of the input, which stays as it was: written, it needs a clone."""
+    return torch.slice_scatter(x, rope(x[:, :, TEXT:], cos, sin), 2, TEXT)
+
+
+@pytest.mark.parametrize("fn,n,clone", [(cogvideox_attention, 3, False), (read_again, 1, True),
+                                        (write_into_inputs, 2, False), (scatter_into_input, 1, True)])
+def test_the_timed_fold_clones_a_base_where_inductor_would(fn, n, clone):
+    """`auto` times the fold on a clone of a base exactly where Inductor's reinplacing writes into one: a base the
+    graph reads again, or a graph input that is not written back; the input a `copy_` writes back is written."""
+    from torch.func import functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from rope_fusion.passes import auto_timing
+    from rope_fusion.passes.slice_writes import SliceWrite
+
+    q, k, v, cos, sin = inputs()
+    args = [q, k, v][:n] + [cos, sin]
+    graph = make_fx(functionalize(fn, remove="mutations"))(*[a.clone() for a in args]).graph
+    scatters = [node for node in graph.nodes if node.target is torch.ops.aten.slice_scatter.default]
+    assert scatters
+    for node in scatters:
+        dim, start, end = (list(node.args[2:5]) + [None, None, None])[:3]
+        write = SliceWrite(node.args[0], dim, start, end, node)
+        assert auto_timing._clones(write) == clone, (node.name, [u.name for u in node.args[0].users])

@@ -217,11 +217,11 @@ def _clones(write: Any) -> bool:
     (a user other than the slices of it and the scatter), or the base is a graph input the graph does not write
     back (`copy_` of the scatter into it)."""
     base, scatter = write.base, write.scatter
-    if any(u is not scatter and u.target is not aten.slice.Tensor for u in base.users):
+    written_back = any(u.target is aten.copy_.default and u.args[0] is base for u in scatter.users)
+    if any(u is not scatter and u.target is not aten.slice.Tensor
+           and not (written_back and u.target is aten.copy_.default and u.args[1] is scatter) for u in base.users):
         return True
-    if base.op == "placeholder":
-        return not any(u.target is aten.copy_.default and u.args[0] is base for u in scatter.users)
-    return False
+    return base.op == "placeholder" and not written_back
 
 
 def _runner(name: str, built: _Built, site: AutoSite, real: dict) -> Callable[[], Any] | None:
