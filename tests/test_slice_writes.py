@@ -324,3 +324,31 @@ def test_the_timed_fold_clones_a_base_where_inductor_would(fn, n, clone):
         dim, start, end = (list(node.args[2:5]) + [None, None, None])[:3]
         write = SliceWrite(node.args[0], dim, start, end, node)
         assert auto_timing._clones(write) == clone, (node.name, [u.name for u in node.args[0].users])
+
+
+def test_timed_candidates_write_back_into_inputs_as_the_graph_does(triton_on_cpu, monkeypatch, tmp_path):
+    """Rotations written back into the function's inputs: plain compile copies each written base into its input
+    (`copy_`), so "left" and "inductor" are timed with those copies, and the fold writes the inputs in place."""
+    from rope_fusion.ops import backends
+    from rope_fusion.passes import auto_timing
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(auto_timing.ENV, raising=False)
+    monkeypatch.setattr(auto_timing, "_MEASURE_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", ["triton", "inductor"])
+    built = []
+    real_build = auto_timing.build
+    monkeypatch.setattr(auto_timing, "build", lambda site, cg: built.append(real_build(site, cg)) or built[-1])
+    monkeypatch.setattr(auto_timing, "TIMER", lambda name, run: (run(), {"left": 10e-6, "inductor": 12e-6,
+                                                                          "triton": 5e-6}[name])[1])
+    q, k, _, cos, sin = inputs()
+    fq, fk = q.clone(), k.clone()
+    _, p = compile_with_pass(write_into_inputs, fq, fk, cos, sin, backend="auto")
+    assert [k_.fold.startswith("slice write:") for k_ in p.report.kernels] == [True], p.report.table()
+    (b,) = built
+    copies = [n for n in b.left.nodes if n.target is torch.ops.aten.copy_.default]
+    assert len(copies) == 2 and all(c.args[0].op == "placeholder" for c in copies), b.left
+    want_q, want_k = q.clone(), k.clone()
+    write_into_inputs(want_q, want_k, cos, sin)
+    torch.testing.assert_close(fq, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fk, want_k, rtol=1e-5, atol=1e-5)

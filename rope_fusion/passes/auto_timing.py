@@ -14,10 +14,11 @@ tensors of the site's own shapes, strides and dtypes:
 
 A group whose rotations are written back into the slices their x is read from (CogVideoX, passes/slice_writes.py)
 is timed with its writes: "left" and "inductor" end with the `slice_scatter`s, which Inductor fuses into the
-rotation, and "triton" is the fold the emission makes of it, the in-place op `rope_fusion::rotary*_slice_` on the
-bases (on a clone of a base the graph reads again, as Inductor's reinplacing does). Timing the kernel without the
-scatter it removes compared it with a rotation that plain compile writes into the base for free: `auto` left the
-CogVideoX-5B rows, where the fold takes 0.55x plain compile's GPU time.
+rotation, and with the `copy_` into a graph input that the graph writes them back to; "triton" is the fold the
+emission makes of it, the in-place op `rope_fusion::rotary*_slice_` on the bases (on a clone of a base the graph
+reads again, as Inductor's reinplacing does). Timed without the scatter it removes, the kernel was compared with a
+rotation that plain compile writes into the base for free: `auto` left the CogVideoX-5B-shape rows, where the fold
+takes 0.55x plain compile's GPU time.
 
 Each runs the way the compiled graph will: replayed in a CUDA graph when the pass's `replayed_in_cuda_graphs()`,
 else called in a timed loop with its launches (host time included, one synchronize at the end). A fused candidate
@@ -194,7 +195,10 @@ def build(site: AutoSite, cuda_graphs: bool) -> _Built:
             raise NotMeasured(f"{o.name} is a rotary kernel already in the graph, not arithmetic")
     body, inputs = region(site.outputs)
     left, env = copy_region(body, inputs)
-    left.output(tuple(env[o] for o in site.outputs))
+    # a base that is a graph input the graph writes back: plain compile copies the scatter into it
+    backs = [left.call_function(aten.copy_.default, (env[w.base], env[w.scatter])) for w in site.writes or []
+             if _written_back(w)]
+    left.output(tuple(env[o] for o in site.outputs) + tuple(backs))
     writes = site.writes or []
     tensors = [t for t in _call_tensors(site.call) if t is not None] + [w.base for w in writes]
     ubody, uinputs = region(list(dict.fromkeys(tensors)))
@@ -212,12 +216,19 @@ def build(site: AutoSite, cuda_graphs: bool) -> _Built:
                   base_slots)
 
 
+def _written_back(write: Any) -> bool:
+    """Whether the graph copies the written base into the tensor it was read from (`copy_(input, scatter)`: a
+    function that writes its input, `q[:, :, t:] = rope(q[:, :, t:])` on a q it was given)."""
+    return write.base.op == "placeholder" and any(
+        u.target is aten.copy_.default and u.args[0] is write.base for u in write.scatter.users)
+
+
 def _clones(write: Any) -> bool:
     """Whether Inductor writes a fold into a clone of its base: where the graph reads the base's old values again
     (a user other than the slices of it and the scatter), or the base is a graph input the graph does not write
     back (`copy_` of the scatter into it)."""
     base, scatter = write.base, write.scatter
-    written_back = any(u.target is aten.copy_.default and u.args[0] is base for u in scatter.users)
+    written_back = _written_back(write)
     if any(u is not scatter and u.target is not aten.slice.Tensor
            and not (written_back and u.target is aten.copy_.default and u.args[1] is scatter) for u in base.users):
         return True
@@ -320,6 +331,8 @@ def _with_op(built: _Built, site: AutoSite, ops: tuple) -> fx.Graph:
         rotated = [node] if arity == 1 else [g.call_function(operator.getitem, (node, i)) for i in range(arity)]
         node = tuple(g.call_function(aten.slice_scatter.default, (outs[b], r, w.dim, w.start, w.end))
                      for b, r, w in zip(built.base_slots, rotated, site.writes))
+        node += tuple(g.call_function(aten.copy_.default, (outs[b], sc))
+                      for b, sc, w in zip(built.base_slots, node, site.writes) if _written_back(w))
     g.output(node)
     return g
 
