@@ -38,6 +38,7 @@ def triton_on_cpu(monkeypatch):
     monkeypatch.setattr(launching, "rotary_kernel", interpreted(tk.rotary_kernel))
     monkeypatch.setattr(launching, "INTERPRETED", True)
     monkeypatch.setitem(slice_write.IN_PLACE, "cpu", slice_write.IN_PLACE["cuda"])
+    monkeypatch.setitem(slice_write.PLANNERS, "cpu", slice_write.PLANNERS["cuda"])
 
 
 def rope(x, cos, sin):
@@ -173,6 +174,34 @@ def test_the_op_rotates_only_its_rows(monkeypatch, in_place, request):
         want = rotary_reference(x[:, s:e].double(), cos.double(), sin.double(), **{**kw, "out_dtype": torch.float64})
         torch.testing.assert_close(got[:, s:e].double(), want, rtol=1e-6, atol=1e-6)
         assert torch.equal(got[:, :s], x[:, :s]) and torch.equal(got[:, e:], x[:, e:])
+
+
+def test_repeated_calls_run_the_plan_of_their_geometry(triton_on_cpu, monkeypatch):
+    """A geometry is checked and planned on its first call; later calls of it (other bases, other rows, fresh
+    values) run that plan, each rotating its own rows in place, and a new geometry plans again. A bad slice still
+    raises on a planned geometry."""
+    planned = []
+    real = slice_write.PLANNERS["cpu"]
+    monkeypatch.setitem(slice_write.PLANNERS, "cpu", lambda call: planned.append(call) or real(call))
+    monkeypatch.setattr(slice_write, "_PLANS", {})
+    kw = dict(interleaved=True, rotary_dim=32, full_tables=True, conjugate=False, out_dtype=torch.float32)
+    for shape, (s, e) in (((2, 3, 9, 32), (2, 7)), ((2, 3, 9, 32), (4, 9)), ((2, 3, 9, 32), (0, 5)),
+                          ((1, 3, 12, 32), (2, 7))):
+        q, k = torch.randn(shape), torch.randn(shape)
+        cos, sin = torch.randn(e - s, 32), torch.randn(e - s, 32)
+        qb, kb = q.clone(), k.clone()
+        torch.ops.rope_fusion.rotary_qk_slice_(qb, kb, cos, sin, **kw, slice_dims=[2, 2], slice_starts=[s, s],
+                                               slice_ends=[e, e])
+        for got, x in ((qb, q), (kb, k)):
+            want = rotary_reference(x[:, :, s:e].double(), cos.double(), sin.double(),
+                                    **{**kw, "out_dtype": torch.float64})
+            torch.testing.assert_close(got[:, :, s:e].double(), want, rtol=1e-6, atol=1e-6)
+            assert torch.equal(got[:, :, :s], x[:, :, :s]) and torch.equal(got[:, :, e:], x[:, :, e:])
+    # one plan per geometry: the three [2, 3, 9, 32] calls rotate 5 rows each (one view geometry), the last is new
+    assert len(planned) == 2 and len(slice_write._PLANS) == 2
+    with pytest.raises(ValueError, match="out of range"):
+        torch.ops.rope_fusion.rotary_qk_slice_(qb, kb, cos, sin, **kw, slice_dims=[2, 2], slice_starts=[9, 9],
+                                               slice_ends=[14, 14])
 
 
 def test_the_op_names_a_bad_slice():

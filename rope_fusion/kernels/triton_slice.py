@@ -11,10 +11,17 @@ into fresh buffers and copied into the slice: correct, one copy more.
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
+import torch
+
 from ..ops.schema import RotaryCall
 from ..ops.slice_write import register_in_place
 from . import triton_launch
 from .triton_plan import KERNEL_FIELDS, NORM_FIRST, Tables, is_true, make_launches, per_lane
+
+log = logging.getLogger("rope_fusion")
 
 _PLANS: dict = {}  # the views' geometry, tables and params -> their planned launches (the plan once, not per call)
 
@@ -63,6 +70,54 @@ def rotate_in_place(call: RotaryCall, views: list) -> bool:
     return True
 
 
+class _InPlaceLaunches(triton_launch._DirectLaunches):
+    """The direct path's replayed launches (`triton_launch._DirectLaunches`: the compiled kernel through torch's
+    static launcher after its first use is checked) with each x as its own output: the slice rotated in place."""
+
+    def _outputs(self, xs: list) -> list:
+        return list(xs)
+
+    @staticmethod
+    def _checked(runner: Any, args: tuple, sides: list, outs: list, grid: tuple, meta: dict) -> Any:
+        """The compiled launcher where it writes what the JIT launcher writes: the JIT launcher's result first, into
+        fresh buffers from x as it is, then the launcher in place; on a failure or a difference, the JIT result."""
+        mine = {i: torch.empty_like(outs[i]) for i in sides}
+        triton_launch.rotary_kernel[grid](*args[:3], *(mine[i] for i in sides), *args[6:], **meta)
+        try:
+            runner(*args)
+        except Exception as e:  # a launcher API of another Triton version: the JIT launcher stays
+            log.info("rope_fusion: Triton's compiled-kernel launcher failed (%s); the JIT launcher stays", e)
+            runner = None
+        if runner is not None and all(torch.equal(outs[i].view(torch.uint8), m.view(torch.uint8))
+                                      for i, m in mine.items()):
+            return runner
+        if runner is not None:
+            log.warning("rope_fusion: Triton's compiled-kernel launcher wrote other values than its JIT launcher; "
+                        "the JIT launcher stays")
+        for i, m in mine.items():
+            outs[i].copy_(m)
+        return None
+
+
+def plan_in_place(call: RotaryCall) -> Any:
+    """The runner of a geometry that the kernel rotates in one pass over each row (`rotate_in_place`'s rule), its
+    launches planned once for every later call of that geometry; None for any other (the call then goes to
+    `rotate_in_place` each time)."""
+    views, params = call.xs, call.params
+    if any(t.device.type != "cuda" for t in (*views, call.cos, call.sin)) and not triton_launch.INTERPRETED:
+        return None
+    if params.unhandled(KERNEL_FIELDS) or params.deinterleave or _is_empty(views):
+        return None
+    weights = list(call.norm_weights) if call.norm_weights else [None] * len(views)
+    if not all(is_true(v.stride(-1) == 1) for v in views) or any(
+            w is not None and not (per_lane(w, v) and is_true(w.stride(-1) == 1)) for w, v in zip(weights, views)):
+        return None
+    launches = make_launches(views, views, Tables(call.cos, call.sin, call.positions, weights), params)
+    if not isinstance(launches, list):
+        return None
+    return _InPlaceLaunches(launches, params.out_dtype, triton_launch.row_checks(call.positions))
+
+
 def _is_empty(views: list) -> bool:
     return any(is_true(v.numel() == 0) for v in views)
 
@@ -73,4 +128,4 @@ def _serve(call: RotaryCall, views: list) -> bool:
     return rotate_in_place(call, views)
 
 
-register_in_place("cuda", _serve)
+register_in_place("cuda", _serve, plan_in_place)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .library import LIBRARY, reference_outputs
+from .library import LIBRARY, _geometry, reference_outputs
 from .optional_backends import load_backends
 from .packed import unpacked
 from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, check_call, op_schema
@@ -33,6 +33,15 @@ SLICE_ARGS = ("slice_dims", "slice_starts", "slice_ends")
 InPlace = Callable[[RotaryCall, list], bool]
 IN_PLACE: dict[str, InPlace] = {}
 """Device type -> its in-place kernel (the Triton kernel registers for CUDA, kernels/triton_slice.py)."""
+
+# a call's geometry planned once: planner(call) -> runner(views, cos, sin, positions, weights) that rotates the
+# views of every later call of that geometry in place, or None (the call goes to IN_PLACE as it comes)
+InPlacePlanner = Callable[[RotaryCall], Callable | None]
+PLANNERS: dict[str, InPlacePlanner] = {}
+"""Device type -> its planner of repeated calls (the Triton kernel's for CUDA)."""
+
+_PLANS: dict = {}  # a call's geometry (`_plan_key`) -> (runner, arity): the calls Inductor's graph repeats
+_MAX_PLANS = 4096
 
 
 def slice_schema(arity: int) -> str:
@@ -76,12 +85,16 @@ def _call(arity: int, args: tuple, kw: dict) -> tuple[RotaryCall, list]:
     bases = list(args[:arity])
     views = slice_views(bases, bounds)
     call = RotaryCall.parse([*views, *args[arity:]], kw, arity)
+    _check(call, bases)
+    return call, views
+
+
+def _check(call: RotaryCall, bases: list) -> None:
     check_call(call)
-    for name, b in zip(TENSOR_NAMES[arity], bases):
+    for name, b in zip(TENSOR_NAMES[len(bases)], bases):
         if b.dtype != call.params.out_dtype:
             raise ValueError(f"{name} is {b.dtype}: a rotation written into it has out_dtype {b.dtype}, got "
                              f"{call.params.out_dtype}")
-    return call, views
 
 
 def _fake(arity: int) -> Callable[..., None]:
@@ -90,10 +103,49 @@ def _fake(arity: int) -> Callable[..., None]:
     return fake
 
 
+def _plan_key(arity: int, views: list, rest: tuple, kw: dict) -> tuple | None:
+    """The geometry of a call on its slices: every tensor's (`library._geometry`: shape, strides, dtype, device,
+    alignment) and every keyword; None where one cannot be a key."""
+    try:
+        key = (arity, tuple(_geometry(v) for v in views),
+               tuple(None if t is None else _geometry(t) for t in rest), tuple(kw.items()))
+        hash(key)
+    except (TypeError, RuntimeError):  # a tensor without storage, an unhashable keyword: nothing to cache
+        return None
+    return key
+
+
+def _run_plan(runner: Callable, arity: int, views: list, rest: tuple) -> None:
+    """A planned call: the tables, positions and weights by their place in the schema (`schema.RotaryCall.parse`)."""
+    weights = list(rest[3:3 + arity]) if len(rest) > 3 else None
+    runner(views, rest[0], rest[1], rest[2] if len(rest) > 2 else None, weights)
+
+
 def _eager(arity: int) -> Callable[..., None]:
     def run(*args: Any, **kw: Any) -> None:
-        call, views = _call(arity, args, kw)
+        # Inductor's graph calls the op once per layer with one geometry: after the first call is checked and
+        # planned, a call costs its views, its key and the launch (the checks and planning were about 250 us of
+        # host time a call on a 2-core host, the GPU's work 130 us at CogVideoX-5B's shape)
+        kw, bounds = split_kwargs(kw)
+        views = slice_views(list(args[:arity]), bounds)
+        rest = tuple(args[arity:])
+        key = _plan_key(arity, views, rest, kw)
+        planned = _PLANS.get(key) if key is not None else None
+        if planned is not None:
+            _run_plan(planned, arity, views, rest)
+            return
+        call = RotaryCall.parse([*views, *rest], kw, arity)
+        _check(call, list(args[:arity]))
         load_backends()  # the device's in-place kernel registers when its backend imports
+        planner = PLANNERS.get(views[0].device.type)
+        if key is not None and planner is not None and call.cu_seqlens is None:
+            runner = planner(call)
+            if runner is not None:
+                if len(_PLANS) >= _MAX_PLANS:
+                    _PLANS.clear()
+                _PLANS[key] = runner
+                _run_plan(runner, arity, views, rest)
+                return
         call = unpacked(call)
         impl = IN_PLACE.get(views[0].device.type)
         if impl is not None and impl(call, views):
@@ -117,6 +169,9 @@ def _define() -> tuple:
 SLICE_OPS = _define()  # by arity - 1: rotary_slice_, rotary_qk_slice_, rotary_qkv_slice_
 
 
-def register_in_place(device_type: str, impl: InPlace) -> None:
-    """Rotate the slices of one device type's tensors in place with `impl` (False from it: the reference)."""
+def register_in_place(device_type: str, impl: InPlace, planner: InPlacePlanner | None = None) -> None:
+    """Rotate the slices of one device type's tensors in place with `impl` (False from it: the reference); with
+    `planner`, repeated calls of one geometry run the runner it planned for the first."""
     IN_PLACE[device_type] = impl
+    if planner is not None:
+        PLANNERS[device_type] = planner

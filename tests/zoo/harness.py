@@ -408,7 +408,7 @@ def triton_on_cpu():
 
     saved = [(launching, "rotary_kernel", launching.rotary_kernel), (launching, "INTERPRETED", launching.INTERPRETED)]
     tables = []  # (device-type table, its "cpu" entry before)
-    for module, names in (("rope_fusion.ops.slice_write", ("IN_PLACE",)),
+    for module, names in (("rope_fusion.ops.slice_write", ("IN_PLACE", "PLANNERS")),
                           ("rope_fusion.ops.cat_rotary", ("DEVICE_IMPLS", "DEVICE_CHECKS"))):
         try:
             mod = importlib.import_module(module)
