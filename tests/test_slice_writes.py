@@ -204,6 +204,37 @@ def test_repeated_calls_run_the_plan_of_their_geometry(triton_on_cpu, monkeypatc
                                                slice_ends=[14, 14])
 
 
+@pytest.mark.parametrize("form", ["packed", "weight per token"])
+def test_calls_the_plan_cache_does_not_keep_rotate_in_place(triton_on_cpu, form):
+    """Packed sequences (positions derived per call) and a norm weight that varies over tokens (normalised before
+    the launch, then copied in) are not kept by the op's plan cache: they rotate their rows in place all the same,
+    on every call."""
+    torch.manual_seed(3)
+    q = torch.randn(10, 2, 16)
+    cos, sin = torch.randn(8, 16), torch.randn(8, 16)
+    kw = dict(interleaved=False, rotary_dim=16, full_tables=True, conjugate=False, out_dtype=torch.float32)
+    s, e = 2, 9
+    for _ in range(2):
+        qb = q.clone()
+        if form == "packed":
+            cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+            torch.ops.rope_fusion.rotary_slice_(qb, cos, sin, cu_seqlens=cu, **kw, slice_dims=[0], slice_starts=[s],
+                                                slice_ends=[e])
+            rows = torch.tensor([0, 1, 2, 0, 1, 2, 3])
+            want = rotary_reference(q[s:e].double(), cos[rows][:, None].double(), sin[rows][:, None].double(),
+                                    **{**kw, "out_dtype": torch.float64})
+        else:
+            w = torch.rand(e - s, 1, 16) + 0.5
+            torch.ops.rope_fusion.rotary_slice_(qb, cos[:e - s, None], sin[:e - s, None], x_norm_weight=w,
+                                                **kw, norm="rms", slice_dims=[0], slice_starts=[s], slice_ends=[e])
+            x = q[s:e].double()
+            normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+            want = rotary_reference(normed, cos[:e - s, None].double(), sin[:e - s, None].double(),
+                                    **{**kw, "out_dtype": torch.float64})
+        torch.testing.assert_close(qb[s:e].double(), want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(qb[:s], q[:s]) and torch.equal(qb[e:], q[e:])
+
+
 def test_the_op_names_a_bad_slice():
     x, cos, sin = torch.randn(2, 5, 32), torch.randn(3, 16), torch.randn(3, 16)
     kw = dict(interleaved=False, rotary_dim=32, full_tables=False, conjugate=False, out_dtype=torch.float32)

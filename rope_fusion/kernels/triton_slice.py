@@ -11,62 +11,53 @@ into fresh buffers and copied into the slice: correct, one copy more.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import torch
 
+from ..ops.library import _geometry
 from ..ops.schema import RotaryCall
 from ..ops.slice_write import register_in_place
 from . import triton_launch
-from .triton_plan import KERNEL_FIELDS, NORM_FIRST, Tables, is_true, make_launches, per_lane
+from .triton_plan import KERNEL_FIELDS, Tables, is_true, make_launches, per_lane
 
 log = logging.getLogger("rope_fusion")
 
-_PLANS: dict = {}  # the views' geometry, tables and params -> their planned launches (the plan once, not per call)
+_PLANS: dict = {}  # a call's geometry -> its `plan_in_place` runner (the plan once, not per call)
 
 
 def rotate_in_place(call: RotaryCall, views: list) -> bool:
     """Rotate `views` (the call's xs) in place; False where the kernel cannot serve the call (the reference
-    then runs)."""
+    then runs). The calls the op's own plan cache does not keep come here (packed sequences, whose positions are
+    derived per call, and keys that do not hash): their plans are kept here by geometry."""
     if any(t.device.type != "cuda" for t in (*views, call.cos, call.sin)) and not triton_launch.INTERPRETED:
         return False
-    params = call.params
-    if params.unhandled(KERNEL_FIELDS):
+    if call.params.unhandled(KERNEL_FIELDS):
         return False
-    weights = list(call.norm_weights) if call.norm_weights else [None] * len(views)
-    one_pass = (not params.deinterleave and all(is_true(v.stride(-1) == 1) for v in views)
-                and not (params.norm != "none" and any(w is not None and not per_lane(w, v)
-                                                       for w, v in zip(weights, views))))
-    launches = None
-    if one_pass:
-        weights = [w if w is None or is_true(w.stride(-1) == 1) else w.contiguous() for w in weights]
-        tables = Tables(call.cos, call.sin, call.positions, weights)
-        try:
-            key = (tuple((tuple(v.shape), v.stride(), v.dtype, v.device) for v in views), tables.key(), params)
-            hash(key)
-        except TypeError:  # symbolic sizes: plan every time
-            key = None
-        launches = _PLANS.get(key) if key is not None else None
-        if launches is None:
-            launches = make_launches(views, views, tables, params)
-            if key is not None and launches is not None:
-                if len(_PLANS) > 4096:
-                    _PLANS.clear()
-                _PLANS[key] = launches
-    if launches is None or launches is NORM_FIRST:
-        outs = triton_launch.launch(views, call.cos, call.sin, params, call.positions, call.norm_weights)
+    if call.norm_weights:  # the kernel reads a weight's lanes with unit stride
+        call = dataclasses.replace(call, norm_weights=[
+            w if w is None or is_true(w.stride(-1) == 1) else w.contiguous() for w in call.norm_weights])
+    try:
+        key = (tuple(None if t is None else _geometry(t) for t in (*views, call.cos, call.sin, call.positions,
+                                                                     *(call.norm_weights or ()))), call.params)
+        hash(key)
+    except (TypeError, RuntimeError):  # symbolic sizes: plan every time
+        key = None
+    runner = _PLANS.get(key) if key is not None else None
+    if runner is None:
+        runner = plan_in_place(call)
+        if key is not None and runner is not None:
+            if len(_PLANS) > 4096:
+                _PLANS.clear()
+            _PLANS[key] = runner
+    if runner is None:  # not one pass over each row: into fresh buffers, then copied into the slices
+        outs = triton_launch.launch(views, call.cos, call.sin, call.params, call.positions, call.norm_weights)
         for view, out in zip(views, outs):
             view.copy_(out)
         return True
-    kernel = triton_launch.rotary_kernel  # read per call: the tests interpret the module's kernel
-    pos = call.positions if call.positions is not None else call.cos  # unused pointers stand in for absent ones
-    checks = triton_launch.row_checks(call.positions)
-    for group, grid, scalars, meta in launches:
-        sides = [group[min(i, len(group) - 1)] for i in range(3)]  # q, k, v; absent sides repeat the last
-        ws = [weights[i] if weights[i] is not None else call.cos for i in sides]
-        kernel[grid](*(views[i] for i in sides), *(views[i] for i in sides), call.cos, call.sin, pos, *ws, *scalars,
-                     **meta, **checks)
+    runner(views, call.cos, call.sin, call.positions, call.norm_weights)
     return True
 
 
