@@ -635,7 +635,9 @@ def coverage_rows(quick: bool) -> list[Row]:
     - M8 deepseek-v3 mla: q [B, 128, T, 192] of which the last 64 lanes (q_pe) are rotated, k_pe [B, 1, T, 64]
       shared by the heads, bf16 full NeoX tables [B, T, 64]; de-interleave then rotate_half, q put back
       together as cat((q_nope, q_pe), -1). Floor: a clone of q (whole: the function returns all of it) and of
-      k_pe; a clone of the strided q_pe alone measured 3x its bytes' time, so it is no floor.
+      k_pe; a clone of the strided q_pe alone measured 3x its bytes' time, so it is no floor. The pass makes q
+      (the cat, the whole head) and k_pe one `rotary_qk` (`offset_q_only`: the pass-through head is q's alone),
+      so pass-triton times one launch where q and k_pe took two before (docs/design.md 1.3).
     - M9 hidream 2x2: q, k [B, S, H, D] (S = 4096 image + 128 text tokens), fp32 angles [B, S, D/2], the 2x2
       rotation matrices stacked from cos and sin in the graph, `.float()` math, `type_as`. Floor: q and k.
     - M10 clvp qkv: q, k and v [B, H, T, 64] rotated by one bf16 table pair [B, 1, T, 32] (partial NeoX, 32 of

@@ -123,13 +123,17 @@ def _norm_rows(label: str, B: int, S: int, H: int, D: int) -> dict:
 
 def _deepseek_mla(B: int, H: int, T: int, nope: int, rope: int) -> dict:
     """M8: q_pe the last `rope` lanes of q [B,H,T,nope+rope] (a pass-through head), k_pe [B,1,T,rope] alone
-    (one head: several tokens a program); de-interleave then rotate_half; full NeoX bf16 tables [B,T,rope]."""
+    (one head: several tokens a program), and the two in one launch; de-interleave then rotate_half; full NeoX bf16
+    tables [B,T,rope]."""
     tables = dict(cos=_x(B, T, rope)[:, None], sin=_x(B, T, rope)[:, None])
     base = dict(interleaved=True, rotary_dim=rope, full_tables=True, conjugate=False, out_dtype=BF16,
                 deinterleave=True)
     q = dict(xs=[_x(B, H, T, nope + rope)], params=RotaryParams(**base, rotary_offset=nope), **tables)
     k = dict(xs=[_x(B, 1, T, rope)], params=RotaryParams(**base), **tables)
-    return {"M8 deepseek-v3 q": q, "M8 deepseek-v3 k_pe": k}
+    # both in one launch: the pass-through head is q's alone (offset_q_only)
+    qk = dict(xs=[_x(B, H, T, nope + rope), _x(B, 1, T, rope)],
+              params=RotaryParams(**base, rotary_offset=nope, offset_q_only=True), **tables)
+    return {"M8 deepseek-v3 q": q, "M8 deepseek-v3 k_pe": k, "M8 deepseek-v3 q+k_pe": qk}
 
 
 def _cases() -> dict[str, dict]:

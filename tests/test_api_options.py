@@ -77,6 +77,7 @@ def _values(head_dim: int) -> dict:
         "rotary_blocks": (dict(rotary_blocks=2), d // 2),
         "rotary_offset": (dict(rotary_offset=d // 4), 3 * d // 8),
         "angle_tables": (dict(angle_tables=True), d // 2),
+        "offset_q_only": (dict(rotary_offset=d // 4, rotary_dim=d // 2, offset_q_only=True), d // 4),
     }
 
 
@@ -88,11 +89,20 @@ def test_every_option_reaches_the_op(arity, field):
     options, width = _values(d)[field]
     xs = [torch.randn(2, 3, h, d) for h in (4, 2, 2)[:arity]]
     cos, sin = torch.randn(3, 1, width), torch.randn(3, 1, width)
+    own = [options] * arity
+    if options.get("offset_q_only"):  # q's head alone: k (and v) rotate rows of rotary_dim lanes from lane 0
+        if arity == 1:
+            with pytest.raises(ValueError, match="needs q and k"):
+                FUNCTIONS[1](*xs, cos, sin, **options)
+            return
+        xs = [xs[0], *(x[..., :options["rotary_dim"]].contiguous() for x in xs[1:])]
+        own = [{k: v for k, v in options.items() if k != "offset_q_only"}]
+        own += [{**own[0], "rotary_offset": 0}] * (arity - 1)
     outs = FUNCTIONS[arity](*xs, cos, sin, **options)
     outs = [outs] if arity == 1 else list(outs)
     full = dict(interleaved=False, rotary_dim=d - options.get("rotary_offset", 0), full_tables=False)
-    for x, out in zip(xs, outs):
-        want = rotary_reference(x, cos, sin, **{**full, **options})
+    for x, out, opts in zip(xs, outs, own):
+        want = rotary_reference(x, cos, sin, **{**full, **opts})
         torch.testing.assert_close(out, want, rtol=0, atol=0)
         assert out.dtype == options.get("out_dtype", x.dtype)
 

@@ -22,7 +22,7 @@ def rotate_half(x):
 def deepseek_v3_mla(q, k_pe, cos, sin):
     """transformers' DeepSeek-V3 attention with `rope_interleave`: q [B, H, S, nope + rope] split, q_pe and the
     single-head k_pe de-interleaved and rotated NeoX, q put back together by cat (k's cat reads another
-    tensor, k_pass, so k_pe stays a site of its own)."""
+    tensor, k_pass, so k_pe stays a site of its own, rotated whole: one call with q's, `offset_q_only`)."""
     q_pass, q_rot = torch.split(q, [NOPE, ROPE], dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
 
@@ -73,6 +73,7 @@ def test_deepseek_v3_q_cat_is_the_site(dtype):
     assert not rep.errors and not rep.misses, rep.table()
     by_role = {s.role: s for s in rep.sites}
     assert len(rep.sites) == 2 and set(by_role) == {"q", "k"}, rep.table()
+    assert [k.op for k in rep.kernels] == ["rope_fusion.rotary_qk"], rep.table()  # q and k_pe in one call
     qs, ks = by_role["q"], by_role["k"]
     assert (qs.style, qs.rotary_offset, qs.rotary_dim, qs.head_dim) == ("deinterleave", NOPE, ROPE, NOPE + ROPE)
     assert qs.node.startswith("cat"), rep.table()  # the whole head, written by the op

@@ -181,14 +181,14 @@ def rotary_qk_via_apply(q, k, cos, sin, *, layout, full_tables, conjugate):
 
 # The parameters `_impl` handles: the rotation's, and the transforms it applies around the ops or refuses.
 BRIDGE_FIELDS = (*ROTATION_FIELDS, "norm", "norm_eps", "deinterleave", "rotary_blocks", "rotary_offset",
-                 "angle_tables")
+                 "angle_tables", "offset_q_only")
 
 
 def _impl(call: RotaryCall) -> list | None:
     """q and k through one npu_apply_rotary_pos_emb where allowed, else npu_rotary_mul per tensor; None (the
     reference) for a tensor whose case the documented constraints exclude. Cache rows picked by positions
     are gathered first and a norm prologue runs first (the NPU ops take plain tables and x); a pass-through
-    head is split off and put back (the NPU ops rotate from lane 0)."""
+    head is split off and put back (the NPU ops rotate from lane 0; with offset_q_only, q's alone)."""
     xs, cos, sin, params = call.xs, call.cos, call.sin, call.params
     unknown = params.unhandled(BRIDGE_FIELDS)
     if unknown:  # a parameter this bridge does not know: the reference serves, nothing is dropped
@@ -206,11 +206,12 @@ def _impl(call: RotaryCall) -> list | None:
     if params.norm != "none":
         xs = [rms_norm(x.float(), params.norm, params.norm_eps, call.weight(i)).to(x.dtype)
               for i, x in enumerate(xs)]
-    off = params.rotary_offset
-    if off:
-        heads = [x[..., :off].to(params.out_dtype) for x in xs]
-        outs = _rotated(RotaryCall([x[..., off:] for x in xs], cos, sin, params.replace(rotary_offset=0)))
-        return [torch.cat((h, o), -1) for h, o in zip(heads, outs)]
+    offs = [params.of_tensor(i).rotary_offset for i in range(len(xs))]
+    if any(offs):
+        heads = [x[..., :off].to(params.out_dtype) for x, off in zip(xs, offs)]
+        outs = _rotated(RotaryCall([x[..., off:] for x, off in zip(xs, offs)], cos, sin,
+                                   params.replace(rotary_offset=0, offset_q_only=False)))
+        return [torch.cat((h, o), -1) if off else o for h, o, off in zip(heads, outs, offs)]
     return _rotated(RotaryCall(xs, cos, sin, params))
 
 

@@ -96,7 +96,7 @@ def _plan(call: RotaryCall, fake_mode, ge: bool) -> tuple:
             cos, sin = (t.new_empty((*rows, t.shape[-1])) for t in (cos, sin))
         if p.angle_tables:
             cos = sin = cos.new_empty(cos.shape, dtype=torch.float32)
-        xs = [v[..., p.rotary_offset:] for v in vals]
+        xs = [v[..., p.of_tensor(i).rotary_offset:] for i, v in enumerate(vals)]
     if cos.dtype != sin.dtype:
         raise NotTaken(f"cos is {cos.dtype} and sin {sin.dtype}: the NPU ops take one table dtype")
     kw = dict(interleaved=p.interleaved, rotary_dim=p.rotary_dim, full_tables=p.full_tables, out_dtype=p.out_dtype)
@@ -143,17 +143,15 @@ def emit(em, call: RotaryCall, like: fx.Node, ge: bool = False) -> list:
     if p.conjugate:
         sin = c(aten.neg.default, sin)
 
-    off = p.rotary_offset
-    xs = [c(aten.slice.Tensor, x, -1, off) if off else x for x in call.xs]
+    offs = [p.of_tensor(i).rotary_offset for i in range(len(call.xs))]  # offset_q_only: q's alone
+    xs = [c(aten.slice.Tensor, x, -1, off) if off else x for x, off in zip(call.xs, offs)]
     if kind == "apply":
         outs = _apply(c, apply, xs, cos, sin, layout, ge)
     else:
         outs = [_rotary_mul(c, rotary_mul, x, cos, sin, p) for x in xs]
     outs = [_cast(c, o, p.out_dtype) for o in outs]
-    if off:
-        outs = [c(aten.cat.default, [_cast(c, c(aten.slice.Tensor, x, -1, 0, off), p.out_dtype), o], -1)
-                for x, o in zip(call.xs, outs)]
-    return outs
+    return [c(aten.cat.default, [_cast(c, c(aten.slice.Tensor, x, -1, 0, off), p.out_dtype), o], -1) if off else o
+            for x, o, off in zip(call.xs, outs, offs)]
 
 
 def _cast(c, node: fx.Node, dtype: torch.dtype) -> fx.Node:

@@ -233,7 +233,7 @@ def rotary_kernel(
     ONE_BLOCK: tl.constexpr, SCD: tl.constexpr, SSD: tl.constexpr, BH: tl.constexpr, OFFSET: tl.constexpr,
     ANGLES: tl.constexpr, W_HEADS: tl.constexpr, W_TILE: tl.constexpr, HEAD_I64: tl.constexpr,
     STREAM: tl.constexpr, HELD: tl.constexpr, TOKS: tl.constexpr,
-    off_ptr=None, batch=None, PACKED: tl.constexpr = False,
+    off_ptr=None, batch=None, PACKED: tl.constexpr = False, OFFSET_Q_ONLY: tl.constexpr = False,
 ):
     """Rotate the rows of one token of q (and k, and v): grid = (tokens, nsplit).
 
@@ -250,7 +250,9 @@ def rotary_kernel(
     heads of the token (from the tile itself when one block holds every head, ONE_BLOCK; else a first pass
     over the token's rows sums their squares), times the per-lane weight. NeoX pairs lie within blocks of
     2 * BH lanes (BH = ROT / 2: one block, plain NeoX). The rotated lanes start at lane OFFSET; the others
-    (a pass-through head before them, a tail after them) form one pass-through tile of TAIL_PAD lanes."""
+    (a pass-through head before them, a tail after them) form one pass-through tile of TAIL_PAD lanes; with
+    OFFSET_Q_ONLY that is q's alone, and k (and v) rotate rows of ROT lanes from lane 0 (its default, off,
+    compiles to the code before it existed)."""
     HALF: tl.constexpr = ROT // 2
     PASS: tl.constexpr = HEAD_DIM - ROT
     ROWS_FORM: tl.constexpr = NEOX_ROW or INTERLEAVED  # a block is one tile, split into pairs in registers
@@ -343,6 +345,13 @@ def rotary_kernel(
     o_strides = ((qo_stride_t0, qo_stride_t1, qo_stride_t2, qo_stride_head),
                  (ko_stride_t0, ko_stride_t1, ko_stride_t2, ko_stride_head),
                  (vo_stride_t0, vo_stride_t1, vo_stride_t2, vo_stride_head))
+    # each side's first rotated lane and pass-through tile: with OFFSET_Q_ONLY the sides after q rotate their whole
+    # head (ROT lanes) from lane 0, with no pass-through tile (DeepSeek's k_pe, in the launch of q's rope lanes
+    # after its nope lanes); else every side alike
+    KV_OFFSET: tl.constexpr = 0 if OFFSET_Q_ONLY else OFFSET
+    KV_TAIL: tl.constexpr = 0 if OFFSET_Q_ONLY else TAIL_PAD
+    SIDE_OFFSET: tl.constexpr = (OFFSET, KV_OFFSET, KV_OFFSET)
+    SIDE_TAIL: tl.constexpr = (TAIL_PAD, KV_TAIL, KV_TAIL)
     for side in tl.static_range(NSIDES):
         # side 0 is q, 1 is k, 2 is v: a compile-time choice, so each side's code has its own dtypes.
         x_row = _token_row(x_ptrs[side], i0, i1, i2, x_strides[side])
@@ -372,12 +381,12 @@ def rotary_kernel(
                 wz = tl.full((1, 1), 0, tl.int32)
             wrow = _block_row(lanes, row_off, lj, NEOX_ROW, INTERLEAVED)
             wmask = _block_mask(lanes, row_mask, j, ROT, HALF, NEOX_ROW, INTERLEAVED)
-            w_a = tl.load(w_ptr + OFFSET + (wrow + wz), mask=wmask & (wz == 0), other=0.0).to(cdt)
+            w_a = tl.load(w_ptr + SIDE_OFFSET[side] + (wrow + wz), mask=wmask & (wz == 0), other=0.0).to(cdt)
             if ROWS_FORM:
                 w_b = w_a
             else:
-                w_b = tl.load(w_ptr + OFFSET + (BH + wrow + wz), mask=wmask & (wz == 0), other=0.0).to(cdt)
-            if TAIL_PAD > 0:
+                w_b = tl.load(w_ptr + SIDE_OFFSET[side] + (BH + wrow + wz), mask=wmask & (wz == 0), other=0.0).to(cdt)
+            if SIDE_TAIL[side] > 0:
                 w_t = tl.load(w_ptr + (plane + wz), mask=(tl.arange(0, TAIL_PAD)[None, :] < PASS) & (wz == 0),
                               other=0.0).to(cdt)
             # A weight row broadcast over the heads (padded lanes: W_TILE off) is folded into this side's table
@@ -472,8 +481,8 @@ def rotary_kernel(
                 oh = o_row + hcol * soh
                 row = _block_row(lanes, row_off, lj, NEOX_ROW, INTERLEAVED)
                 m = hmask & _block_mask(lanes, row_mask, j, ROT, HALF, NEOX_ROW, INTERLEAVED)
-                a, b = _load_block(xh + OFFSET, row, m, BH, ROWS_FORM, XPOL, cdt)  # the rotated lanes
-                if TAIL_PAD > 0:
+                a, b = _load_block(xh + SIDE_OFFSET[side], row, m, BH, ROWS_FORM, XPOL, cdt)  # the rotated lanes
+                if SIDE_TAIL[side] > 0:
                     pmask = hmask & (tl.arange(0, TAIL_PAD)[None, :] < PASS)
                     t = tl.load(xh + plane, mask=pmask, other=0.0, eviction_policy=XPOL).to(cdt)
                 else:
@@ -493,20 +502,20 @@ def rotary_kernel(
                     if W_TILE:
                         a = a * w_a
                         b = b * w_b
-                    if TAIL_PAD > 0:
+                    if SIDE_TAIL[side] > 0:
                         t = t * w_t
                 elif HAS_W:
                     wh = w_ptr + hcol * swh
-                    wa, wb = _load_weights(wh + OFFSET, m, row, BH, ROWS_FORM, cdt)
+                    wa, wb = _load_weights(wh + SIDE_OFFSET[side], m, row, BH, ROWS_FORM, cdt)
                     a = a * wa
                     b = b * wb
-                    if TAIL_PAD > 0:
+                    if SIDE_TAIL[side] > 0:
                         t = t * tl.load(wh + plane, mask=pmask, other=0.0).to(cdt)
                 if ROWS_FORM:
                     a, b = _split_pairs(a, ROWS, HALF_PAD, NEOX_ROW)
                 oa = a * ca_w - b * sa_w
                 ob = b * cb_w + a * sb_w
-                _store_block(oh + OFFSET, oa, ob, m, hmask, row, j, BH, HALF, ROWS, HALF_PAD, NEOX_ROW, INTERLEAVED,
-                             DEINTERLEAVE, OMOD)
-                if TAIL_PAD > 0:
+                _store_block(oh + SIDE_OFFSET[side], oa, ob, m, hmask, row, j, BH, HALF, ROWS, HALF_PAD, NEOX_ROW,
+                             INTERLEAVED, DEINTERLEAVE, OMOD)
+                if SIDE_TAIL[side] > 0:
                     tl.store(oh + plane, t.to(oh.dtype.element_ty), mask=pmask, cache_modifier=OMOD)

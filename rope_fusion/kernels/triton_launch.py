@@ -122,7 +122,7 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
         t = Tables(c, s, None, [weights[i]])
         p = plan_launch([x], [outs[i]], t)
         assert p is not None
-        grid, scalars, meta = launch_args(p, [x], [outs[i]], t, [0], params, **tiles)
+        grid, scalars, meta = launch_args(p, [x], [outs[i]], t, [0], params.of_tensor(i), **tiles)
         w = weights[i] if weights[i] is not None else c
         fn[grid](x, x, x, outs[i], outs[i], outs[i], c, s, c, w, w, w, *scalars, **meta)
     return outs

@@ -268,16 +268,19 @@ def norm_fits(p: Plan, xs: list, weights: list, params: RotaryParams) -> bool:
 # makes the backend refuse the site (`triton_rotary.supports`) and an eager call run the reference
 # (`triton_launch`), never a launch that ignores it.
 KERNEL_FIELDS = ("interleaved", "rotary_dim", "full_tables", "conjugate", "out_dtype", "norm", "norm_eps",
-                 "deinterleave", "rotary_blocks", "rotary_offset", "angle_tables")
+                 "deinterleave", "rotary_blocks", "rotary_offset", "angle_tables", "offset_q_only")
 
 
 def make_launches(xs: list, outs: list, tables: Tables, params: RotaryParams, **tiles: Any) -> list | str | None:
     """[(tensor indices, grid, scalar args, meta args)]: one entry for all tensors together when possible;
-    NORM_FIRST when the norm does not fit the kernel's loop. tiles: `launch`'s tile options (None: the rules)."""
+    NORM_FIRST when the norm does not fit the kernel's loop. tiles: `launch`'s tile options (None: the rules).
+    A launch of one tensor of several takes that tensor's own parameters (`RotaryParams.of_tensor`). q with a
+    pass-through head and k without (offset_q_only) share a launch without a norm only: the kernel's norm takes
+    one head dim for every side, so under a norm each is a launch of its own."""
     groups = [list(range(len(xs)))]
     plan = plan_launch(xs, outs, tables)
     weights = tables.weights or [None] * len(xs)
-    if plan is None and len(xs) > 1:
+    if (plan is None or params.offset_q_only and params.norm != "none") and len(xs) > 1:
         groups = [[i] for i in range(len(xs))]
     launches = []
     for group in groups:
@@ -288,9 +291,10 @@ def make_launches(xs: list, outs: list, tables: Tables, params: RotaryParams, **
         p = plan_launch(gx, go, tables) if len(groups) > 1 else plan
         if p is None:
             return None
-        if not norm_fits(p, gx, [weights[i] for i in group], params):
+        gp = params if len(group) == len(xs) else params.of_tensor(group[0])
+        if not norm_fits(p, gx, [weights[i] for i in group], gp):
             return NORM_FIRST
-        launches.append((group, *launch_args(p, gx, go, tables, group, params, **tiles)))
+        launches.append((group, *launch_args(p, gx, go, tables, group, gp, **tiles)))
     return launches
 
 
@@ -323,6 +327,9 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
                  neox_row: bool | None = None, stream: bool | None = None, held: bool | None = None) -> tuple:
     """(grid, scalar arguments, compile-time constants with num_warps) of one launch of plan p: the tile rules
     above, where the tuning options (`launch`'s) do not set them."""
+    if params.offset_q_only and params.norm != "none":
+        raise ValueError("offset_q_only with a norm: the kernel's norm takes one head dim for every side; "
+                         "make_launches gives each tensor a launch of its own")
     interleaved, rotary_dim = params.interleaved, params.rotary_dim
     head_dim = xs[0].shape[-1]
     half_pad = triton.next_power_of_2(max(1, rotary_dim // 2))
@@ -399,6 +406,9 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
                 # packed sequences: their count (the search's range) and the constant that turns the search on;
                 # off_ptr, the offsets, is a tensor of each call (`launch` passes it), None here
                 off_ptr=None, batch=packed_batch(tables), PACKED=tables.cu_seqlens is not None,
+                # q's pass-through head alone: k (and v) rotate their whole head from lane 0 (`make_launches`
+                # gives a norm with it a launch per tensor)
+                OFFSET_Q_ONLY=bool(params.offset_q_only),
                 num_warps=num_warps or warps_for(bh * lanes_pad, "head_pass" if params.rotary_offset else
                                                   "rows" if interleaved or neox_row else "halves"))
     return (ntok // toks if toks > 1 else ntok, nsplit), scalars, meta

@@ -51,9 +51,8 @@ def _result(outs: Sequence[torch.Tensor]) -> Any:
 def reference_outputs(call: RotaryCall) -> list:
     """The reference applied to every x of a call (packed sequences: at their derived positions)."""
     call = unpacked(call)
-    kw = call.params.kwargs()
     return [rotary_reference(x, call.cos, call.sin, positions=call.positions, norm_weight=call.weight(i),
-                             **kw).contiguous() for i, x in enumerate(call.xs)]
+                             **call.params.of_tensor(i).kwargs()).contiguous() for i, x in enumerate(call.xs)]
 
 
 def _fake(arity: int) -> Callable[..., Any]:
@@ -110,15 +109,16 @@ def _backward(ctx: Any, *grads: Any) -> tuple:
     if len(grads) > 1 and None not in grads and all(q == inverse[0] for q in inverse):  # q, k (v): one launch
         gx = list(OPS[len(grads) - 1](*grads, call.cos, back_sin, call.positions, **packed, **inverse[0].kwargs()))
     else:
-        gx = [None if g is None else ROTARY(g, call.cos, back_sin, call.positions, **packed, **q.kwargs())
-              for g, q in zip(grads, inverse)]
+        gx = [None if g is None else ROTARY(g, call.cos, back_sin, call.positions, **packed,
+                                            **q.of_tensor(i).kwargs())
+              for i, (g, q) in enumerate(zip(grads, inverse))]
     gcos = gsin = None
     if ctx.tables_need_grad:
         positions = unpacked(call).positions
         gcos, gsin = table_grads(grads, call.xs, call.cos, call.sin, interleaved=p.interleaved,
                                  rotary_dim=p.rotary_dim, full_tables=p.full_tables, conjugate=p.conjugate,
                                  positions=positions, rotary_blocks=p.rotary_blocks,
-                                 rotary_offset=p.rotary_offset)
+                                 rotary_offset=p.rotary_offset, offset_q_only=p.offset_q_only)
     return (*gx, gcos, gsin, *[None] * (n_inputs - len(gx) - 2))
 
 

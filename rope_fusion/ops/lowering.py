@@ -154,7 +154,7 @@ def _lowering(arity: int):
         for i, x in enumerate(call.xs):
             if p.norm != "none":
                 x = _rms_norm(x, p, call.weight(i), _compute_dtype(x, call.cos, call.sin, p.out_dtype))
-            outs.append(_rotary_pointwise(x, call.cos, call.sin, p, positions))
+            outs.append(_rotary_pointwise(x, call.cos, call.sin, p.of_tensor(i), positions))
         return outs[0] if len(outs) == 1 else tuple(outs)
     return lower
 

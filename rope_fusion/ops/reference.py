@@ -61,12 +61,17 @@ def rotary_reference(
     rotary_blocks: int = 1,
     rotary_offset: int = 0,
     angle_tables: bool = False,
+    offset_q_only: bool = False,
 ) -> torch.Tensor:
     """out[a]=x[a]C[a]-x[b]S[a], out[b]=x[b]C[b]+x[a]S[b] per pair (a,b); S negated when conjugate; with
     positions the tables are the rows cos[positions], sin[positions] of a cache; with a norm, x is first
     normalised (RMS over each head, or over all heads of a token) and scaled by the weight; lanes outside
     [rotary_offset, rotary_offset + rotary_dim) pass through; with angle_tables the tables are angles, and
-    their cos and sin rotate."""
+    their cos and sin rotate. One tensor: offset_q_only, a flag of a call of q and k, is resolved per tensor
+    first (`RotaryParams.of_tensor`)."""
+    if offset_q_only:
+        raise ValueError("offset_q_only=True is a flag of a call of q and k: rotate each tensor by "
+                         "RotaryParams.of_tensor(i), which resolves it")
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if positions is not None:
         cos, sin = gather_rows(cos, positions), gather_rows(sin, positions)
@@ -109,26 +114,30 @@ def partner_lanes(t: torch.Tensor, interleaved: bool, blocks: int = 1) -> torch.
 
 def table_grads(grads, xs, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, rotary_dim: int,
                 full_tables: bool, conjugate: bool, positions: torch.Tensor | None = None,
-                rotary_blocks: int = 1, rotary_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                rotary_blocks: int = 1, rotary_offset: int = 0,
+                offset_q_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of the tables, summed over every rotated tensor and reduced to each table's shape.
 
     With pairs (a, b): out[a] = x[a]C[a] - x[b]S[a] and out[b] = x[b]C[b] + x[a]S[b] (S negated when
     conjugate), so dC[a] = g[a]x[a], dC[b] = g[b]x[b], dS[a] = -g[a]x[b], dS[b] = g[b]x[a]; a per-pair table
-    receives the sum over both lanes of its pair; a gathered cache the sum over the tokens that read a row."""
+    receives the sum over both lanes of its pair; a gathered cache the sum over the tokens that read a row; with
+    offset_q_only, the tensors after q read their lanes from 0."""
     if positions is not None:  # the gradient of the gathered rows, accumulated into the cache's rows
         gc, gs = table_grads(grads, xs, gather_rows(cos, positions), gather_rows(sin, positions),
                              interleaved=interleaved, rotary_dim=rotary_dim, full_tables=full_tables,
-                             conjugate=conjugate, rotary_blocks=rotary_blocks, rotary_offset=rotary_offset)
+                             conjugate=conjugate, rotary_blocks=rotary_blocks, rotary_offset=rotary_offset,
+                             offset_q_only=offset_q_only)
         index = positions.reshape(-1)
         return (torch.zeros_like(cos).index_add_(0, index, gc.reshape(-1, cos.shape[-1])),
                 torch.zeros_like(sin).index_add_(0, index, gs.reshape(-1, sin.shape[-1])))
     cd = torch.float64 if torch.float64 in (cos.dtype, sin.dtype) else torch.float32
     sign = -1.0 if conjugate else 1.0
-    lanes = slice(rotary_offset, rotary_offset + rotary_dim)
     gc = gs = None
-    for g, x in zip(grads, xs):
+    for i, (g, x) in enumerate(zip(grads, xs)):
         if g is None:
             continue
+        off = 0 if offset_q_only and i > 0 else rotary_offset
+        lanes = slice(off, off + rotary_dim)
         (ga, gb), (xa, xb) = (split_pairs(t[..., lanes].to(cd), interleaved, rotary_blocks) for t in (g, x))
         if full_tables:
             c = join_pairs(ga * xa, gb * xb, interleaved, rotary_blocks)

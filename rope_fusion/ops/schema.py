@@ -57,6 +57,10 @@ class RotaryParams:
     angle_tables: cos and sin hold angles: the op rotates by cos(cos) and sin(sin), computed in its math dtype
         (tables that the model computes as cos and sin of one angle tensor, HiDream's, are then never written:
         the op reads the angles once per token instead of two tables).
+    offset_q_only: in a call of q and k (and v), rotary_offset applies to q alone: the other tensors rotate their
+        whole head from lane 0 (their head dim is rotary_dim), as DeepSeek's MLA rotates q's rope lanes after its
+        nope lanes and the single shared k_pe head with the same tables, in one launch. Needs a rotary_offset and
+        a second tensor; `of_tensor` gives the parameters each tensor is rotated by.
     """
 
     interleaved: bool
@@ -70,6 +74,7 @@ class RotaryParams:
     rotary_blocks: int = 1
     rotary_offset: int = 0
     angle_tables: bool = False
+    offset_q_only: bool = False
 
     def kwargs(self) -> dict[str, Any]:
         """The op's keyword arguments."""
@@ -92,6 +97,13 @@ class RotaryParams:
                 out.append(f.name)
         return out
 
+    def of_tensor(self, i: int) -> RotaryParams:
+        """The parameters tensor i of a call is rotated by, as a call of that tensor alone: with offset_q_only,
+        q (0) keeps rotary_offset and the tensors after it rotate from lane 0."""
+        if not self.offset_q_only:
+            return self
+        return self.replace(offset_q_only=False, rotary_offset=self.rotary_offset if i == 0 else 0)
+
     @property
     def closed_form_backward(self) -> bool:
         """Whether the gradient of x is the conjugate rotation of the output's gradient: true of a plain rotation
@@ -107,7 +119,7 @@ class RotaryParams:
 # What a rotation of x by its tables reads; every other field is a transform around it.
 ROTATION_FIELDS = ("interleaved", "rotary_dim", "full_tables", "conjugate", "out_dtype")
 # The fields under which the gradient is still the conjugate rotation (norm_eps matters only with a norm).
-CLOSED_FORM_FIELDS = (*ROTATION_FIELDS, "norm_eps", "rotary_blocks", "rotary_offset")
+CLOSED_FORM_FIELDS = (*ROTATION_FIELDS, "norm_eps", "rotary_blocks", "rotary_offset", "offset_q_only")
 
 
 def op_schema(arity: int) -> str:
@@ -256,12 +268,25 @@ def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError(f"rotary_dim must be a positive even number, got {r}")
     if off < 0:
         raise ValueError(f"rotary_offset must be >= 0, got {off}")
-    for name, x in zip(names[1:], xs[1:]):
-        if x.shape[-1] != xs[0].shape[-1]:
-            raise ValueError(f"q and {name} must share the head dim, got q {tuple(xs[0].shape)} and {name} "
-                             f"{tuple(x.shape)}")
+    if params.offset_q_only:
+        if len(xs) < 2:
+            raise ValueError("offset_q_only=True applies rotary_offset to q alone: it needs q and k (rotary_qk or "
+                             "rotary_qkv), not one tensor")
+        if not off:
+            raise ValueError("offset_q_only=True without a rotary_offset: every tensor rotates from lane 0 anyway "
+                             "(leave it False)")
+        for name, x in zip(names[1:], xs[1:]):
+            if x.shape[-1] != r:
+                raise ValueError(f"with offset_q_only=True, {name} rotates its whole head from lane 0: its head "
+                                 f"dim must be rotary_dim={r}, got {name} {tuple(x.shape)}")
+    else:
+        for name, x in zip(names[1:], xs[1:]):
+            if x.shape[-1] != xs[0].shape[-1]:
+                raise ValueError(f"q and {name} must share the head dim, got q {tuple(xs[0].shape)} and {name} "
+                                 f"{tuple(x.shape)}")
     width = params.table_width
-    for name, x in zip(names, xs):
+    for i, (name, x) in enumerate(zip(names, xs)):
+        off = params.of_tensor(i).rotary_offset
         if off + r > x.shape[-1]:
             what = f"rotary_offset + rotary_dim = {off} + {r}" if off else f"rotary_dim={r}"
             raise ValueError(f"{what} exceeds the head dim of {name} (shape {tuple(x.shape)})")

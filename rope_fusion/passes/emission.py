@@ -23,7 +23,7 @@ from ..ops.schema import OP_NAMES, TENSOR_NAMES, RotaryCall, RotaryParams
 from .auto_timing import AutoSite
 from .fx_util import CASTS, PASS_THROUGH, as_int, chain_back
 from .gathers import gather_of, op_positions
-from .grouping import arithmetic_dtype
+from .grouping import arithmetic_dtype, launch_params
 from .norms import NormPrologue, dies_with, norm_prologue
 from .site import KernelTables, Site, TableRef
 from .site_costs import site_spec
@@ -409,7 +409,7 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
         if gathered is not None:
             cos, sin, positions, *packed = gathered
             cu_seqlens, seqlen_offsets = packed or (None, None)
-        params = m0.params
+        params = launch_params(group)
         # the dtype the graph computes the rotation in; under a folded norm the op cannot round as the graph's
         # norm does (plain compile's does not either) and keeps fp64 wherever the subgraph has it (`wide`):
         # in fp32 it was then less accurate than eager at times, which the contract does not allow

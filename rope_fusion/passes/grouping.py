@@ -1,7 +1,8 @@
 """q/k grouping: rotations that read the same tables with the same options share one launch.
 
 Almost every model rotates q and k with two calls on the same tables; their head counts may differ (GQA).
-Two rotations pair when their options agree, their tables are provably the same numbers as the op reads
+Two rotations pair when their options agree (or differ only in that q has a pass-through head and k rotates its
+whole head, DeepSeek's MLA: `launch_order`), their tables are provably the same numbers as the op reads
 them, and neither's inputs depend on the other's result (one launch needs all inputs first). Sequence
 parallel models (4 calls over 2 tables) and cross-attention (q and k with different tables) pair only
 where the tables agree, never by position. A rotary kernel's site and a native one pair when the native tables
@@ -11,12 +12,13 @@ are views that read, over either x, the very rows the kernel reads (`kernel_and_
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from ..ops.schema import RotaryParams
 from .fx_util import PASS_THROUGH, SPLITS, as_int, same_dim
 from .gathers import gather_of
 from .matcher import Acceptor
@@ -216,9 +218,7 @@ class _Pairing:
         return len(inputs) == 1 and None not in inputs
 
     def can_pair(self, a: Site, b: Site) -> bool:
-        if b.node is a.node or a.x.name == b.x.name or a.params != b.params:
-            return False
-        if (a.x.head_dim, a.wide) != (b.x.head_dim, b.wide):
+        if b.node is a.node or a.x.name == b.x.name or launch_order((a, b)) is None or a.wide != b.wide:
             return False
         dts = {arithmetic_dtype(m, self.nodes, self.acc.depends_on) for m in (a, b)} - {None}
         if len(dts) > 1:  # one launch computes in one dtype (a rotary kernel's site has none of its own)
@@ -229,6 +229,33 @@ class _Pairing:
                   *b.tables.row_inputs]
         # one launch for both is possible unless an input of one needs the other's result
         return not any(self.acc.depends_on(i, r.node) for i in inputs for r in (a, b))
+
+
+def launch_order(group: Sequence[Site]) -> tuple[Site, ...] | None:
+    """The sites of a group in the order of the op's tensors, or None when one call cannot rotate them all: equal
+    parameters and head dims (in graph order); or one site whose rotated lanes start after a pass-through head
+    (rotary_offset o) and sites that rotate their whole head, of rotary_dim lanes, from lane 0 with parameters
+    otherwise equal (DeepSeek's q, cat(q_nope, rope(q_pe)), and its shared k_pe): that site first, as q, and the
+    call takes `offset_q_only` (`launch_params`)."""
+    m0 = group[0]
+    if all(m.params == m0.params and m.x.head_dim == m0.x.head_dim for m in group[1:]):
+        return tuple(group)
+    heads = [m for m in group if m.params.rotary_offset]
+    if len(heads) != 1:
+        return None
+    q = heads[0]
+    whole = q.params.replace(rotary_offset=0)
+    rest = [m for m in group if m is not q]
+    if all(m.params == whole and m.x.head_dim == whole.rotary_dim for m in rest):
+        return (q, *rest)
+    return None
+
+
+def launch_params(group: Sequence[Site]) -> RotaryParams:
+    """The parameters of a group's op call (`launch_order`'s order): the sites' own, with `offset_q_only` where
+    q's pass-through head is q's alone."""
+    p = group[0].params
+    return p if all(m.params == p for m in group[1:]) else p.replace(offset_q_only=True)
 
 
 _MATMULS = {torch.ops.aten.mm.default: 0, torch.ops.aten.addmm.default: 1, torch.ops.aten.bmm.default: 0,
@@ -283,8 +310,8 @@ def pair_up(matches: list[Site], acc: Acceptor) -> list[tuple[Site, ...]]:
             b = matches[j]
             if len(group) == 2 and not pairing.same_projection_input(group, b):
                 continue
-            if j not in used and all(pairing.can_pair(g, b) for g in group):
+            if j not in used and all(pairing.can_pair(g, b) for g in group) and launch_order((*group, b)):
                 used.add(j)
                 group.append(b)
-        groups.append(tuple(group))
+        groups.append(launch_order(group))
     return groups

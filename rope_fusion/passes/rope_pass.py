@@ -346,8 +346,8 @@ class RopeFusionPass(PassBase):
         """The report's records of a planned group: its sites with the parameters the op was called with."""
         kernel = len(self.report.kernels)
         ids = []
-        params = plain_params(p.params)
-        for m, x in zip(p.group, p.xs):
+        for i, (m, x) in enumerate(zip(p.group, p.xs)):
+            params = plain_params(p.params.of_tensor(i))  # each tensor's own (offset_q_only: k from lane 0)
             ids.append(len(self.report.sites))
             val = m.node.meta["val"]
             self.report.sites.append(Site(

@@ -188,11 +188,11 @@ add(
     Entry("deepseek_v2", _tf("DeepseekV2Config", "DeepseekV2Model", dict(
         LLM, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
-        first_k_dense_replace=1, n_group=1, topk_group=1, num_key_value_heads=4)), 4, 4, 0,
+        first_k_dense_replace=1, n_group=1, topk_group=1, num_key_value_heads=4)), 4, 2, 2,
           "modeling_deepseek_v2.py",
           "modeling_deepseek_v2.py DeepseekV2Attention.forward: apply_rotary_emb(q_pe, k_pe) (complex, C2/M12) on "
           "the rope part (R = 8) split from q and the shared k_pe, 2 layers; q's site is cat(q_nope, q_pe), the "
-          "whole head (rotary_offset 8), so q and k_pe take a launch each"),
+          "whole head (rotary_offset 8), and shares one rotary_qk with k_pe (offset_q_only)"),
     Entry("llama4", _tf("Llama4TextConfig", "Llama4TextModel", dict(
         LLM16, intermediate_size_mlp=128, num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=1,
         no_rope_layers=[1, 1], attention_chunk_size=16)), 4, 2, 2, "modeling_llama4.py",
@@ -201,11 +201,11 @@ add(
     Entry("deepseek_v3", _tf("DeepseekV3Config", "DeepseekV3Model", dict(
         LLM, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
-        first_k_dense_replace=1, n_group=1, topk_group=1, num_key_value_heads=4)), 4, 4, 0,
+        first_k_dense_replace=1, n_group=1, topk_group=1, num_key_value_heads=4)), 4, 2, 2,
           "modeling_deepseek_v3.py",
           "modeling_deepseek_v3.py apply_rotary_pos_emb_interleave(q_rot, k_rot) (M8: de-interleave then NeoX), "
-          "2 layers; q's site is cat(q_pass, q_rot), the whole head (rotary_offset 8), so q and k_rot take a launch "
-          "each", dtypes=("float32",)),
+          "2 layers; q's site is cat(q_pass, q_rot), the whole head (rotary_offset 8), and shares one rotary_qk "
+          "with k_rot (offset_q_only)", dtypes=("float32",)),
     Entry("clvp", _clvp, 6, 2, 2, "modeling_clvp.py",
           "modeling_clvp.py ClvpSelfAttention.forward: apply_rotary_pos_emb(query_rot, key_rot, value_rot) (M10: "
           "q, k AND v rotated by one table: one rotary_qkv per layer), 2 layers", dtypes=("float32",)),
