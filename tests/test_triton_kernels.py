@@ -631,6 +631,8 @@ options = backend.parse_options({})
 counts = []
 for meta, scalars in json.load(sys.stdin):
     meta = {k: v for k, v in meta.items() if k in names}
+    # parameters the launch leaves at their defaults (the CAT form's pointers and strides) as Triton binds them
+    meta = {**{p.name: p.default for p in fn.params if p.has_default and p.name not in meta}, **meta}
     values = dict(zip([n for n in names if n not in meta and not n.endswith("_ptr")], scalars))
     sig = {}
     for n in names:

@@ -234,6 +234,9 @@ def rotary_kernel(
     ANGLES: tl.constexpr, W_HEADS: tl.constexpr, W_TILE: tl.constexpr, HEAD_I64: tl.constexpr,
     STREAM: tl.constexpr, HELD: tl.constexpr, TOKS: tl.constexpr,
     off_ptr=None, batch=None, PACKED: tl.constexpr = False, OFFSET_Q_ONLY: tl.constexpr = False,
+    CAT: tl.constexpr = False, CAT_SLOT: tl.constexpr = 0, cat_split=None, q2_ptr=None, k2_ptr=None,
+    wq2_ptr=None, wk2_ptr=None, q2_stride_t0=None, q2_stride_t1=None, q2_stride_t2=None, q2_stride_head=None,
+    k2_stride_t0=None, k2_stride_t1=None, k2_stride_t2=None, k2_stride_head=None,
 ):
     """Rotate the rows of one token of q (and k, and v): grid = (tokens, nsplit).
 
@@ -252,7 +255,11 @@ def rotary_kernel(
     2 * BH lanes (BH = ROT / 2: one block, plain NeoX). The rotated lanes start at lane OFFSET; the others
     (a pass-through head before them, a tail after them) form one pass-through tile of TAIL_PAD lanes; with
     OFFSET_Q_ONLY that is q's alone, and k (and v) rotate rows of ROT lanes from lane 0 (its default, off,
-    compiles to the code before it existed)."""
+    compiles to the code before it existed). With CAT, x of q (and k) is the join of two pieces along token dim
+    CAT_SLOT (0, 1, 2: t0, t1, t2), as `cat([x, x2], dim)` would write it: the tokens from index cat_split on
+    read the second piece (q2_ptr, k2_ptr at index - cat_split, strides q2_stride_*, its norm weight wq2_ptr,
+    wk2_ptr), the others the first; the output is the joined tensor (ops/cat_rotary.py, docs/design.md 4.4).
+    Off by default, compiling to the code before it existed; one token a program (TOKS 1) under it."""
     HALF: tl.constexpr = ROT // 2
     PASS: tl.constexpr = HEAD_DIM - ROT
     ROWS_FORM: tl.constexpr = NEOX_ROW or INTERLEAVED  # a block is one tile, split into pairs in registers
@@ -361,6 +368,21 @@ def rotary_kernel(
         nheads = side_heads[side]
         w_ptr = w_ptrs[side]
         swh = w_strides[side]
+        if CAT:  # the token's piece of a joined x: a select per program (the rows of a token are in one piece)
+            ci = (i0, i1, i2)[CAT_SLOT]
+            second = ci >= cat_split
+            s2 = ((q2_stride_t0, q2_stride_t1, q2_stride_t2, q2_stride_head),
+                  (k2_stride_t0, k2_stride_t1, k2_stride_t2, k2_stride_head))[side]
+            if CAT_SLOT == 0:
+                x2_row = _token_row((q2_ptr, k2_ptr)[side], i0 - cat_split, i1, i2, s2)
+            elif CAT_SLOT == 1:
+                x2_row = _token_row((q2_ptr, k2_ptr)[side], i0, i1 - cat_split, i2, s2)
+            else:
+                x2_row = _token_row((q2_ptr, k2_ptr)[side], i0, i1, i2 - cat_split, s2)
+            x_row = tl.where(second, x2_row, x_row)
+            sxh = tl.where(second, s2[3], sxh)
+            if HAS_W:
+                w_ptr = tl.where(second, (wq2_ptr, wk2_ptr)[side], w_ptr)
         if side == 0:
             first = split
         else:  # the split that takes this side's first block, after the blocks of q (and of k)

@@ -76,6 +76,10 @@ class Plan:
     c_strides: list  # 3 token strides + last-dim stride of cos
     s_strides: list  # the same for sin
     head: int | None = None  # the dim of x looped over inside a program (None: one row per token)
+    # a joined x (`plan_launch`'s cat): the token slot (0-2) of the dim the pieces join along, never merged with
+    # another, and per tensor the 4 strides of its second piece
+    cat_slot: int | None = None
+    cat_strides: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -112,9 +116,12 @@ class Tables:
         return p, p
 
 
-def plan_launch(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables: Tables) -> Plan | None:
-    """One launch's geometry for tensors that share tables, or None if they cannot share one grid."""
-    lead = [tuple(x.shape[:-1]) for x in xs]
+def plan_launch(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables: Tables,
+                cat: tuple | None = None) -> Plan | None:
+    """One launch's geometry for tensors that share tables, or None if they cannot share one grid. With `cat`,
+    (dim, second pieces): each x is the first piece of a joined tensor of its output's shape (ops/cat_rotary.py),
+    and the dim they join along stays a token dim of its own."""
+    lead = [tuple((o if cat else x).shape[:-1]) for x, o in zip(xs, outs)]
     n = len(lead[0])
     if any(len(s) != n for s in lead):
         return None
@@ -139,7 +146,9 @@ def plan_launch(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables
         head = min(cands, key=lambda i: (hint(abs(xs[0].stride(i)), 1 << 62), -i)) if cands else None
 
     # Token dims: every other non-unit dim, with the strides of every tensor that walks it.
-    dims = []  # (size, [strides...]) with strides ordered: x0, o0, x1, o1, ..., cos, sin
+    dims = []  # (size, [strides...]) with strides ordered: x0, o0, x1, o1, ..., cos, sin (then second pieces)
+    if cat is not None and (cat[0] == head or is_true(lead[0][cat[0]] == 1)):
+        return None
     for i in range(n):
         if i == head or is_true(lead[0][i] == 1):
             continue
@@ -150,20 +159,22 @@ def plan_launch(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables
         if any(not is_true(c[i] == c_exp[0][i]) for c in c_exp) or \
            any(not is_true(s[i] == s_exp[0][i]) for s in s_exp):
             return None
-        dims.append((lead[0][i], strides))
+        if cat is not None:
+            strides += [y.stride(i) for y in cat[1]]
+        dims.append((lead[0][i], strides, cat is not None and i == cat[0]))
     merged: list = []
-    for size, strides in dims:
-        if merged:
-            psize, pstrides = merged[-1]
+    for size, strides, kept in dims:
+        if merged and not kept and not merged[-1][2]:
+            psize, pstrides, _ = merged[-1]
             if all(is_true(ps == st * size) for ps, st in zip(pstrides, strides)):
-                merged[-1] = (psize * size, strides)
+                merged[-1] = (psize * size, strides, False)
                 continue
-        merged.append((size, strides))
+        merged.append((size, strides, kept))
     if len(merged) > 3:
         return None
-    nstr = 2 * len(xs) + 2
+    nstr = 2 * len(xs) + 2 + (len(cat[1]) if cat is not None else 0)
     while len(merged) < 3:
-        merged.insert(0, (1, [0] * nstr))
+        merged.insert(0, (1, [0] * nstr, False))
     tokens = [m[0] for m in merged]
 
     def column(k: int) -> list:
@@ -179,8 +190,14 @@ def plan_launch(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables
             x_strides.append(column(2 * t) + [x.stride(head)])
             o_strides.append(column(2 * t + 1) + [o.stride(head)])
             heads.append(x.shape[head])
-    return Plan(tokens, x_strides, o_strides, heads, column(nstr - 2) + [tables.cos.stride(-1)],
-                 column(nstr - 1) + [tables.sin.stride(-1)], head)
+    c_at = 2 * len(xs)  # the tables' columns, after every x and output
+    plan = Plan(tokens, x_strides, o_strides, heads, column(c_at) + [tables.cos.stride(-1)],
+                column(c_at + 1) + [tables.sin.stride(-1)], head)
+    if cat is not None:
+        plan.cat_slot = next(k for k, m in enumerate(merged) if m[2])
+        plan.cat_strides = [column(c_at + 2 + t) + [y.stride(head) if head is not None else 0]
+                            for t, y in enumerate(cat[1])]
+    return plan
 
 
 def block_heads(heads: Sequence[Any], lanes_pad: int, tile: int = TILE_ELEMENTS) -> int:

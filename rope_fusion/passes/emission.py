@@ -19,8 +19,10 @@ import torch
 import torch.fx as fx
 
 from ..ops.backends import Backend, SiteSpec, get_backend
+from ..ops.cat_rotary import why_not as cat_why_not
 from ..ops.schema import OP_NAMES, TENSOR_NAMES, RotaryCall, RotaryParams
 from .auto_timing import AutoSite
+from .cat_pieces import JoinedFold, cat_call, describe, emit_cat, group_joins, piece_norms
 from .fx_util import CASTS, PASS_THROUGH, as_int, chain_back
 from .gathers import gather_of, op_positions
 from .grouping import arithmetic_dtype, launch_params
@@ -442,14 +444,25 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
         # rotations written back into their slices: `auto` times the fold itself, and the scatter it removes
         found = group_writes(group, xs)
         folding = found if found and not isinstance(found, str) else None
-        spec = dataclasses.replace(site_spec(xs, cos, sin, params, m0, positions),
+        # a joined x that a backend of FOLDS_CATS reads from its pieces: its cost drops the join's write and read
+        joins = group_joins(group, xs, inputs, depends_on) if norms is None and folding is None else None
+        spec = dataclasses.replace(site_spec(xs, cos, sin, params, m0, positions, isinstance(joins, list)),
                                    measure=AutoSite(group, call, folding))
         backend, fallback = choose(spec)
         writes = found if backend.name in FOLDS_SLICE_WRITES else []
-        if writes and not isinstance(writes, str):  # the rotation written into the bases' slices in place
+        folds_writes = bool(writes) and not isinstance(writes, str)
+        joined = None  # a joined x read from its pieces (passes/cat_pieces.py): the fold, or why not
+        if backend.name in FOLDS_CATS and not folds_writes:
+            joined = _fold_joins(em, group, call, joins, depends_on) if isinstance(joins, list) else joins
+        cat_norm = ""
+        if folds_writes:  # the rotation written into the bases' slices in place
             finals = emit_slice_write(em, call, writes, m0.node)
             replaced = [w.scatter for w in writes]
             fold = "slice write: " + ", ".join(f"{w.base.name}[dim {w.dim}, {w.start}:{w.end}]" for w in writes)
+        elif isinstance(joined, JoinedFold):  # the pieces read, the joined rotation written once
+            finals = [_unflatten(em, o, m) for o, m in zip(joined.outs, group)]
+            replaced = [m.node for m in group]
+            params, fold, cat_norm = joined.params, joined.fold, joined.norm
         else:
             outs = backend.emit(em, call, m0.node)
             if outs is None:  # declined at emission (under auto only): the lowering, never a slower opaque call
@@ -459,8 +472,11 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
             finals = [_unflatten(em, o, m) for o, m in zip(outs, group)]
             replaced = [m.node for m in group]
             fold = f"slice write not folded: {writes}" if isinstance(writes, str) and _writes_back(group) else ""
+            if isinstance(joined, str):
+                fold = f"cat not folded: {joined}"
     op_name = f"rope_fusion.{OP_NAMES[len(group)]}"
-    norm = f"{params.norm} folded" if norms is not None else (f"left in the graph: {norm_note}" if norm_note else "")
+    norm = cat_norm or (f"{params.norm} folded" if norms is not None else
+                        (f"left in the graph: {norm_note}" if norm_note else ""))
     return PlannedGroup(group, inputs, finals, op_name, backend.name, fallback, cos, sin, anchor, params, norm,
                         replaced, fold)
 
@@ -469,6 +485,44 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
 # is folded into their node (passes/slice_writes.py). The lowering fuses with the scatter, and Inductor writes each
 # row once already.
 FOLDS_SLICE_WRITES = ("triton",)
+
+
+# Backends whose fused node Inductor cannot fuse with a `cat` before it: a joined x is read from its pieces by
+# their node (passes/cat_pieces.py). The lowering fuses the cat, the pieces' norms and the rotation already.
+FOLDS_CATS = ("triton",)
+
+
+def _fold_joins(em: Emitter, group: tuple, call: RotaryCall, joins: list, depends_on: Callable) -> JoinedFold | str:
+    """The cat op's call on the pieces of every member's join, each piece's norm folded where all fold (and the
+    kernel takes them: else they stay in the graph), or why the kernel takes no call of these pieces."""
+    m0 = group[0]
+    dims = [j.dim for j in joins]
+    plain = ([j.first for j in joins], [j.second for j in joins], None, [None] * len(joins), call.params)
+    tries = []
+    found = piece_norms(group, joins, depends_on)
+    if found.norms is not None:
+        pairs = list(zip(group, found.norms))
+        kind, eps = found.norms[0][0].kind, found.norms[0][0].eps
+        tries.append(([_raw_x(em, f[0], m.node) for m, f in pairs], [_raw_x(em, f[1], m.node) for m, f in pairs],
+                      [_norm_weight(em, f[0], m) for m, f in pairs], [_norm_weight(em, f[1], m) for m, f in pairs],
+                      call.params.replace(norm=kind, norm_eps=eps)))
+    tries.append(plain)
+    why = ""
+    for firsts, seconds, weights, second_weights, params in tries:
+        c = dataclasses.replace(call, params=params)
+        reason = cat_why_not(cat_call(c, firsts, seconds, weights, second_weights, dims))
+        if reason is None:
+            outs = emit_cat(em, c, firsts, seconds, weights, second_weights, dims, m0.node)
+            if params.norm != "none":
+                norm = f"{params.norm} folded"
+            elif why or found.why:
+                norm = f"left in the graph: {why or found.why}"
+            else:
+                norm = ""
+            return JoinedFold(outs, params, describe(joins), norm)
+        why = why or f"the kernel does not take the pieces' norms ({reason})"
+        last = reason
+    return last  # nodes emitted for a try not taken are dead: the pass removes them
 
 
 def _writes_back(group: tuple) -> bool:

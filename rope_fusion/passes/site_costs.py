@@ -52,8 +52,10 @@ def fused_producer(x: fx.Node) -> bool:
 
 
 def site_spec(xs: list, cos: fx.Node, sin: fx.Node, params: RotaryParams, m: Site,
-              positions: fx.Node | None = None) -> SiteSpec:
-    """The site as the op reads it: x and the tables, with the cost record `auto` decides by."""
+              positions: fx.Node | None = None, joins_fold: bool = False) -> SiteSpec:
+    """The site as the op reads it: x and the tables, with the cost record `auto` decides by. `joins_fold`: every x
+    is a `cat` of pieces that the Triton kernel reads itself (passes/cat_pieces.py), so the join is not written and
+    read back before it (the kernel's estimate drops those bytes; plain compile and the lowering fuse the cat)."""
     xv = xs[0].meta["val"]
     spec = SiteSpec(device_type=xv.device.type, x_shapes=tuple(tuple(as_int(d) for d in x.meta["val"].shape)
                                                                 for x in xs),
@@ -74,7 +76,7 @@ def site_spec(xs: list, cos: fx.Node, sin: fx.Node, params: RotaryParams, m: Sit
     upstream = None
     if x_bytes is not None:
         upstream = sum(dataclasses.replace(spec, x_shapes=(shape,)).bytes_moved()
-                       for x, shape in zip(xs, spec.x_shapes) if fused_producer(x))
+                       for x, shape in zip(xs, spec.x_shapes) if fused_producer(x) and not joins_fold)
     half, head = params.rotary_dim // 2, as_int(xv.shape[-1])
     passed = head - params.rotary_dim if head is not None else None  # pass-through lanes: the kernel's other tile
     # rows the kernel pads, or rotates in halves too narrow for full-width loads (partial NeoX of 32 of 64

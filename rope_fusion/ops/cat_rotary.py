@@ -1,0 +1,169 @@
+"""The rotation of a joined tensor read from its pieces: `rope_fusion::rotary_cat` and `rotary_qk_cat`.
+
+Flux and Flux.2 norm the text and the image q (and k) apart, each with its own RMSNorm weight, join them along the
+sequence dim and rotate the joined tensor: `rope(cat([norm_t(q_txt), norm_i(q_img)], 1))`. The rotary op takes the
+joined tensor, so an opaque kernel leaves the `cat` in the graph (a read and a write of q and k beside the
+rotation) and with it the norms, which cannot fold through it. These ops take the pieces instead: tensor i's x is
+`cat([xs[i], second_pieces[i]], cat_dims[i])`, its first piece normalised with the rotary op's own
+`{q,k}_norm_weight`, its second with `second_norm_weights[i]` (each piece its own rows of the one `norm`), then
+rotated as the rotary op rotates x. Two pieces: every model that joins q so joins text and image; a kernel that
+reads a piece per program needs each piece's pointer and strides as arguments of its own (docs/design.md 4.4).
+
+Every other argument is the rotary op's (`schema.op_schema`); the result is the rotary op's on the joined x. The
+CUDA implementation is the Triton kernel's (kernels/triton_cat.py); elsewhere, and where the kernel cannot plan a
+call, the reference: the pieces normalised in the math dtype, joined, then the reference rotation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .library import LIBRARY
+from .optional_backends import load_backends
+from .reference import rms_norm, rotary_reference
+from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, check_call, math_dtype, op_schema
+
+# the keyword arguments that give each tensor's second piece and where it joins the first
+CAT_ARGS = ("second_pieces", "second_norm_weights", "cat_dims")
+ARITIES = (1, 2)  # x alone, q and k (the joint attention's pair); the kernel's second pieces are q2 and k2
+
+
+class CatCall:
+    """A call of a cat op: the rotary call of the first pieces (with the op's own tables and parameters), and per
+    tensor its second piece, that piece's norm weight and the dim along which the two join."""
+
+    def __init__(self, call: RotaryCall, seconds: list, second_weights: list, dims: list) -> None:
+        self.call, self.seconds, self.second_weights, self.dims = call, seconds, second_weights, dims
+
+    @property
+    def firsts(self) -> list:
+        return self.call.xs
+
+    def joined_shape(self, i: int) -> tuple:
+        shape = list(self.firsts[i].shape)
+        shape[self.dims[i]] += self.seconds[i].shape[self.dims[i]]
+        return tuple(shape)
+
+
+def cat_schema(arity: int) -> str:
+    """The rotary schema of an arity with each tensor's second piece, its norm weight and the join's dim."""
+    head, out = op_schema(arity).rsplit(") ->", 1)
+    return f"{head}, Tensor[] second_pieces, Tensor?[] second_norm_weights, int[] cat_dims) ->{out}"
+
+
+def parse(arity: int, args: tuple, kw: dict) -> CatCall:
+    """The call's parts, checked: pieces that join, and the rotary op's own checks on the joined tensors."""
+    kw = dict(kw)
+    seconds, weights, dims = (list(kw.pop(n)) for n in CAT_ARGS)
+    call = RotaryCall.parse(args, kw, arity)
+    names = TENSOR_NAMES[arity]
+    if not len(seconds) == len(weights) == len(dims) == arity:
+        raise ValueError(f"one second piece, norm weight and cat dim per tensor ({arity}): got {len(seconds)} "
+                         f"pieces, {len(weights)} weights, cat_dims {dims}")
+    if call.cu_seqlens is not None:
+        raise ValueError("packed sequences (cu_seqlens) and joined pieces do not combine: pass the joined tensor")
+    joined_dims = []
+    for i, (name, x, y, d) in enumerate(zip(names, call.xs, seconds, dims)):
+        nd = x.dim()
+        if not -nd <= d < nd - 1:
+            raise ValueError(f"cat_dims entry {d} for {name} of shape {tuple(x.shape)}: the pieces join along a dim "
+                             "before the lanes")
+        joined_dims.append(d % nd)
+        if y.dim() != nd or y.dtype != x.dtype or y.device != x.device or any(
+                x.shape[k] != y.shape[k] for k in range(nd) if k != d % nd):
+            raise ValueError(f"the second piece of {name} ({tuple(y.shape)}, {y.dtype}, {y.device}) does not join "
+                             f"{name} ({tuple(x.shape)}, {x.dtype}, {x.device}) along dim {d % nd}")
+        w = weights[i]
+        if (w is None) != (call.weight(i) is None) or w is not None and w.shape != call.weight(i).shape:
+            raise ValueError(f"{name}'s pieces take norm weights of one shape, or none: "
+                             f"{_shape(call.weight(i))} and {_shape(w)}")
+    cat = CatCall(call, seconds, weights, joined_dims)
+    # the rotary op's own checks, on the joined tensors (one element each, expanded: no copy of the data)
+    joined = [x.new_empty((1,) * x.dim()).expand(cat.joined_shape(i)) for i, x in enumerate(call.xs)]
+    check_call(RotaryCall(joined, call.cos, call.sin, call.params, call.positions, call.norm_weights))
+    return cat
+
+
+def _shape(t: Any) -> Any:
+    return None if t is None else tuple(t.shape)
+
+
+def reference(cat: CatCall) -> list:
+    """The pieces normalised apart in the math dtype, joined, and rotated by the reference (one rounding)."""
+    call, params, outs = cat.call, cat.call.params, []
+    for i, (x, y) in enumerate(zip(cat.firsts, cat.seconds)):
+        p = params.of_tensor(i)
+        cd = math_dtype([x], call.cos, call.sin, p.out_dtype)
+        pieces = [x.to(cd), y.to(cd)]
+        if p.norm != "none":
+            weights = (call.weight(i), cat.second_weights[i])
+            pieces = [rms_norm(t, p.norm, p.norm_eps, w) for t, w in zip(pieces, weights)]
+        joined = torch.cat(pieces, dim=cat.dims[i])
+        outs.append(rotary_reference(joined, call.cos, call.sin, positions=call.positions,
+                                     **p.replace(norm="none").kwargs()).contiguous())
+    return outs
+
+
+# device type -> impl(cat) -> outputs, or None (the reference runs): the Triton kernel registers for CUDA
+Impl = Callable[[CatCall], "list | None"]
+DEVICE_IMPLS: dict[str, Impl] = {}
+# device type -> why_not(cat) -> None where its kernel takes the call (fake tensors will do), else why not
+Check = Callable[[CatCall], "str | None"]
+DEVICE_CHECKS: dict[str, Check] = {}
+
+
+def register_cat_kernel(device_type: str, impl: Impl, check: Check) -> None:
+    """Serve the cat ops on one device type with `impl` (None from it: the reference); `check` says beforehand
+    which calls it takes (the pass folds a cat only for those)."""
+    DEVICE_IMPLS[device_type] = impl
+    DEVICE_CHECKS[device_type] = check
+
+
+def why_not(cat: CatCall) -> str | None:
+    """None where the device kernel of the call's tensors takes it, else why not (no kernel for the device)."""
+    load_backends()
+    device = cat.firsts[0].device.type
+    check = DEVICE_CHECKS.get(device)
+    if check is None:
+        return f"no kernel reads joined pieces on {device}"
+    return check(cat)
+
+
+def _result(outs: list) -> Any:
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _fake(arity: int) -> Callable[..., Any]:
+    def fake(*args: Any, **kw: Any) -> Any:
+        cat = parse(arity, args, kw)
+        return _result([x.new_empty(cat.joined_shape(i), dtype=cat.call.params.out_dtype)
+                        for i, x in enumerate(cat.firsts)])
+    return fake
+
+
+def _eager(arity: int) -> Callable[..., Any]:
+    def run(*args: Any, **kw: Any) -> Any:
+        cat = parse(arity, args, kw)
+        load_backends()  # the device's kernel registers when its backend imports
+        impl = DEVICE_IMPLS.get(cat.firsts[0].device.type)
+        outs = impl(cat) if impl is not None else None
+        return _result(outs if outs is not None else reference(cat))
+    return run
+
+
+def _define() -> tuple:
+    ops = []
+    for arity in ARITIES:
+        name = f"{OP_NAMES[arity]}_cat"
+        qualname = f"rope_fusion::{name}"
+        torch.library.define(qualname, cat_schema(arity), lib=LIBRARY)
+        torch.library.impl(qualname, "default", lib=LIBRARY)(_eager(arity))
+        torch.library.register_fake(qualname, lib=LIBRARY)(_fake(arity))
+        ops.append(getattr(torch.ops.rope_fusion, name).default)
+    return tuple(ops)
+
+
+CAT_OPS = _define()  # by arity - 1: rotary_cat, rotary_qk_cat
