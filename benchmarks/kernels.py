@@ -25,8 +25,9 @@ Row groups (`--groups`, default all; they run in the order norm, flux, vllm, bac
   partial NeoX; floor q, k and v; also from the hidden states, projections included), M11 Allegro (three
   NeoX blocks, tables gathered by F.embedding) and V-JEPA 2 (three interleaved blocks, tables from positions
   in the graph, int64 and fp32 positions), M12 CogVideoX (the rotation written back into the video rows of
-  q and k, `q[:, :, text:] = rope(q[:, :, text:])`; alone, and after the processor's LayerNorm); plain compile
-  against the pass (auto, and backend="triton"), kernel launches per call.
+  q and k, `q[:, :, text:] = rope(q[:, :, text:])`; alone, and after the processor's LayerNorm), M13 Flux's
+  joint attention (text and image q and k normed apart, joined by a cat, rotated; floor the four pieces); plain
+  compile against the pass (auto, and backend="triton"), kernel launches per call.
 
 Rows of the norm, flux, vllm, backward and coverage groups are timed with triton's do_bench (L2 flushed between
 calls) and, but for `backward`, in CUDA-graph replay (do_bench_cudagraph: no host overhead, as vLLM replays
@@ -272,6 +273,7 @@ def pass_summary(p: Any) -> dict:
            "miss_reasons": sorted({m[:200] for m in misses}), "host_tables": len(r.host_tables),
            "errors": [f"{e.outcome}: {e.error}"[:300] for e in r.errors],
            "fallbacks": sorted({k.fallback[:200] for k in r.kernels if k.fallback}),
+           "folds": sorted({k.fold[:200] for k in r.kernels if k.fold}),  # a slice write or cat in the node, or why not
            "graphs": len(r.graph_records) or r.graphs, "pass_s": round(r.seconds, 2),
            "backward_sites": sum(s.graph_kind == "backward" for s in r.sites)}
     c = r.cached
@@ -664,6 +666,11 @@ def coverage_rows(quick: bool) -> list[Row]:
       eps 1e-6), then the slice writes into the norm's output (a fresh tensor, as in the model). Plain compile
       can do norm, rotation and scatter in one kernel per tensor; a fold that keeps the norm out of the kernel
       reads and writes q and k twice. Floor: q and k.
+    - M13 flux joint cat: Flux.1's double-stream attention at 1024x1024 (B=1, 512 text + 4096 image tokens, 24
+      heads x 128): image and text q, k [B, S, H, D] each RMS-normed with its own weight, joined along the
+      sequence dim, Flux's interleaved rotation by fp32 tables [4608, 128]. With backend="triton" the cat and
+      the four norms fold into one `rotary_qk_cat` launch reading the pieces (docs/design.md 4.4). Floor: the
+      four pieces (the bytes of the joined q and k).
     """
     rows = []
     # M8: (B, heads, T, nope, rope)
@@ -749,6 +756,16 @@ def coverage_rows(quick: bool) -> list[Row]:
     rows.append(Row("coverage", "M12 cogvideox slice write+norm", f"{B}x({TXT}+{VID})x{H * D} -> {B}x{H}x{S}x{D}",
                     sp.cogvideox_norm_slice_write(TXT, H), make_m12_norm, _qk_args, COVERAGE_VARIANTS,
                     launches=True))
+    # M13 Flux.1 joint attention: (B, text tokens, image tokens, heads, D)
+    B, TXT, IMG, H, D = (1, 3, 13, 2, 16) if quick else (1, 512, 4096, 24, 128)
+
+    def make_m13(device, B=B, TXT=TXT, IMG=IMG, H=H, D=D):
+        return (_randn(B, IMG, H, D, device=device), _randn(B, IMG, H, D, device=device),
+                _randn(B, TXT, H, D, device=device), _randn(B, TXT, H, D, device=device),
+                *(_weight(D, device) for _ in range(4)), *sp.flux_tables(TXT + IMG, D, device))
+
+    rows.append(Row("coverage", "M13 flux joint cat", f"{B}x({TXT}+{IMG})x{H}x{D}", sp.flux_joint, make_m13,
+                    lambda a: a[:4], COVERAGE_VARIANTS, norm=True, launches=True))
     return rows
 
 

@@ -493,3 +493,15 @@ def cogvideox_norm_slice_write(text_len: int, heads: int, eps: float = 1e-6) -> 
 
     forward.__name__ = f"cogvideox_norm_slice_write_{text_len}"
     return forward
+
+
+# -- M13: Flux's joint attention, text and image q and k normed apart, joined, then rotated ---------------------
+
+def flux_joint(q, k, eq, ek, wq, wk, weq, wek, cos, sin):
+    """(image q, k, text q, k [B, S, H, D], their four RMSNorm weights [D], cos, sin [text + image, D]) -> (q, k):
+    diffusers FluxAttnProcessor's double-stream block: `norm_q` / `norm_k` on the image stream, `norm_added_q` /
+    `norm_added_k` on the text stream (diffusers RMSNorm, each its own weight), `cat([text, image], dim=1)`, then
+    `apply_rotary_emb(.., sequence_dim=1)` (`flux_rotary`)."""
+    q = torch.cat([diffusers_rms_norm(eq, weq), diffusers_rms_norm(q, wq)], dim=1)
+    k = torch.cat([diffusers_rms_norm(ek, wek), diffusers_rms_norm(k, wk)], dim=1)
+    return flux_rotary(q, cos, sin, 1), flux_rotary(k, cos, sin, 1)
