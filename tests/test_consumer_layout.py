@@ -5,8 +5,9 @@ that plain compile avoids.
 For each model the post-grad graph is read twice, after plain compile's own passes and after the pass, and two
 things are counted: copies (`clone`, `copy`) anywhere in the graph, and the consumers each fused op's result
 reaches through views (transpose, permute, expand, ...). The pass adds no copy (GPT-J's `stack`ed pairs lose 8:
-they die with the rotation, and Llama's and Flux's counts are equal); the consumers are attention, or GQA's `repeat_kv` (k expanded to q's heads and cloned), a copy that plain compile makes as well.
-Found so (tests/zoo, every default "must" model): no model that permutes or transposes the rotated q and k for
+they die with the rotation, and Llama's and Flux's counts are equal); the consumers are attention, or GQA's
+`repeat_kv` (k expanded to q's heads and cloned), a copy that plain compile makes as well. Found so (tests/zoo,
+every default "must" model; docs/design.md 4.3): no model that permutes or transposes the rotated q and k for
 attention copies them; writing another layout would remove nothing.
 """
 
