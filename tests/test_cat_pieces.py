@@ -299,3 +299,43 @@ def test_the_kernels_cost_drops_the_join_it_reads(triton_on_cpu, monkeypatch, fn
     compile_with_pass(fn, *args, backend="triton")
     assert len(specs) == 1
     assert (specs[0].cost.x_fused_upstream_bytes == 0) == folds, specs[0].cost
+
+
+@pytest.mark.parametrize("fast", ["triton", "left"])
+def test_auto_times_the_cat_op_on_the_pieces(triton_on_cpu, monkeypatch, tmp_path, fast):
+    """Under `auto` the Triton candidate of a joined site is the fold as the graph would run it: the pieces' own
+    nodes, then the cat op reading them (not the join Inductor writes and the plain kernel); it computes what the
+    site left to Inductor computes, and the fold is emitted exactly where its timing wins."""
+    from rope_fusion.ops import backends
+    from rope_fusion.passes import auto_timing
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(auto_timing.ENV, raising=False)
+    monkeypatch.setattr(auto_timing, "_MEASURE_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", ["triton", "inductor"])
+    times = {"left": 10e-6, "inductor": 12e-6, "triton": 5e-6 if fast == "triton" else 11e-6}
+    outputs, ops_called = {}, []
+
+    def clock(name, run):
+        with torch.profiler.profile() as prof:
+            outputs[name] = run()
+        if name == "triton":
+            ops_called.extend(e.name for e in prof.events())
+        return times[name]
+
+    monkeypatch.setattr(auto_timing, "TIMER", clock)
+    args = [*_pieces(), *_weights(), *_tables()]
+    out, p = compile_with_pass(flux_qk, *args, backend="auto")
+    r = p.report
+    assert sorted(outputs) == ["inductor", "left", "triton"], r.table()
+    assert "rope_fusion::rotary_qk_cat" in ops_called and "aten::cat" not in ops_called, sorted(set(ops_called))
+    for name in ("inductor", "triton"):
+        for got, want in zip(outputs[name], outputs["left"]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if fast == "triton":
+        assert len(r.kernels) == 1 and r.kernels[0].fold.startswith("cat folded:"), r.table()
+        assert r.kernels[0].choice.startswith("measured triton 5.0 us, left 10.0 us"), r.table()
+        assert _after(p).counts["aten.cat.default"] == 0
+    else:
+        assert not r.kernels, r.table()
+    check_numerics(flux_qk, args, out, context=r.table())

@@ -89,6 +89,7 @@ class AutoSite:
     group: tuple
     call: Any  # RotaryCall whose tensors are nodes of the graph
     writes: list | None = None  # per member its slice_writes.SliceWrite, where the group is a fold of them
+    joins: Any = None  # emission.JoinPlan: the cat op's call on the pieces, where x is a join the kernel reads
 
     @property
     def outputs(self) -> list:
@@ -175,6 +176,9 @@ class _Built:
     call_slots: list  # per RotaryCall tensor slot: index into upstream's outputs, or None
     signature: str
     base_slots: list = dataclasses.field(default_factory=list)  # per slice write: its base in upstream's outputs
+    pieces: fx.Graph | None = None  # computes the cat op's tensors (a join's pieces, their weights, the tables)
+    pieces_inputs: list = dataclasses.field(default_factory=list)
+    pieces_outputs: list = dataclasses.field(default_factory=list)  # the nodes pieces returns, in order
 
 
 _SLOTS = ("xs", "cos", "sin", "positions", "norm_weights")
@@ -207,13 +211,22 @@ def build(site: AutoSite, cuda_graphs: bool) -> _Built:
     upstream.output(tuple(uenv[t] for t in outs))
     slots = [outs.index(t) if t is not None else None for t in _call_tensors(site.call)]
     base_slots = [outs.index(w.base) for w in writes]
+    pieces, pinputs, pouts, joined = None, [], [], ""
+    if site.joins is not None:  # the cat op reads the pieces: its tensors from what is in memory, not the join
+        j, c = site.joins, site.call
+        pouts = list(dict.fromkeys(t for t in (*j.firsts, *j.seconds, *(j.weights or ()), *j.second_weights, c.cos,
+                                               c.sin, c.positions) if t is not None))
+        pbody, pinputs = region(pouts)
+        pieces, penv = copy_region(pbody, pinputs)
+        pieces.output(tuple(penv[t] for t in pouts))
+        joined = f"joins {j.params} dims {j.dims}\n{canonical(pieces)}"
     params = site.call.params
     text = "\n".join([f"params {params}", f"arity {len(site.call.xs)} weights {site.call.norm_weights is not None}",
                       f"slots {slots}", f"cuda_graphs {int(cuda_graphs)}",
                       f"writes {[(w.dim, w.start, w.end, _clones(w)) for w in writes]}", "left:", canonical(left),
-                      "upstream:", canonical(upstream)])
+                      "upstream:", canonical(upstream), joined])
     return _Built(left, inputs, upstream, uinputs, slots, hashlib.sha256(text.encode()).hexdigest()[:32],
-                  base_slots)
+                  base_slots, pieces, pinputs, pouts)
 
 
 def _written_back(write: Any) -> bool:
@@ -255,6 +268,8 @@ def _runner(name: str, built: _Built, site: AutoSite, real: dict) -> Callable[[]
         return _compile(_with_op(built, site, OPS), [real[n] for n in built.upstream_inputs])
     if name == "triton" and site.writes:
         return _fold_runner(built, site, [real[n] for n in built.upstream_inputs])
+    if name == "triton" and site.joins is not None:
+        return _joins_runner(built, site, [real[n] for n in built.pieces_inputs])
     if name == "triton":
         args = [real[n] for n in built.upstream_inputs]
         fixed = _views_of_inputs(built.upstream, args)
@@ -300,6 +315,32 @@ def _fold_runner(built: _Built, site: AutoSite, args: list) -> Callable[[], Any]
     return fold_run
 
 
+def _joins_runner(built: _Built, site: AutoSite, args: list) -> Callable[[], Any]:
+    """The cat fold as the graph runs it: the pieces' nodes (compiled by Inductor unless they are views of the
+    inputs), then the cat op on them through the dispatcher, as Inductor's fallback kernel calls it."""
+    from ..ops.cat_rotary import CAT_OPS
+    from ..ops.schema import RotaryCall
+
+    j, c = site.joins, site.call
+    fixed = _views_of_inputs(built.pieces, args)
+    up = (lambda: fixed) if fixed is not None else _compile(built.pieces, args)
+    index = {n: i for i, n in enumerate(built.pieces_outputs)}
+    op = CAT_OPS[len(j.firsts) - 1]
+    extra = {"second_pieces": j.seconds, "second_norm_weights": j.second_weights, "cat_dims": list(j.dims)}
+
+    def joins_run() -> Any:
+        outs = up()
+
+        def val(t: Any) -> Any:
+            return outs[index[t]] if isinstance(t, fx.Node) else t
+        rot = RotaryCall([val(x) for x in j.firsts], val(c.cos), val(c.sin), j.params, val(c.positions),
+                         [val(w) for w in j.weights] if j.weights else None)
+        kwargs = dict(j.params.kwargs(), **{k: [val(t) for t in v] if k != "cat_dims" else v
+                                            for k, v in extra.items()})
+        return op(*rot.tensors(), **kwargs)
+    return joins_run
+
+
 def _views_of_inputs(g: fx.Graph, args: list) -> list | None:
     """The graph's outputs, run eagerly once, where every node is a view and every output shares an input's
     storage (nothing the compiled graph would compute or copy); else None."""
@@ -342,7 +383,7 @@ def _inputs(built: _Built, site: AutoSite) -> dict:
     if site.call.positions is not None:  # gathered tables: positions below the cache's rows
         bound = int(site.call.cos.meta["val"].shape[0])
     real = {}
-    for n in dict.fromkeys([*built.left_inputs, *built.upstream_inputs]):
+    for n in dict.fromkeys([*built.left_inputs, *built.upstream_inputs, *built.pieces_inputs]):
         val = n.meta.get("val")
         if not isinstance(val, torch.Tensor):
             raise NotMeasured(f"the region's input {n.name} is not a tensor")

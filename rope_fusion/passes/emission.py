@@ -446,14 +446,17 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
         folding = found if found and not isinstance(found, str) else None
         # a joined x that a backend of FOLDS_CATS reads from its pieces: its cost drops the join's write and read
         joins = group_joins(group, xs, inputs, depends_on) if norms is None and folding is None else None
+        # the cat op's call on the pieces, planned before the choice so that `auto` times it as it would run
+        joining = _plan_joins(em, group, call, joins, depends_on) if isinstance(joins, list) else joins
         spec = dataclasses.replace(site_spec(xs, cos, sin, params, m0, positions, isinstance(joins, list)),
-                                   measure=AutoSite(group, call, folding))
+                                   measure=AutoSite(group, call, folding,
+                                                    joining if isinstance(joining, JoinPlan) else None))
         backend, fallback = choose(spec)
         writes = found if backend.name in FOLDS_SLICE_WRITES else []
         folds_writes = bool(writes) and not isinstance(writes, str)
         joined = None  # a joined x read from its pieces (passes/cat_pieces.py): the fold, or why not
         if backend.name in FOLDS_CATS and not folds_writes:
-            joined = _fold_joins(em, group, call, joins, depends_on) if isinstance(joins, list) else joins
+            joined = _emit_joins(em, call, joining, m0.node) if isinstance(joining, JoinPlan) else joining
         cat_norm = ""
         if folds_writes:  # the rotation written into the bases' slices in place
             finals = emit_slice_write(em, call, writes, m0.node)
@@ -492,10 +495,26 @@ FOLDS_SLICE_WRITES = ("triton",)
 FOLDS_CATS = ("triton",)
 
 
-def _fold_joins(em: Emitter, group: tuple, call: RotaryCall, joins: list, depends_on: Callable) -> JoinedFold | str:
+@dataclasses.dataclass
+class JoinPlan:
+    """The cat op's call on a group's pieces, as graph nodes (passes/cat_pieces.py): per member its two pieces and,
+    with a norm folded, their weights; the op's parameters, the joins' dims, the report's fold line and what
+    happened to the pieces' norms. Planned before the backend is chosen (`auto` times it), emitted after."""
+
+    firsts: list
+    seconds: list
+    weights: list | None
+    second_weights: list
+    params: Any
+    dims: list
+    fold: str
+    norm: str
+
+
+def _plan_joins(em: Emitter, group: tuple, call: RotaryCall, joins: list, depends_on: Callable) -> JoinPlan | str:
     """The cat op's call on the pieces of every member's join, each piece's norm folded where all fold (and the
-    kernel takes them: else they stay in the graph), or why the kernel takes no call of these pieces."""
-    m0 = group[0]
+    kernel takes them: else they stay in the graph), or why the kernel takes no call of these pieces. The nodes of
+    a plan not emitted are dead: the pass removes them."""
     dims = [j.dim for j in joins]
     plain = ([j.first for j in joins], [j.second for j in joins], None, [None] * len(joins), call.params)
     tries = []
@@ -512,17 +531,23 @@ def _fold_joins(em: Emitter, group: tuple, call: RotaryCall, joins: list, depend
         c = dataclasses.replace(call, params=params)
         reason = cat_why_not(cat_call(c, firsts, seconds, weights, second_weights, dims))
         if reason is None:
-            outs = emit_cat(em, c, firsts, seconds, weights, second_weights, dims, m0.node)
             if params.norm != "none":
                 norm = f"{params.norm} folded"
             elif why or found.why:
                 norm = f"left in the graph: {why or found.why}"
             else:
                 norm = ""
-            return JoinedFold(outs, params, describe(joins), norm)
+            return JoinPlan(firsts, seconds, weights, second_weights, params, dims, describe(joins), norm)
         why = why or f"the kernel does not take the pieces' norms ({reason})"
         last = reason
-    return last  # nodes emitted for a try not taken are dead: the pass removes them
+    return last
+
+
+def _emit_joins(em: Emitter, call: RotaryCall, plan: JoinPlan, like: fx.Node) -> JoinedFold:
+    """The planned cat op's call: the pieces read, the joined rotation written once."""
+    c = dataclasses.replace(call, params=plan.params)
+    outs = emit_cat(em, c, plan.firsts, plan.seconds, plan.weights, plan.second_weights, plan.dims, like)
+    return JoinedFold(outs, plan.params, plan.fold, plan.norm)
 
 
 def _writes_back(group: tuple) -> bool:
