@@ -66,3 +66,20 @@ def test_static_launcher_takes_the_runtime_arguments_of_planned_launches():
         tensors = [i for i, a in enumerate(launch.args) if isinstance(a, torch.Tensor)]
         assert set(tensors) <= set(keep), launch.case
         assert all(not isinstance(launch.args[i], torch.Tensor) for i in set(range(len(launch.args))) - set(keep))
+
+
+def test_every_planned_launch_passes_every_kernel_parameter():
+    """Each launch the planner makes names every parameter of the kernel, those with defaults too: torch 2.11's
+    user-kernel node (`wrap_triton`) rejects a call that leaves one at its default ("Incorrect number of arguments
+    passed to kernel"), and the direct path's compiled launcher is kept only where the plan's constants cover the
+    kernel's parameters after the positional ones. A parameter added with a default and passed by no plan broke
+    both on the GPU, and nothing on the CPU (torch 2.13 binds defaults)."""
+    from benchmarks import ptx_identity
+
+    names = list(ptx_identity._kernel().arg_names)
+    options = {"num_warps", "debug", "sanitize_overflow"}
+    launches = ptx_identity.record_launches()
+    assert launches
+    for launch in launches:
+        given = names[:len(launch.args)] + [k for k in launch.kwargs if k not in options]
+        assert sorted(given) == sorted(names), (launch.case, sorted(set(names) - set(given)))

@@ -119,8 +119,9 @@ def launch_cat(cat: CatCall) -> list | None:
     ws = [weights[i] if weights[i] is not None else call.cos for i in sides]
     ws2 = [seconds_w[i] if seconds_w[i] is not None else call.cos for i in sides[:2]]
     kernel[planned.grid](*(firsts[i] for i in sides), *(outs[i] for i in sides), call.cos, call.sin, pos, *ws,
-                         *planned.scalars, **planned.meta, q2_ptr=seconds[0], k2_ptr=seconds[sides[1]],
-                         wq2_ptr=ws2[0], wk2_ptr=ws2[1], **triton_launch.row_checks(call.positions))
+                         *planned.scalars, **{**planned.meta, "q2_ptr": seconds[0], "k2_ptr": seconds[sides[1]],
+                                              "wq2_ptr": ws2[0], "wk2_ptr": ws2[1]},
+                         **triton_launch.row_checks(call.positions))
     return outs
 
 

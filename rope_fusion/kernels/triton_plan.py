@@ -426,9 +426,18 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
                 # q's pass-through head alone: k (and v) rotate their whole head from lane 0 (`make_launches`
                 # gives a norm with it a launch per tensor)
                 OFFSET_Q_ONLY=bool(params.offset_q_only),
+                # the joined form off (kernels/triton_cat.py sets it): every parameter is passed, at its default
+                # here, since the user-kernel node of torch 2.11 takes none of a kernel's defaults ("Incorrect
+                # number of arguments passed to kernel") and the compiled launcher's check wants them all
+                **CAT_OFF,
                 num_warps=num_warps or warps_for(bh * lanes_pad, "head_pass" if params.rotary_offset else
                                                   "rows" if interleaved or neox_row else "halves"))
     return (ntok // toks if toks > 1 else ntok, nsplit), scalars, meta
+
+
+# the kernel's joined-form parameters at their defaults: a launch that reads no second pieces
+CAT_OFF = dict(CAT=False, CAT_SLOT=0, cat_split=None, q2_ptr=None, k2_ptr=None, wq2_ptr=None, wk2_ptr=None,
+               **{f"{s}2_stride_{a}": None for s in "qk" for a in ("t0", "t1", "t2", "head")})
 
 
 def packed_batch(tables: Tables) -> Any:
