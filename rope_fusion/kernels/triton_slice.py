@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..ops.library import _geometry
+from ..ops.library import tensor_geometry
 from ..ops.schema import RotaryCall
 from ..ops.slice_write import register_in_place
 from . import triton_launch
@@ -40,7 +40,7 @@ def rotate_in_place(call: RotaryCall, views: list) -> bool:
         call = dataclasses.replace(call, norm_weights=[
             w if w is None or is_true(w.stride(-1) == 1) else w.contiguous() for w in call.norm_weights])
     try:
-        key = (tuple(None if t is None else _geometry(t) for t in (*views, call.cos, call.sin, call.positions,
+        key = (tuple(None if t is None else tensor_geometry(t) for t in (*views, call.cos, call.sin, call.positions,
                                                                      *(call.norm_weights or ()))), call.params)
         hash(key)
     except (TypeError, RuntimeError):  # symbolic sizes: plan every time

@@ -388,7 +388,7 @@ def _direct(tensors: Sequence[Any]) -> bool:
             and not torch._C._are_functorch_transforms_active())
 
 
-def _geometry(t: torch.Tensor) -> tuple:
+def tensor_geometry(t: torch.Tensor) -> tuple:
     # the data pointer's 16-byte alignment: Triton specializes a launch on it
     return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
 
@@ -408,17 +408,17 @@ def _direct_key(xs: tuple, cos: Any, sin: Any, options: dict) -> tuple | None:
         for t in (*xs, cos, sin):
             if type(t) is not torch.Tensor or grad and t.requires_grad:
                 return None
-            key.append(_geometry(t))
+            key.append(tensor_geometry(t))
         for name, v in options.items():
             if isinstance(v, torch.Tensor):
                 if type(v) is not torch.Tensor or grad and v.requires_grad:
                     return None
-                v = _geometry(v)
+                v = tensor_geometry(v)
             elif isinstance(v, (list, tuple)):  # norm_weight: one weight per tensor
                 if any(isinstance(w, torch.Tensor) and (type(w) is not torch.Tensor or grad and w.requires_grad)
                        for w in v):
                     return None
-                v = (type(v), *(_geometry(w) if isinstance(w, torch.Tensor) else w for w in v))
+                v = (type(v), *(tensor_geometry(w) if isinstance(w, torch.Tensor) else w for w in v))
             key.append((name, v))
         out = tuple(key)
         hash(out)

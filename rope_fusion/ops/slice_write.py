@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .library import LIBRARY, _geometry, reference_outputs
+from .library import LIBRARY, reference_outputs, tensor_geometry
 from .optional_backends import load_backends
 from .packed import unpacked
 from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, check_call, op_schema
@@ -104,11 +104,11 @@ def _fake(arity: int) -> Callable[..., None]:
 
 
 def _plan_key(arity: int, views: list, rest: tuple, kw: dict) -> tuple | None:
-    """The geometry of a call on its slices: every tensor's (`library._geometry`: shape, strides, dtype, device,
-    alignment) and every keyword; None where one cannot be a key."""
+    """The geometry of a call on its slices: every tensor's (`library.tensor_geometry`: shape, strides, dtype,
+    device, alignment) and every keyword; None where one cannot be a key."""
     try:
-        key = (arity, tuple(_geometry(v) for v in views),
-               tuple(None if t is None else _geometry(t) for t in rest), tuple(kw.items()))
+        key = (arity, tuple(tensor_geometry(v) for v in views),
+               tuple(None if t is None else tensor_geometry(t) for t in rest), tuple(kw.items()))
         hash(key)
     except (TypeError, RuntimeError):  # a tensor without storage, an unhashable keyword: nothing to cache
         return None
