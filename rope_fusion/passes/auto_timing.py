@@ -299,8 +299,7 @@ def _fold_runner(built: _Built, site: AutoSite, args: list) -> Callable[[], Any]
     clones = [_clones(w) for w in site.writes]
     bounds = {"slice_dims": [w.dim for w in site.writes], "slice_starts": [w.start for w in site.writes],
               "slice_ends": [w.end for w in site.writes]}
-    fixed = _views_of_inputs(built.upstream, args)
-    up = (lambda: fixed) if fixed is not None else _compile(built.upstream, args)
+    up = _upstream(built.upstream, args)
 
     def fold_run() -> Any:
         outs = list(up())
@@ -322,8 +321,7 @@ def _joins_runner(built: _Built, site: AutoSite, args: list) -> Callable[[], Any
     from ..ops.schema import RotaryCall
 
     j, c = site.joins, site.call
-    fixed = _views_of_inputs(built.pieces, args)
-    up = (lambda: fixed) if fixed is not None else _compile(built.pieces, args)
+    up = _upstream(built.pieces, args)
     index = {n: i for i, n in enumerate(built.pieces_outputs)}
     op = CAT_OPS[len(j.firsts) - 1]
     extra = {"second_pieces": j.seconds, "second_norm_weights": j.second_weights, "cat_dims": list(j.dims)}
@@ -339,6 +337,13 @@ def _joins_runner(built: _Built, site: AutoSite, args: list) -> Callable[[], Any
                                             for k, v in extra.items()})
         return op(*rot.tensors(), **kwargs)
     return joins_run
+
+
+def _upstream(g: fx.Graph, args: list) -> Callable[[], Any]:
+    """The graph's outputs as a call: its views of the inputs taken once where that is all it does, else the graph
+    compiled by Inductor."""
+    fixed = _views_of_inputs(g, args)
+    return (lambda: fixed) if fixed is not None else _compile(g, args)
 
 
 def _views_of_inputs(g: fx.Graph, args: list) -> list | None:

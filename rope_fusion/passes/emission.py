@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..ops.backends import Backend, SiteSpec, get_backend
+from ..ops.backends import AUTO_ORDER, Backend, SiteSpec, get_backend
 from ..ops.cat_rotary import why_not as cat_why_not
 from ..ops.schema import OP_NAMES, TENSOR_NAMES, RotaryCall, RotaryParams
 from .auto_timing import AutoSite
@@ -446,8 +446,11 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
         folding = found if found and not isinstance(found, str) else None
         # a joined x that a backend of FOLDS_CATS reads from its pieces: its cost drops the join's write and read
         joins = group_joins(group, xs, inputs, depends_on) if norms is None and folding is None else None
-        # the cat op's call on the pieces, planned before the choice so that `auto` times it as it would run
-        joining = _plan_joins(em, group, call, joins, depends_on) if isinstance(joins, list) else joins
+        # the cat op's call on the pieces, planned before the choice where a backend that folds it may be
+        # chosen, so that `auto` times it as it would run (the pieces' norm proofs are not paid elsewhere)
+        joining = joins
+        if isinstance(joins, list) and _may_fold_joins(em, xs[0].meta["val"].device.type):
+            joining = _plan_joins(em, group, call, joins, depends_on)
         spec = dataclasses.replace(site_spec(xs, cos, sin, params, m0, positions, isinstance(joins, list)),
                                    measure=AutoSite(group, call, folding,
                                                     joining if isinstance(joining, JoinPlan) else None))
@@ -456,6 +459,8 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
         folds_writes = bool(writes) and not isinstance(writes, str)
         joined = None  # a joined x read from its pieces (passes/cat_pieces.py): the fold, or why not
         if backend.name in FOLDS_CATS and not folds_writes:
+            if isinstance(joining, list):
+                joining = _plan_joins(em, group, call, joining, depends_on)
             joined = _emit_joins(em, call, joining, m0.node) if isinstance(joining, JoinPlan) else joining
         cat_norm = ""
         if folds_writes:  # the rotation written into the bases' slices in place
@@ -509,6 +514,13 @@ class JoinPlan:
     dims: list
     fold: str
     norm: str
+
+
+def _may_fold_joins(em: Emitter, device_type: str) -> bool:
+    """Whether a backend that folds joins may take a site on this device: the one asked for, or under `auto` one
+    of the device's candidates."""
+    names = AUTO_ORDER.get(device_type, ["inductor"]) if em.requested in (None, "auto") else [em.requested]
+    return any(n in FOLDS_CATS for n in names)
 
 
 def _plan_joins(em: Emitter, group: tuple, call: RotaryCall, joins: list, depends_on: Callable) -> JoinPlan | str:
