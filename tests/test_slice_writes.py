@@ -330,6 +330,12 @@ def test_gpu_slice_writes_rotate_in_place(fn, n, clone):
     assert p.report.kernels and all(k.fold.startswith("slice write:") for k in p.report.kernels), p.report.table()
     assert "slice_scatter" not in code and ("clone" in code) == clone, code
     check_numerics(fn, args, out, context=p.report.table())
+    # later calls replay the plan: the first of them checks the compiled launcher against the JIT launcher
+    compiled = torch.compile(fn, fullgraph=True)
+    with torch._inductor.config.patch(post_grad_custom_post_pass=p):
+        for _ in range(3):
+            args = [torch.randn_like(a) for a in args]
+            check_numerics(fn, args, compiled(*[a.clone() for a in args]), context=p.report.table())
 
 
 def write_into_inputs(q, k, cos, sin):
@@ -412,3 +418,29 @@ def test_timed_candidates_write_back_into_inputs_as_the_graph_does(triton_on_cpu
     write_into_inputs(want_q, want_k, cos, sin)
     torch.testing.assert_close(fq, want_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fk, want_k, rtol=1e-5, atol=1e-5)
+
+
+def test_the_compiled_launchers_check_writes_a_slice_with_its_strides(triton_on_cpu, monkeypatch):
+    """A plan's compiled launcher is checked on its first use against the JIT launcher's result in fresh buffers.
+    Those buffers take the slice's strides, which the plan's scalars hold: a slice of a base is not dense, and a
+    contiguous buffer would be written past its end and read back in another layout (the launcher then judged
+    wrong, its rows overwritten with those values). The launcher here is the kernel itself: the check keeps it,
+    and the rows are the reference's."""
+    import rope_fusion.kernels.triton_launch as launching
+
+    monkeypatch.setattr(slice_write, "_PLANS", {})
+    torch.manual_seed(7)
+    kw = dict(interleaved=True, rotary_dim=16, full_tables=True, conjugate=False, out_dtype=torch.float32)
+    x = torch.randn(2, 2, 11, 16)
+    cos, sin = torch.randn(11 - TEXT, 16), torch.randn(11 - TEXT, 16)
+    bounds = dict(slice_dims=[2], slice_starts=[TEXT], slice_ends=[11])
+    torch.ops.rope_fusion.rotary_slice_(x.clone(), cos, sin, **kw, **bounds)  # plans the geometry
+    (runner,) = slice_write._PLANS.values()
+    for entry in runner.entries:  # a compiled launcher that writes what the kernel writes
+        entry[4] = (lambda *a, grid=entry[1], meta=entry[3]: launching.rotary_kernel[grid](*a, **meta))
+    got = x.clone()
+    torch.ops.rope_fusion.rotary_slice_(got, cos, sin, **kw, **bounds)
+    assert all(entry[4] and entry[5] for entry in runner.entries), "the check judged a correct launcher wrong"
+    want = rotary_reference(x[:, :, TEXT:].double(), cos.double(), sin.double(), **{**kw, "out_dtype": torch.float64})
+    torch.testing.assert_close(got[:, :, TEXT:].double(), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[:, :, :TEXT], x[:, :, :TEXT])

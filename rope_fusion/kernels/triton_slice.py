@@ -1,12 +1,14 @@
-"""The Triton kernel rotating slices in place: the CUDA implementation of `rope_fusion::rotary_slice_` and its
-arities (ops/slice_write.py).
+"""The Triton kernel writing rotations into slices: the CUDA implementation of `rope_fusion::rotary_slice_`, which
+rotates a slice in place, and `rope_fusion::rotary_into_`, which writes the rotation of another tensor into one,
+with their arities (ops/slice_write.py).
 
 The kernel takes an output pointer and strides per tensor, so the slice of the base is its own output: each
 program loads a row tile (a head block, or a token's held heads) before it stores that tile, and no two programs
 share a row, so reading x from the memory it writes is safe, and the rows outside the slice are never touched.
 Where the plan is not one the kernel runs in a single pass over each row (a norm applied before the launch, more
 token dims than the kernel merges, a de-interleaved output, lanes that are not contiguous) the rotation is computed
-into fresh buffers and copied into the slice: correct, one copy more.
+into fresh buffers and copied into the slice: correct, one copy more. Into another tensor's slice the same plans
+run with the source as x and the slice as the output.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ _PLANS: dict = {}  # a call's geometry -> its `plan_in_place` runner (the plan o
 
 
 def rotate_in_place(call: RotaryCall, views: list) -> bool:
-    """Rotate `views` (the call's xs) in place; False where the kernel cannot serve the call (the reference
-    then runs). The calls the op's own plan cache does not keep come here (packed sequences, whose positions are
-    derived per call, and keys that do not hash): their plans are kept here by geometry."""
-    if any(t.device.type != "cuda" for t in (*views, call.cos, call.sin)) and not triton_launch.INTERPRETED:
+    """Write the rotation of the call's xs into `views` (the xs themselves for the slice op: in place); False where
+    the kernel cannot serve the call (the reference then runs). The calls the op's own plan cache does not keep
+    come here (packed sequences, whose positions are derived per call, and keys that do not hash): their plans are
+    kept here by geometry."""
+    xs = call.xs
+    if any(t.device.type != "cuda" for t in (*xs, *views, call.cos, call.sin)) and not triton_launch.INTERPRETED:
         return False
     if call.params.unhandled(KERNEL_FIELDS):
         return False
@@ -40,39 +44,54 @@ def rotate_in_place(call: RotaryCall, views: list) -> bool:
         call = dataclasses.replace(call, norm_weights=[
             w if w is None or is_true(w.stride(-1) == 1) else w.contiguous() for w in call.norm_weights])
     try:
-        key = (tuple(None if t is None else tensor_geometry(t) for t in (*views, call.cos, call.sin, call.positions,
-                                                                     *(call.norm_weights or ()))), call.params)
+        key = (tuple(None if t is None else tensor_geometry(t) for t in (*xs, *views, call.cos, call.sin,
+                                                                     call.positions, *(call.norm_weights or ()))),
+               call.params)
         hash(key)
     except (TypeError, RuntimeError):  # symbolic sizes: plan every time
         key = None
     runner = _PLANS.get(key) if key is not None else None
     if runner is None:
-        runner = plan_in_place(call)
+        runner = plan_in_place(call, views)
         if key is not None and runner is not None:
             if len(_PLANS) > 4096:
                 _PLANS.clear()
             _PLANS[key] = runner
     if runner is None:  # not one pass over each row: into fresh buffers, then copied into the slices
-        outs = triton_launch.launch(views, call.cos, call.sin, call.params, call.positions, call.norm_weights)
+        outs = triton_launch.launch(list(xs), call.cos, call.sin, call.params, call.positions, call.norm_weights)
         for view, out in zip(views, outs):
             view.copy_(out)
         return True
-    runner(views, call.cos, call.sin, call.positions, call.norm_weights)
+    runner(xs, call.cos, call.sin, call.positions, call.norm_weights, views)
     return True
 
 
 class _InPlaceLaunches(triton_launch._DirectLaunches):
     """The direct path's replayed launches (`triton_launch._DirectLaunches`: the compiled kernel through torch's
-    static launcher after its first use is checked) with each x as its own output: the slice rotated in place."""
+    static launcher after its first use is checked) with the given views as outputs (None: each x its own output,
+    the slice rotated in place)."""
+
+    _views: list | None = None
+
+    def __call__(self, xs: list, cos: torch.Tensor, sin: torch.Tensor, positions: Any, weights: Any,
+                 views: list | None = None) -> list:
+        self._views = list(xs) if views is None else list(views)
+        try:
+            return super().__call__(xs, cos, sin, positions, weights)
+        finally:
+            self._views = None
 
     def _outputs(self, xs: list) -> list:
-        return list(xs)
+        return self._views
 
     @staticmethod
     def _checked(runner: Any, args: tuple, sides: list, outs: list, grid: tuple, meta: dict) -> Any:
         """The compiled launcher where it writes what the JIT launcher writes: the JIT launcher's result first, into
-        fresh buffers from x as it is, then the launcher in place; on a failure or a difference, the JIT result."""
-        mine = {i: torch.empty_like(outs[i]) for i in sides}
+        fresh buffers from x as it is, then the launcher in place; on a failure or a difference, the JIT result.
+        The fresh buffers take the views' strides (the plan's scalars hold them): `empty_like` of a slice that is
+        not dense would be contiguous, and the launch would write past it."""
+        mine = {i: torch.empty_strided(outs[i].shape, outs[i].stride(), dtype=outs[i].dtype, device=outs[i].device)
+                for i in sides}
         triton_launch.rotary_kernel[grid](*args[:3], *(mine[i] for i in sides), *args[6:], **meta)
         try:
             runner(*args)
@@ -90,20 +109,21 @@ class _InPlaceLaunches(triton_launch._DirectLaunches):
         return None
 
 
-def plan_in_place(call: RotaryCall) -> Any:
-    """The runner of a geometry that the kernel rotates in one pass over each row (`rotate_in_place`'s rule), its
-    launches planned once for every later call of that geometry; None for any other (the call then goes to
-    `rotate_in_place` each time)."""
-    views, params = call.xs, call.params
-    if any(t.device.type != "cuda" for t in (*views, call.cos, call.sin)) and not triton_launch.INTERPRETED:
+def plan_in_place(call: RotaryCall, views: list | None = None) -> Any:
+    """The runner of a geometry that the kernel writes into `views` (None: the call's xs, in place) in one pass
+    over each row (`rotate_in_place`'s rule), its launches planned once for every later call of that geometry;
+    None for any other (the call then goes to `rotate_in_place` each time)."""
+    xs, params = call.xs, call.params
+    views = xs if views is None else views
+    if any(t.device.type != "cuda" for t in (*xs, *views, call.cos, call.sin)) and not triton_launch.INTERPRETED:
         return None
     if params.unhandled(KERNEL_FIELDS) or params.deinterleave or _is_empty(views):
         return None
     weights = list(call.norm_weights) if call.norm_weights else [None] * len(views)
-    if not all(is_true(v.stride(-1) == 1) for v in views) or any(
+    if not all(is_true(t.stride(-1) == 1) for t in (*xs, *views)) or any(
             w is not None and not (per_lane(w, v) and is_true(w.stride(-1) == 1)) for w, v in zip(weights, views)):
         return None
-    launches = make_launches(views, views, Tables(call.cos, call.sin, call.positions, weights), params)
+    launches = make_launches(list(xs), list(views), Tables(call.cos, call.sin, call.positions, weights), params)
     if not isinstance(launches, list):
         return None
     return _InPlaceLaunches(launches, params.out_dtype, triton_launch.row_checks(call.positions))

@@ -11,6 +11,11 @@ clone of it otherwise (docs/design.md section 2, "Writes into a slice").
 
 Every other argument is the rotary op's own (`schema.op_schema`), with the same meaning for the slice as for x:
 the implementations build the `RotaryCall` of the slices and run the reference or the device kernel on it.
+
+`rope_fusion::rotary*_into_` write the rotation of tensors of their own into such slices: `out` is a join built
+after the rotation (`cat([rope(q_img), q_txt], 2)`, HunyuanVideo's and Qwen-Image's joint attention), and tensor i's
+rotation goes to `outs[i].narrow(...)` where the cat would have copied it (passes/joined_writes.py). x and its
+slice must not share memory unless x is that slice: such a call is computed apart first, then copied in.
 """
 
 from __future__ import annotations
@@ -29,13 +34,15 @@ from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, check_call, op_schema
 # the keyword arguments that say where each tensor's rotated slice lies
 SLICE_ARGS = ("slice_dims", "slice_starts", "slice_ends")
 
-# in-place rotation of one device's slices: impl(call, views) -> True when done, else the reference runs
+# one device's rotation of a call's xs written into views (the slice op's views are its xs): impl(call, views) ->
+# True when done, else the reference runs
 InPlace = Callable[[RotaryCall, list], bool]
 IN_PLACE: dict[str, InPlace] = {}
 """Device type -> its in-place kernel (the Triton kernel registers for CUDA, kernels/triton_slice.py)."""
 
-# a call's geometry planned once: planner(call) -> runner(views, cos, sin, positions, weights) that rotates the
-# views of every later call of that geometry in place, or None (the call goes to IN_PLACE as it comes)
+# a call's geometry planned once: planner(call, views=None) -> runner(xs, cos, sin, positions, weights, views=None)
+# that writes the rotation of every later call's xs of that geometry into its views (None: the xs in place), or
+# None (the call goes to IN_PLACE as it comes)
 InPlacePlanner = Callable[[RotaryCall], Callable | None]
 PLANNERS: dict[str, InPlacePlanner] = {}
 """Device type -> its planner of repeated calls (the Triton kernel's for CUDA)."""
@@ -53,6 +60,15 @@ def slice_schema(arity: int) -> str:
         schema = re.sub(rf"\bTensor {name}\b", f"Tensor({'abc'[i]}!) {name}", schema, count=1)
     head, _ = schema.rsplit(") ->", 1)
     return f"{head}, int[] slice_dims, SymInt[] slice_starts, SymInt[] slice_ends) -> ()"
+
+
+def into_schema(arity: int) -> str:
+    """The rotary schema of an arity after one written output per tensor, no result, and the slices' bounds:
+    `(Tensor(a!) q_out, Tensor(b!) k_out, Tensor q, Tensor k, Tensor cos, ..., *, <params>, int[] slice_dims,
+    SymInt[] slice_starts, SymInt[] slice_ends) -> ()`."""
+    outs = ", ".join(f"Tensor({'abc'[i]}!) {n}_out" for i, n in enumerate(TENSOR_NAMES[arity]))
+    head, _ = op_schema(arity).rsplit(") ->", 1)
+    return f"({outs}, {head[1:]}, int[] slice_dims, SymInt[] slice_starts, SymInt[] slice_ends) -> ()"
 
 
 def split_kwargs(kw: dict) -> tuple[dict, tuple]:
@@ -103,6 +119,26 @@ def _fake(arity: int) -> Callable[..., None]:
     return fake
 
 
+def _into_call(arity: int, args: tuple, kw: dict) -> tuple[RotaryCall, list]:
+    """The call on the sources (checked like the rotary op's own) and the slices of the outputs it writes, each
+    of its source's shape."""
+    kw, bounds = split_kwargs(kw)
+    outs = list(args[:arity])
+    views = slice_views(outs, bounds)
+    call = RotaryCall.parse(list(args[arity:]), kw, arity)
+    _check(call, outs)
+    for name, x, v in zip(TENSOR_NAMES[arity], call.xs, views):
+        if tuple(x.shape) != tuple(v.shape):
+            raise ValueError(f"{name} of shape {tuple(x.shape)} is written into a slice of shape {tuple(v.shape)}")
+    return call, views
+
+
+def _into_fake(arity: int) -> Callable[..., None]:
+    def fake(*args: Any, **kw: Any) -> None:
+        _into_call(arity, args, kw)
+    return fake
+
+
 def _plan_key(arity: int, views: list, rest: tuple, kw: dict) -> tuple | None:
     """The geometry of a call on its slices: every tensor's (`library.tensor_geometry`: shape, strides, dtype,
     device, alignment) and every keyword; None where one cannot be a key."""
@@ -115,10 +151,23 @@ def _plan_key(arity: int, views: list, rest: tuple, kw: dict) -> tuple | None:
     return key
 
 
-def _run_plan(runner: Callable, arity: int, views: list, rest: tuple) -> None:
-    """A planned call: the tables, positions and weights by their place in the schema (`schema.RotaryCall.parse`)."""
+def _run_plan(runner: Callable, arity: int, xs: list, rest: tuple, views: list | None = None) -> None:
+    """A planned call: the tables, positions and weights by their place in the schema (`schema.RotaryCall.parse`);
+    the rotation of xs written into views (None: into xs themselves)."""
     weights = list(rest[3:3 + arity]) if len(rest) > 3 else None
-    runner(views, rest[0], rest[1], rest[2] if len(rest) > 2 else None, weights)
+    runner(xs, rest[0], rest[1], rest[2] if len(rest) > 2 else None, weights, views)
+
+
+def _shares_memory(xs: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> bool:
+    """Whether a source shares a storage with an output it is not exactly (the kernel reads each row before it
+    writes that row only where x is the slice itself)."""
+    ptrs = {v.untyped_storage().data_ptr() for v in views}
+    return any(x.untyped_storage().data_ptr() in ptrs and not any(_same_view(x, v) for v in views) for x in xs)
+
+
+def _same_view(x: torch.Tensor, v: torch.Tensor) -> bool:
+    return (x.data_ptr() == v.data_ptr() and x.shape == v.shape and x.stride() == v.stride()
+            and x.untyped_storage().data_ptr() == v.untyped_storage().data_ptr())
 
 
 def _eager(arity: int) -> Callable[..., None]:
@@ -155,18 +204,56 @@ def _eager(arity: int) -> Callable[..., None]:
     return run
 
 
-def _define() -> tuple:
+def _into_eager(arity: int) -> Callable[..., None]:
+    def run(*args: Any, **kw: Any) -> None:
+        # as the slice op's: a geometry checked and planned once; later calls cost their views, key and launch
+        kw, bounds = split_kwargs(kw)
+        outs = list(args[:arity])
+        views = slice_views(outs, bounds)
+        rest = tuple(args[arity:])
+        xs, tail = list(rest[:arity]), rest[arity:]
+        key = _plan_key(arity, views, rest, {**kw, "into": True})
+        planned = _PLANS.get(key) if key is not None else None
+        if planned is not None and not _shares_memory(xs, views):
+            _run_plan(planned, arity, xs, tail, views)
+            return
+        call, views = _into_call(arity, args, {**kw, **dict(zip(SLICE_ARGS, bounds))})
+        if _shares_memory(call.xs, views):  # computed apart, then written: the rows may overlap
+            for view, out in zip(views, reference_outputs(unpacked(call))):
+                view.copy_(out)
+            return
+        load_backends()
+        planner = PLANNERS.get(views[0].device.type)
+        if key is not None and planner is not None and call.cu_seqlens is None:
+            runner = planner(call, views)
+            if runner is not None:
+                if len(_PLANS) >= _MAX_PLANS:
+                    _PLANS.clear()
+                _PLANS[key] = runner
+                _run_plan(runner, arity, xs, tail, views)
+                return
+        call = unpacked(call)
+        impl = IN_PLACE.get(views[0].device.type)
+        if impl is not None and impl(call, views):
+            return
+        for view, out in zip(views, reference_outputs(call)):
+            view.copy_(out)
+    return run
+
+
+def _define(suffix: str, schema: Callable[[int], str], eager: Callable, fake: Callable) -> tuple:
     ops = []
     for arity, name in OP_NAMES.items():
-        qualname = f"rope_fusion::{name}_slice_"
-        torch.library.define(qualname, slice_schema(arity), lib=LIBRARY)
-        torch.library.impl(qualname, "default", lib=LIBRARY)(_eager(arity))
-        torch.library.register_fake(qualname, lib=LIBRARY)(_fake(arity))
-        ops.append(getattr(torch.ops.rope_fusion, f"{name}_slice_").default)
+        qualname = f"rope_fusion::{name}{suffix}"
+        torch.library.define(qualname, schema(arity), lib=LIBRARY)
+        torch.library.impl(qualname, "default", lib=LIBRARY)(eager(arity))
+        torch.library.register_fake(qualname, lib=LIBRARY)(fake(arity))
+        ops.append(getattr(torch.ops.rope_fusion, f"{name}{suffix}").default)
     return tuple(ops)
 
 
-SLICE_OPS = _define()  # by arity - 1: rotary_slice_, rotary_qk_slice_, rotary_qkv_slice_
+SLICE_OPS = _define("_slice_", slice_schema, _eager, _fake)  # by arity - 1: rotary_slice_, rotary_qk_slice_, ...
+INTO_OPS = _define("_into_", into_schema, _into_eager, _into_fake)  # rotary_into_, rotary_qk_into_, ...
 
 
 def register_in_place(device_type: str, impl: InPlace, planner: InPlacePlanner | None = None) -> None:

@@ -26,6 +26,7 @@ from .cat_pieces import JoinedFold, cat_call, describe, emit_cat, group_joins, p
 from .fx_util import CASTS, PASS_THROUGH, as_int, chain_back
 from .gathers import gather_of, op_positions
 from .grouping import arithmetic_dtype, launch_params
+from .joined_writes import emit_joined_write, finish_joins, group_joined_writes
 from .norms import NormPrologue, dies_with, norm_prologue
 from .site import KernelTables, Site, TableRef
 from .site_costs import site_spec
@@ -96,6 +97,8 @@ class Emitter:
         self.requested = requested
         self.declined = ""  # why the last backend that declined a site did
         self._made: dict = {}
+        # cat node -> the joined tensor as the last group that writes into it left it (passes/joined_writes.py)
+        self.joins: dict = {}
 
     def call(self, target: Any, args: tuple, kwargs: dict | None = None, like: fx.Node | None = None) -> fx.Node:
         kwargs = kwargs or {}
@@ -462,7 +465,7 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
             if isinstance(joining, list):
                 joining = _plan_joins(em, group, call, joining, depends_on)
             joined = _emit_joins(em, call, joining, m0.node) if isinstance(joining, JoinPlan) else joining
-        cat_norm = ""
+        cat_norm, join_updates = "", {}
         if folds_writes:  # the rotation written into the bases' slices in place
             finals = emit_slice_write(em, call, writes, m0.node)
             replaced = [w.scatter for w in writes]
@@ -472,16 +475,25 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
             replaced = [m.node for m in group]
             params, fold, cat_norm = joined.params, joined.fold, joined.norm
         else:
-            outs = backend.emit(em, call, m0.node)
-            if outs is None:  # declined at emission (under auto only): the lowering, never a slower opaque call
-                fallback = f"{backend.name}: {em.declined or 'declined at emission'}; the lowering instead"
-                backend = get_backend("inductor")
+            # a rotation joined after it: written into its rows of the join (passes/joined_writes.py)
+            after = group_joined_writes(group, xs) if backend.name in FOLDS_JOINED_WRITES else None
+            if isinstance(after, list):
+                finals, join_updates = emit_joined_write(em, em.joins, call, after, m0.node)
+                fold = "joined write: " + ", ".join(w.describe() for w in after)
+            else:
                 outs = backend.emit(em, call, m0.node)
-            finals = [_unflatten(em, o, m) for o, m in zip(outs, group)]
+                if outs is None:  # declined at emission (under auto only): the lowering, never a slower opaque call
+                    fallback = f"{backend.name}: {em.declined or 'declined at emission'}; the lowering instead"
+                    backend = get_backend("inductor")
+                    outs = backend.emit(em, call, m0.node)
+                finals = [_unflatten(em, o, m) for o, m in zip(outs, group)]
+                fold = f"slice write not folded: {writes}" if isinstance(writes, str) and _writes_back(group) else ""
+                if isinstance(joined, str):
+                    fold = f"cat not folded: {joined}"
+                elif isinstance(after, str):
+                    fold = f"joined write not folded: {after}"
             replaced = [m.node for m in group]
-            fold = f"slice write not folded: {writes}" if isinstance(writes, str) and _writes_back(group) else ""
-            if isinstance(joined, str):
-                fold = f"cat not folded: {joined}"
+    em.joins.update(join_updates)  # the group is planned: later groups write into what it wrote
     op_name = f"rope_fusion.{OP_NAMES[len(group)]}"
     norm = cat_norm or (f"{params.norm} folded" if norms is not None else
                         (f"left in the graph: {norm_note}" if norm_note else ""))
@@ -498,6 +510,12 @@ FOLDS_SLICE_WRITES = ("triton",)
 # Backends whose fused node Inductor cannot fuse with a `cat` before it: a joined x is read from its pieces by
 # their node (passes/cat_pieces.py). The lowering fuses the cat, the pieces' norms and the rotation already.
 FOLDS_CATS = ("triton",)
+
+
+# Backends whose fused node Inductor cannot write into a `cat` after it: a rotation joined after it is written into
+# its rows of the join by their node (passes/joined_writes.py). Inductor's cat has the lowering's kernels write
+# into the joined tensor already.
+FOLDS_JOINED_WRITES = ("triton",)
 
 
 @dataclasses.dataclass
@@ -631,10 +649,19 @@ def commit(planned: list[PlannedGroup]) -> None:
             old.replace_all_uses_with(new)
 
 
+def commit_joins(em: Emitter) -> None:
+    """After `commit`: every cat the groups wrote into replaced by what they wrote, with the pieces none wrote."""
+    if em.joins:
+        finish_joins(em, em.joins)
+
+
 def finish(graph: fx.Graph, planned: list[PlannedGroup], order: dict) -> None:
-    """Restore topological order where a group's nodes were placed after users of a site it replaces."""
-    moved = any(order.get(u, 1 << 62) < order.get(p.anchor, 1 << 62) for p in planned for f in p.finals
-                for u in f.users)
+    """Restore topological order where a group's nodes were placed after users of a site it replaces, or groups
+    write into a join (passes/joined_writes.py: a group may write into what a group placed after it wrote, and the
+    pieces are scattered before the cat)."""
+    joined = any(p.fold.startswith("joined write:") for p in planned)
+    moved = joined or any(order.get(u, 1 << 62) < order.get(p.anchor, 1 << 62) for p in planned for f in p.finals
+                          for u in f.users)
     if moved:
         from torch._inductor.pattern_matcher import stable_topological_sort
 

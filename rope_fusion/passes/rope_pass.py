@@ -294,6 +294,7 @@ class RopeFusionPass(PassBase):
                                "rope_fusion graph %d: a site was left unfused after an internal error: %s: %s",
                                index, type(e).__name__, e)
         emission.commit(planned)
+        emission.commit_joins(em)
         guard_deferred_sizes([n for p in planned for n in (*p.finals, *(m.node for m in p.group))])
         emission.finish(graph, planned, order)
         for p in planned:

@@ -120,7 +120,8 @@ COLUMNS = (
     ("QK-norm", "sites whose RMSNorm before the rotation is folded into the fused op, or why a norm stayed in the "
                 "graph (*-*: the model has no QK-norm there)"),
     ("folds", "data movement a fused op took in, per kernel: a slice write (the rotation written into the rows "
-              "of a larger tensor in place), a joint cat (text and image pieces read where they are); only the "
+              "of a larger tensor in place), a joint cat (text and image pieces read where they are), a joined "
+              "write (a rotation written into its rows of the cat that joins it after the rotation); only the "
               "Triton backend folds them, so they show on the *graph triton* rows (its kernel interpreted on the "
               "CPU), or why one was not taken (*-*: nothing to fold)"),
     ("max err", "relative error of the compiled output against an fp64 evaluation of the uncompiled model"),

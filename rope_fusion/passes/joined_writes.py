@@ -1,0 +1,173 @@
+"""A rotation joined after it is computed, written into the join by the fused node (docs/design.md 4.5).
+
+HunyuanVideo's dual-stream blocks rotate the image q and k and then join the text stream after them,
+`cat([rope(q_img), q_txt], 2)`; Qwen-Image rotates both streams, each with its own tables, and joins them,
+`cat([rope(q_txt), rope(q_img)], 1)`. The op's lowering is pointwise, and Inductor's cat writes each piece's kernel
+straight into the joined buffer. An opaque kernel cannot be fused so: it writes the rotation, and the cat reads it
+and writes it once more. For such a backend (`emission.FOLDS_JOINED_WRITES`: the Triton kernel) a group whose every
+member's rotation is read by a cat alone becomes one `auto_functionalized` call of `rope_fusion::rotary*_into_`
+(ops/slice_write.py), which writes each rotation into its rows of the joined tensor. The joined tensor starts as
+`empty` in the cat's shape and strides; the groups that write into one cat are chained (each writes into the
+tensor the one before it wrote), and once every group is planned the pieces no group wrote are scattered into
+their rows (`slice_scatter`, which Inductor's reinplacing turns into a copy into a view of the joined tensor: the
+copy the cat made of them) and the result replaces the cat (`finish_joins`).
+
+What is recognised: the member's rotation has one use, a `cat` along a dim before the lanes that holds it once; the
+cat's shape is static, every piece has the cat's dtype and rank; the op reads x in the rotation's shape (no view
+between that the slice would have to take). Anything else keeps the cat, and the kernel's report line says why
+("joined write not folded: ...").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..ops.schema import TENSOR_NAMES
+from ..ops.slice_write import INTO_OPS
+from .fx_util import as_int
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass
+class JoinedWrite:
+    """Where one member's rotation lands: rows [start, end) along `dim` of the tensor `cat` joins."""
+
+    cat: fx.Node
+    dim: int
+    start: int
+    end: int
+
+    def describe(self) -> str:
+        return f"{self.cat.name}[dim {self.dim}, {self.start}:{self.end}]"
+
+
+@dataclasses.dataclass
+class PendingJoin:
+    """A cat some groups write into: the joined tensor as the last of them left it, and the rows written."""
+
+    buffer: fx.Node
+    written: set
+
+
+def _cat_args(cat: fx.Node) -> tuple[list, int]:
+    pieces = cat.args[0] if cat.args else cat.kwargs.get("tensors")
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    return list(pieces), dim
+
+
+def joined_write(site_node: fx.Node, x: fx.Node) -> JoinedWrite | str | None:
+    """The rows of a join that a site's rotation is copied into, why they cannot be written directly, or None
+    where the rotation is not joined after it."""
+    users = list(site_node.users)
+    cats = [u for u in users if u.target is aten.cat.default]
+    if not cats:
+        return None
+    if len(users) != 1:
+        return "the rotation is read by more than the cat that joins it"
+    cat = cats[0]
+    pieces, dim = _cat_args(cat)
+    if pieces.count(site_node) != 1:
+        return "the rotation is joined more than once"
+    val = cat.meta["val"]
+    nd = val.dim()
+    if not isinstance(dim, int) or not -nd <= dim < nd:
+        return "the join's dim is not a static dim of the joined tensor"
+    dim %= nd
+    if dim == nd - 1:
+        return "the join runs along the lanes"
+    if any(as_int(s) is None for s in val.shape) or any(as_int(s) is None for s in val.stride()):
+        return "the joined tensor's shape is symbolic"
+    sizes = []
+    for p in pieces:
+        pv = p.meta.get("val") if isinstance(p, fx.Node) else None
+        if not isinstance(pv, torch.Tensor) or pv.dim() != nd or pv.dtype != val.dtype:
+            return "a piece of the join has another rank or dtype than the joined tensor"
+        sizes.append(as_int(pv.shape[dim]))
+    i = pieces.index(site_node)
+    if tuple(x.meta["val"].shape) != tuple(site_node.meta["val"].shape):
+        return "the op reads x in another shape than the rotation's result (a view between them)"
+    start = sum(sizes[:i])
+    return JoinedWrite(cat, dim, start, start + sizes[i])
+
+
+def group_joined_writes(group: tuple, xs: list) -> list | str | None:
+    """Every member's joined write, why the group's are not folded (the first member's reason, named), or None
+    where no member's rotation is joined after it."""
+    found = [joined_write(m.node, x) for m, x in zip(group, xs)]
+    if all(f is None for f in found):
+        return None
+    names = TENSOR_NAMES[len(group)]
+    for name, f in zip(names, found):
+        if f is None:
+            f = "the rotation is not joined after it"
+        if isinstance(f, str):
+            return f if len(group) == 1 else f"{name}: {f}"
+    if len({id(f.cat) for f in found}) != len(found):
+        return "two of the rotations are joined into one tensor"
+    return found
+
+
+def _buffer(em, pending: dict, cat: fx.Node, like: fx.Node) -> fx.Node:
+    """The joined tensor a group writes into: as the last group left it, else a new `empty` in the cat's shape,
+    strides, dtype and device."""
+    if cat in pending:
+        return pending[cat].buffer
+    val = cat.meta["val"]
+    return em.call(aten.empty_strided.default, ([as_int(s) for s in val.shape], [as_int(s) for s in val.stride()]),
+                   dict(dtype=val.dtype, device=val.device), like=like)
+
+
+def emit_joined_write(em, pending: dict, call, writes: list, like: fx.Node) -> tuple[list, dict]:
+    """The fold: one `auto_functionalized` call of the into op of the call's arity, writing into each member's
+    joined tensor. Returns, per member, the view of its rows (what the cat read from the rotation), and the pending
+    joins to record once the group is planned."""
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    n = len(writes)
+    op = INTO_OPS[n - 1]
+    names = [a.name for a in op._schema.arguments]
+    bases = [_buffer(em, pending, w.cat, like) for w in writes]
+    tensors = bases + list(call.tensors())
+    kwargs = dict(zip(names, tensors + [None] * (len(names) - len(tensors))))  # every argument by name
+    kwargs.update(call.params.kwargs())
+    kwargs.update(slice_dims=[w.dim for w in writes], slice_starts=[w.start for w in writes],
+                  slice_ends=[w.end for w in writes])
+    node = em.graph.call_function(auto_functionalized, (op,), kwargs)
+    vals = fx.node.map_arg(kwargs, lambda a: a.meta["val"])
+    if em.fake_mode is not None:
+        with em.fake_mode:
+            node.meta["val"] = auto_functionalized(op, **vals)
+    else:
+        node.meta["val"] = auto_functionalized(op, **vals)
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):  # where the RoPE came from, as emission's
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
+    first = len(node.meta["val"]) - n  # the op's own result (None) comes before the written tensors
+    written = [em.call(operator.getitem, (node, first + i), like=like) for i in range(n)]
+    rows = [em.call(aten.slice.Tensor, (b, w.dim, w.start, w.end), like=like) for b, w in zip(written, writes)]
+    updates = {}
+    for b, w in zip(written, writes):
+        before = pending.get(w.cat)
+        updates[w.cat] = PendingJoin(b, (before.written if before else set()) | {(w.start, w.end)})
+    return rows, updates
+
+
+def finish_joins(em, pending: dict) -> None:
+    """Every cat written into: the pieces no group wrote scattered into their rows of the joined tensor, and the
+    result in the cat's place (before the cat, which then dies)."""
+    for cat, join in pending.items():
+        pieces, dim = _cat_args(cat)
+        dim %= cat.meta["val"].dim()
+        out, start = join.buffer, 0
+        with em.graph.inserting_before(cat):
+            for p in pieces:
+                size = as_int(p.meta["val"].shape[dim])
+                if (start, start + size) not in join.written and size:
+                    out = em.call(aten.slice_scatter.default, (out, p, dim, start, start + size), like=cat)
+                start += size
+        cat.replace_all_uses_with(out)
