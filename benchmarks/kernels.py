@@ -26,7 +26,9 @@ Row groups (`--groups`, default all; they run in the order norm, flux, vllm, bac
   NeoX blocks, tables gathered by F.embedding) and V-JEPA 2 (three interleaved blocks, tables from positions
   in the graph, int64 and fp32 positions), M12 CogVideoX (the rotation written back into the video rows of
   q and k, `q[:, :, text:] = rope(q[:, :, text:])`; alone, and after the processor's LayerNorm), M13 Flux's
-  joint attention (text and image q and k normed apart, joined by a cat, rotated; floor the four pieces); plain
+  joint attention (text and image q and k normed apart, joined by a cat, rotated; floor the four pieces), M14
+  HunyuanVideo's dual-stream attention (the image q and k normed and rotated, the normed text joined after them;
+  floor the four pieces); plain
   compile against the pass (auto, and backend="triton"), kernel launches per call.
 
 Rows of the norm, flux, vllm, backward and coverage groups are timed with triton's do_bench (L2 flushed between
@@ -671,6 +673,11 @@ def coverage_rows(quick: bool) -> list[Row]:
       sequence dim, Flux's interleaved rotation by fp32 tables [4608, 128]. With backend="triton" the cat and
       the four norms fold into one `rotary_qk_cat` launch reading the pieces (docs/design.md 4.4). Floor: the
       four pieces (the bytes of the joined q and k).
+    - M14 hunyuan joined write: HunyuanVideo's dual-stream attention (B=1, 18104 image + 256 text tokens, 24 heads
+      x 128): image q, k [B, H, S, D] RMS-normed and rotated (interleaved, fp32 tables [18104, 128]), the normed
+      text q, k joined after them along the sequence. With backend="triton" the rotation is written into its rows
+      of the join (`rotary_qk_into_`, docs/design.md 4.5) and the text rows are copied in; no cat of q or k is
+      left. Floor: the four pieces.
     """
     rows = []
     # M8: (B, heads, T, nope, rope)
@@ -766,6 +773,16 @@ def coverage_rows(quick: bool) -> list[Row]:
 
     rows.append(Row("coverage", "M13 flux joint cat", f"{B}x({TXT}+{IMG})x{H}x{D}", sp.flux_joint, make_m13,
                     lambda a: a[:4], COVERAGE_VARIANTS, norm=True, launches=True))
+    # M14 HunyuanVideo dual-stream attention: (B, text tokens, image tokens, heads, D)
+    B, TXT, IMG, H, D = (1, 3, 13, 2, 16) if quick else (1, 256, 18104, 24, 128)
+
+    def make_m14(device, B=B, TXT=TXT, IMG=IMG, H=H, D=D):
+        return (_randn(B, H, IMG, D, device=device), _randn(B, H, IMG, D, device=device),
+                _randn(B, H, TXT, D, device=device), _randn(B, H, TXT, D, device=device),
+                *(_weight(D, device) for _ in range(4)), *sp.flux_tables(IMG, D, device))
+
+    rows.append(Row("coverage", "M14 hunyuan joined write", f"{B}x{H}x({IMG}+{TXT})x{D}", sp.hunyuan_joined,
+                    make_m14, lambda a: a[:4], COVERAGE_VARIANTS, norm=True, launches=True))
     return rows
 
 

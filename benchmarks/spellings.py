@@ -505,3 +505,15 @@ def flux_joint(q, k, eq, ek, wq, wk, weq, wek, cos, sin):
     q = torch.cat([diffusers_rms_norm(eq, weq), diffusers_rms_norm(q, wq)], dim=1)
     k = torch.cat([diffusers_rms_norm(ek, wek), diffusers_rms_norm(k, wk)], dim=1)
     return flux_rotary(q, cos, sin, 1), flux_rotary(k, cos, sin, 1)
+
+
+# -- M14: HunyuanVideo's dual-stream attention, the image stream rotated, the text stream joined after it ----------
+
+def hunyuan_joined(q, k, eq, ek, wq, wk, weq, wek, cos, sin):
+    """(image q, k, text q, k [B, H, S, D], their four RMSNorm weights [D], cos, sin [image, D]) -> (q, k):
+    diffusers HunyuanVideoAttnProcessor2_0's dual-stream block: `norm_q` / `norm_k` then `apply_rotary_emb(..,
+    sequence_dim=2)` on the image stream, `norm_added_q` / `norm_added_k` on the text stream, joined after the
+    rotation, `cat([image, text], dim=2)`."""
+    q = torch.cat([flux_rotary(diffusers_rms_norm(q, wq), cos, sin, 2), diffusers_rms_norm(eq, weq)], dim=2)
+    k = torch.cat([flux_rotary(diffusers_rms_norm(k, wk), cos, sin, 2), diffusers_rms_norm(ek, wek)], dim=2)
+    return q, k
