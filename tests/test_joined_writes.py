@@ -243,3 +243,25 @@ def test_gpu_joined_writes_write_into_the_join(fn, make):
         for _ in range(3):
             args = [torch.randn_like(a) if a.dim() > 1 else a for a in args]
             check_numerics(fn, args, compiled(*args), context=p.report.table())
+
+
+def prx_k_joined(q, k, v, tk, tv, cos, sin):
+    """PRX's attention: image q and k rotated, text k (and v) joined before the image's, q not joined."""
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    k = torch.cat([tk, k], dim=2)
+    return F.scaled_dot_product_attention(q, k, torch.cat([tv, v], dim=2))
+
+
+def test_a_pair_with_one_member_joined_stays_one_launch(triton_on_cpu):
+    """k is joined after its rotation, q is not: q is written whole into a tensor of its own, k into its rows of
+    the join, in one call."""
+    torch.manual_seed(8)
+    args = (*[torch.randn(2, HEADS, IMAGE, D) for _ in range(3)], *[torch.randn(2, HEADS, TEXT, D) for _ in range(2)],
+            torch.randn(IMAGE, D), torch.randn(IMAGE, D))
+    out, p = compile_with_pass(prx_k_joined, *args, backend="triton")
+    r = p.report
+    assert (len(r.sites), len(r.kernels)) == (2, 1), r.table()
+    assert r.kernels[0].fold.startswith("joined write: its own tensor, cat"), r.table()
+    counts = _counts(p)
+    assert counts["aten.cat.default"] == 1 and counts["auto_functionalized"] == 1, counts  # v's cat stays
+    check_numerics(prx_k_joined, args, out, context=r.table())

@@ -478,7 +478,8 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
             # a rotation joined after it: written into its rows of the join (passes/joined_writes.py)
             after = group_joined_writes(group, xs) if backend.name in FOLDS_JOINED_WRITES else None
             if isinstance(after, list):
-                finals, join_updates = emit_joined_write(em, em.joins, call, after, m0.node)
+                rows, join_updates = emit_joined_write(em, em.joins, call, after, m0.node)
+                finals = [_unflatten(em, r, m) for r, m in zip(rows, group)]  # a member's own tensor: x's shape
                 fold = "joined write: " + ", ".join(w.describe() for w in after)
             else:
                 outs = backend.emit(em, call, m0.node)

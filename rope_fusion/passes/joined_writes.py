@@ -14,8 +14,9 @@ copy the cat made of them) and the result replaces the cat (`finish_joins`).
 
 What is recognised: the member's rotation has one use, a `cat` along a dim before the lanes that holds it once; the
 cat's shape is static, every piece has the cat's dtype and rank; the op reads x in the rotation's shape (no view
-between that the slice would have to take). Anything else keeps the cat, and the kernel's report line says why
-("joined write not folded: ...").
+between that the slice would have to take). In a q/k group, a member whose rotation is not joined (PRX joins k
+alone) is written whole into a fresh tensor of its own, as the op would return it. Anything else keeps the cat,
+and the kernel's report line says why ("joined write not folded: ...").
 """
 
 from __future__ import annotations
@@ -35,15 +36,28 @@ aten = torch.ops.aten
 
 @dataclasses.dataclass
 class JoinedWrite:
-    """Where one member's rotation lands: rows [start, end) along `dim` of the tensor `cat` joins."""
+    """Where one member's rotation lands: rows [start, end) along `dim` of the tensor `cat` joins; with `cat`
+    None, a member of a group whose other members are joined, written whole into a fresh tensor of its own
+    (`shape`, contiguous, as the op would return it)."""
 
-    cat: fx.Node
+    cat: fx.Node | None
     dim: int
     start: int
     end: int
+    shape: tuple = ()
 
     def describe(self) -> str:
+        if self.cat is None:
+            return "its own tensor"
         return f"{self.cat.name}[dim {self.dim}, {self.start}:{self.end}]"
+
+
+def _own(x: fx.Node) -> JoinedWrite | str:
+    """A member not joined after its rotation, in a group whose others are: written whole into a fresh tensor."""
+    shape = [as_int(s) for s in x.meta["val"].shape]
+    if len(shape) < 2 or any(s is None for s in shape):
+        return "the rotation is not joined after it, and its shape is symbolic"
+    return JoinedWrite(None, 0, 0, shape[0], tuple(shape))
 
 
 @dataclasses.dataclass
@@ -97,17 +111,18 @@ def joined_write(site_node: fx.Node, x: fx.Node) -> JoinedWrite | str | None:
 
 def group_joined_writes(group: tuple, xs: list) -> list | str | None:
     """Every member's joined write, why the group's are not folded (the first member's reason, named), or None
-    where no member's rotation is joined after it."""
+    where no member's rotation is joined after it. A member not joined, in a group whose others are, is written
+    whole into a tensor of its own (PRX joins k after its rotation, not q): the pair stays one launch."""
     found = [joined_write(m.node, x) for m, x in zip(group, xs)]
     if all(f is None for f in found):
         return None
     names = TENSOR_NAMES[len(group)]
+    found = [_own(x) if f is None else f for f, x in zip(found, xs)]  # PRX joins k after its rotation, not q
     for name, f in zip(names, found):
-        if f is None:
-            f = "the rotation is not joined after it"
         if isinstance(f, str):
             return f if len(group) == 1 else f"{name}: {f}"
-    if len({id(f.cat) for f in found}) != len(found):
+    cats = [id(f.cat) for f in found if f.cat is not None]
+    if len(set(cats)) != len(cats):
         return "two of the rotations are joined into one tensor"
     return found
 
@@ -122,6 +137,12 @@ def _buffer(em, pending: dict, cat: fx.Node, like: fx.Node) -> fx.Node:
                    dict(dtype=val.dtype, device=val.device), like=like)
 
 
+def _own_tensor(em, w: JoinedWrite, x: fx.Node, dtype: torch.dtype, like: fx.Node) -> fx.Node:
+    """A fresh contiguous tensor of x's shape in the op's out dtype: what the op would have returned."""
+    return em.call(aten.empty.memory_format, (list(w.shape),),
+                   dict(dtype=dtype, device=x.meta["val"].device), like=like)
+
+
 def emit_joined_write(em, pending: dict, call, writes: list, like: fx.Node) -> tuple[list, dict]:
     """The fold: one `auto_functionalized` call of the into op of the call's arity, writing into each member's
     joined tensor. Returns, per member, the view of its rows (what the cat read from the rotation), and the pending
@@ -131,7 +152,8 @@ def emit_joined_write(em, pending: dict, call, writes: list, like: fx.Node) -> t
     n = len(writes)
     op = INTO_OPS[n - 1]
     names = [a.name for a in op._schema.arguments]
-    bases = [_buffer(em, pending, w.cat, like) for w in writes]
+    bases = [_own_tensor(em, w, x, call.params.out_dtype, like) if w.cat is None else _buffer(em, pending, w.cat, like)
+             for w, x in zip(writes, call.xs)]
     tensors = bases + list(call.tensors())
     kwargs = dict(zip(names, tensors + [None] * (len(names) - len(tensors))))  # every argument by name
     kwargs.update(call.params.kwargs())
@@ -149,9 +171,12 @@ def emit_joined_write(em, pending: dict, call, writes: list, like: fx.Node) -> t
             node.meta[key] = like.meta[key]
     first = len(node.meta["val"]) - n  # the op's own result (None) comes before the written tensors
     written = [em.call(operator.getitem, (node, first + i), like=like) for i in range(n)]
-    rows = [em.call(aten.slice.Tensor, (b, w.dim, w.start, w.end), like=like) for b, w in zip(written, writes)]
+    rows = [b if w.cat is None else em.call(aten.slice.Tensor, (b, w.dim, w.start, w.end), like=like)
+            for b, w in zip(written, writes)]
     updates = {}
     for b, w in zip(written, writes):
+        if w.cat is None:
+            continue
         before = pending.get(w.cat)
         updates[w.cat] = PendingJoin(b, (before.written if before else set()) | {(w.start, w.end)})
     return rows, updates

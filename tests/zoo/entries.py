@@ -503,7 +503,8 @@ add(
         "hidden_states": _r(1, 4, 16, 16), "timestep": torch.tensor([0.5]), "encoder_hidden_states": _r(1, 6, 16)}),
         4, 2, 2, "transformer_prx.py",
         "transformer_prx.py PRXAttnProcessor2_0: apply_rope(query/key, image_rotary_emb) per block (M9: PRXEmbedND "
-        "stacks [[cos, -sin], [sin, cos]] per axis, cats the 2 axes, adds a heads dim), 2 blocks", dtypes=("float32",)),
+        "stacks [[cos, -sin], [sin, cos]] per axis, cats the 2 axes, adds a heads dim), 2 blocks", dtypes=("float32",),
+        triton_row=True),
     Entry("kandinsky6", _df("Kandinsky6Transformer3DModel", {
         "in_visual_dim": 4, "out_visual_dim": 4, "in_text_dim": 16, "in_text_dim2": 8, "time_dim": 16,
         "patch_size": [1, 2, 2], "model_dim": 32, "ff_dim": 64, "num_text_blocks": 1, "num_visual_blocks": 2,
