@@ -188,6 +188,28 @@ def test_the_op_serves_repeated_calls_from_the_plan(triton_on_cpu):
     assert len(triton_on_cpu) == 1 and triton_launch.rotary_kernel.launches == 3
 
 
+def test_the_op_checks_a_geometry_once(triton_on_cpu, monkeypatch):
+    """The op's checks (`cat_rotary.parse`: the pieces join, the rotary op's checks on the joined tensors) run on
+    a geometry's first call; later calls of it take their parts as they are, each its own result; a call of
+    another geometry is checked again, and a bad one still raises."""
+    checked = []
+    real = cat_rotary.parse
+    # the op's parses, not the fp64 reference's (`_exact` parses its fp64 copies)
+    monkeypatch.setattr(cat_rotary, "parse", lambda *a: (a[1][0].dtype != torch.float64 and checked.append(1))
+                        or real(*a))
+    monkeypatch.setattr(cat_rotary, "_CHECKED", set())
+    for _ in range(3):
+        args, kw = _inputs()
+        _check(cat_rotary.CAT_OPS[1](*args, **kw), args, kw)
+    assert len(checked) == 1
+    args, kw = _inputs(text=4)
+    _check(cat_rotary.CAT_OPS[1](*args, **kw), args, kw)
+    assert len(checked) == 2
+    bad = dict(kw, second_pieces=[kw["second_pieces"][0][..., :-2], kw["second_pieces"][1]])
+    with pytest.raises(ValueError, match="does not join"):
+        cat_rotary.CAT_OPS[1](*args, **bad)
+
+
 def test_a_second_geometry_gets_its_own_plan(triton_on_cpu):
     shapes = [dict(text=3, image=5), dict(text=4, image=2), dict(text=3, image=5, dtype=torch.bfloat16)]
     for _ in range(2):
