@@ -22,7 +22,6 @@ and the kernel's report line says why ("joined write not folded: ...").
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import torch
 import torch.fx as fx
@@ -30,6 +29,7 @@ import torch.fx as fx
 from ..ops.schema import TENSOR_NAMES
 from ..ops.slice_write import INTO_OPS
 from .fx_util import as_int
+from .slice_writes import emit_written
 
 aten = torch.ops.aten
 
@@ -147,30 +147,10 @@ def emit_joined_write(em, pending: dict, call, writes: list, like: fx.Node) -> t
     """The fold: one `auto_functionalized` call of the into op of the call's arity, writing into each member's
     joined tensor. Returns, per member, the view of its rows (what the cat read from the rotation), and the pending
     joins to record once the group is planned."""
-    from torch._higher_order_ops.auto_functionalize import auto_functionalized
-
     n = len(writes)
-    op = INTO_OPS[n - 1]
-    names = [a.name for a in op._schema.arguments]
     bases = [_own_tensor(em, w, x, call.params.out_dtype, like) if w.cat is None else _buffer(em, pending, w.cat, like)
              for w, x in zip(writes, call.xs)]
-    tensors = bases + list(call.tensors())
-    kwargs = dict(zip(names, tensors + [None] * (len(names) - len(tensors))))  # every argument by name
-    kwargs.update(call.params.kwargs())
-    kwargs.update(slice_dims=[w.dim for w in writes], slice_starts=[w.start for w in writes],
-                  slice_ends=[w.end for w in writes])
-    node = em.graph.call_function(auto_functionalized, (op,), kwargs)
-    vals = fx.node.map_arg(kwargs, lambda a: a.meta["val"])
-    if em.fake_mode is not None:
-        with em.fake_mode:
-            node.meta["val"] = auto_functionalized(op, **vals)
-    else:
-        node.meta["val"] = auto_functionalized(op, **vals)
-    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):  # where the RoPE came from, as emission's
-        if key in like.meta:
-            node.meta[key] = like.meta[key]
-    first = len(node.meta["val"]) - n  # the op's own result (None) comes before the written tensors
-    written = [em.call(operator.getitem, (node, first + i), like=like) for i in range(n)]
+    written = emit_written(em, INTO_OPS[n - 1], bases + list(call.tensors()), call, writes, like)
     rows = [b if w.cat is None else em.call(aten.slice.Tensor, (b, w.dim, w.start, w.end), like=like)
             for b, w in zip(written, writes)]
     updates = {}

@@ -111,12 +111,19 @@ def group_writes(group: tuple, xs: list) -> list | str:
 
 def emit_slice_write(em, call, writes: list, like: fx.Node) -> list:
     """The fold: one `auto_functionalized` call of the slice op of the call's arity; returns the written bases."""
+    n = len(writes)
+    return emit_written(em, SLICE_OPS[n - 1], [w.base for w in writes] + list(call.tensors()[n:]), call, writes,
+                        like)
+
+
+def emit_written(em, op, tensors: list, call, writes: list, like: fx.Node) -> list:
+    """One `auto_functionalized` call of a slice-writing op (the slice op, or the into op of
+    passes/joined_writes.py): its tensors in schema order, the call's parameters, and each write's (dim, start,
+    end); returns the tensors it wrote, one per write."""
     from torch._higher_order_ops.auto_functionalize import auto_functionalized
 
     n = len(writes)
-    op = SLICE_OPS[n - 1]
     names = [a.name for a in op._schema.arguments]
-    tensors = [w.base for w in writes] + list(call.tensors()[n:])
     kwargs = dict(zip(names, tensors + [None] * (len(names) - len(tensors))))  # every argument by name
     kwargs.update(call.params.kwargs())
     kwargs.update(slice_dims=[w.dim for w in writes], slice_starts=[w.start for w in writes],
