@@ -3,6 +3,7 @@ it replaces."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -42,3 +43,54 @@ def assert_pass_matches_dropin(report, calls: list, n_sites: int, context: str =
 
 def fresh(*shape, dtype=torch.float32):
     return torch.randn(*shape, dtype=dtype)
+
+
+class KernelLaunches:
+    """The Triton rotary kernel, interpreted, behind a recorder: each direct launch's q, k and v (what the kernel
+    reads: a drop-in that copies its input first shows the copy here) and their outputs (what it writes)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.reads: list = []
+        self.writes: list = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.reads.append(args[:3])
+            self.writes.append(args[3:6])
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+    @property
+    def count(self) -> int:
+        return len(self.reads)
+
+
+@pytest.fixture
+def kernel_on_cpu(monkeypatch):
+    """CPU tensors served as CUDA tensors are: the op's direct path, the in-place form (ops/slice_write.py) and
+    the cat ops (ops/cat_rotary.py) plan the Triton kernel, which runs interpreted and recorded (`KernelLaunches`).
+    The drop-ins' plans are dropped before and after, so none planned for another device serves a call here, nor
+    one planned here a call after."""
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton_interpreted import interpreted
+
+    import rope_fusion.kernels.triton_kernel as tk
+    import rope_fusion.kernels.triton_launch as launching
+    import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the CUDA kernels)
+    from rope_fusion.compat.direct import clear_plans
+    from rope_fusion.ops import cat_rotary, library, slice_write
+
+    launches = KernelLaunches(interpreted(tk.rotary_kernel))
+    monkeypatch.setattr(launching, "rotary_kernel", launches)
+    monkeypatch.setattr(launching, "INTERPRETED", True)
+    monkeypatch.setitem(library.DEVICE_KERNELS, "cpu", library.DEVICE_KERNELS["cuda"])
+    monkeypatch.setattr(library, "_EAGER_PLANS", {})
+    for registry in (slice_write.IN_PLACE, slice_write.PLANNERS, cat_rotary.DEVICE_IMPLS, cat_rotary.DEVICE_CHECKS):
+        monkeypatch.setitem(registry, "cpu", registry["cuda"])
+    if not isinstance(triton.language.sum, InterpretedFunction):  # a norm's reduction runs interpreted too
+        monkeypatch.setattr(triton.language, "sum", InterpretedFunction(triton.language.sum.fn))
+    clear_plans()
+    yield launches
+    clear_plans()

@@ -10,6 +10,8 @@ Implementations Across Models" lists; docs/compat.md maps the rest).
   for x [B, S, H, D]: real tables broadcast as [1, 1, S, D]; complex freqs_cis unsqueezed at dim 1.
 - `apply_rotary_emb_torch(x, cos, sin, interleaved=False)` (the shared `diffusion/layers/rope.py`, flash-attn's
   layout): x [B, S, H, D], half tables [S, R/2] or [B, S, R/2], the lanes past R pass through.
+- `fused_qk_norm_rope` and `fused_joint_qkv_norm_rope` (the QK-norm + RoPE ops its models call by hand, with a
+  packed `[cos | sin]` table): compat/qk_norm_rope.py, re-exported here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from ..ops import library
 from .diffusers import apply_rotary_emb as _diffusers_apply_rotary_emb
+from .qk_norm_rope import fused_joint_qkv_norm_rope, fused_qk_norm_rope  # noqa: F401  (vllm-omni's own names)
 
 
 def apply_rotary_emb_wan(hidden_states: torch.Tensor, freqs_cos: torch.Tensor,

@@ -1,0 +1,84 @@
+"""The direct path of the drop-ins whose upstream signature is fixed: a call geometry checked and planned once.
+
+A drop-in that model code calls in every attention layer pays its host time on every call, and below a few
+thousand tokens that host time is the call's cost (vllm-omni keeps its fused QK-norm + RoPE behind a token gate
+for that reason). The public functions (`rope_fusion.apply_rotary_qk`) key their plans on every option as the
+caller spelled it; a drop-in with a fixed signature knows its options and keys on its own arguments, checks the
+upstream contract only on a geometry's first call, and replays that geometry's runner afterwards. What a check
+reads (shapes, strides, dtypes, devices, the scalars) is all in the key, so a later call of the same key passes the
+same checks.
+
+Only eager calls of plain tensors with no autograd to record take this path: under tracing, a dispatch mode or a
+functorch transform, or with a tensor that requires grad, `call_key` returns None and the drop-in calls the op
+through the public functions, so tracers and autograd see `rope_fusion::*` as they do for any other call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+from ..ops.library import tensor_geometry
+
+
+def call_key(tensors: Sequence[torch.Tensor | None], scalars: tuple) -> tuple | None:
+    """The plan key of an eager call: each tensor's geometry (shape, strides, dtype, device, 16-byte alignment of
+    its data, on which Triton specialises a launch) and the call's other arguments; None where the call must go
+    through the op (tracing, a dispatch mode or transform, a subclass, autograd to record) or an argument cannot
+    be a key."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
+            or torch._C._are_functorch_transforms_active():
+        return None
+    grad = torch.is_grad_enabled()
+    key: list = [scalars]
+    try:
+        for t in tensors:
+            if t is None:
+                key.append(None)
+                continue
+            if type(t) is not torch.Tensor or grad and t.requires_grad:
+                return None
+            key.append(tensor_geometry(t))
+        out = tuple(key)
+        hash(out)
+    except (TypeError, RuntimeError):  # an unhashable scalar, a tensor without storage: nothing to cache
+        return None
+    return out
+
+
+class Plans:
+    """Runners by call key, bounded: a process that calls a drop-in with ever new shapes (every sequence length
+    of a serving run) starts over rather than growing without end. Every instance is listed in `ALL_PLANS`, so
+    that `clear_plans` can drop them all when the device kernels they captured change."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._runners: dict = {}
+        self._limit = limit
+        ALL_PLANS.append(self)
+
+    def get(self, key: Hashable | None) -> Callable[..., Any] | None:
+        return self._runners.get(key) if key is not None else None
+
+    def put(self, key: Hashable | None, runner: Callable[..., Any]) -> Callable[..., Any]:
+        if key is not None:
+            if len(self._runners) >= self._limit:
+                self._runners.clear()
+            self._runners[key] = runner
+        return runner
+
+    def clear(self) -> None:
+        self._runners.clear()
+
+    def __len__(self) -> int:
+        return len(self._runners)
+
+
+ALL_PLANS: list[Plans] = []
+
+
+def clear_plans() -> None:
+    """Forget every drop-in's planned runners (they hold the device kernel that served their first call)."""
+    for plans in ALL_PLANS:
+        plans.clear()
