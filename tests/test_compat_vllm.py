@@ -2,7 +2,9 @@
 
 `rotary_embedding` rotates query and key in place as vLLM's `_C.rotary_embedding` does; it is checked against the
 layer's `forward_native` on the same cache, within the numerics contract (docs/design.md section 2), for NeoX and
-GPT-J pairs, full and partial rotary, flat [T, H * D] and [T, H, D] inputs, and key None. MRoPE
+GPT-J pairs, full and partial rotary, flat [T, H * D] and [T, H, D] inputs, and key None; through the Triton
+kernel's in-place form (interpreted) as one launch writing query's and key's own memory, with fp32 and bf16
+caches; vLLM 0.33's `rope_dim_offset` and `inverse` against an fp64 reference. MRoPE
 (`mrope_rotary_embedding`) against `MRotaryEmbedding.forward_native`, chunked (Qwen2-VL) and interleaved
 (Qwen3-VL) sections and 1-D text positions. vLLM's layers import lazily; without them the tests skip.
 """
@@ -14,10 +16,11 @@ import types
 
 import pytest
 import torch
-from compat_helpers import assert_pass_matches_dropin, dropin_calls
-from conftest import check_numerics, compile_with_pass
+from compat_helpers import assert_pass_matches_dropin, dropin_calls, kernel_on_cpu  # noqa: F401  (a fixture)
+from conftest import check_numerics, compile_with_pass, rel_err
 
 from rope_fusion.compat import vllm as compat_vllm
+from rope_fusion.ops.reference import rotary_reference
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 T, HQ, HK, MAX_POS = 7, 4, 2, 64
@@ -68,6 +71,55 @@ def test_rotary_embedding(make_layer, layout, neox, partial, dtype):
         return
     out = _in_place(positions, q, k, layer)
     check_numerics(lambda p, q, k: layer.forward_native(p, q, k), (positions, q, k), out)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["flat", "heads", "key-none"])
+@pytest.mark.parametrize("neox,partial", [(True, 1.0), (False, 0.5), (True, 0.75)])
+def test_rotary_embedding_in_place_one_launch(kernel_on_cpu, make_layer, neox, partial, layout,  # noqa: F811
+                                              cache_dtype):
+    """The kernel's in-place form: one launch for query and key (GQA), reading and writing their own memory, the
+    cache in fp32 (FlashInfer's) or in the activations' bf16; fresh tensors of the same geometry replay the plan."""
+    D = 64
+    layer = make_layer(D, neox, {"partial_rotary_factor": partial} if partial != 1.0 else None)
+    cache = layer.cos_sin_cache.to(cache_dtype)
+    shape = (lambda h: (T, h, D)) if layout == "heads" else (lambda h: (T, h * D))
+    for call in range(2):
+        positions = torch.randint(0, MAX_POS, (T,))
+        q, k = torch.randn(shape(HQ)).to(torch.bfloat16), torch.randn(shape(HK)).to(torch.bfloat16)
+        key = None if layout == "key-none" else k.clone()
+        query = q.clone()
+        compat_vllm.rotary_embedding(positions, query, key, D, cache, neox)
+        assert kernel_on_cpu.count == call + 1
+        # read from and written into q's own memory: no copy before the kernel, none after it
+        assert kernel_on_cpu.reads[-1][0].data_ptr() == kernel_on_cpu.writes[-1][0].data_ptr() == query.data_ptr()
+        layer.cos_sin_cache = cache
+        if key is None:
+            check_numerics(lambda p, q: layer.forward_native(p, q, None)[0], (positions, q), query)
+        else:
+            check_numerics(lambda p, q, k: layer.forward_native(p, q, k), (positions, q, k), (query, key))
+
+
+@pytest.mark.parametrize("offset,inverse", [(16, False), (0, True), (32, True)])
+def test_rotary_embedding_offset_and_inverse(kernel_on_cpu, offset, inverse):  # noqa: F811
+    """vLLM 0.33's `rope_dim_offset` (DeepSeek's rope lanes after its nope lanes) and `inverse` (minus the angle):
+    the lanes [offset, offset + rot_dim) rotate, the others keep their values."""
+    torch.manual_seed(offset)
+    D, R = 64, 32
+    angles = torch.rand(MAX_POS, R // 2, dtype=torch.float64) * 20
+    cache = torch.cat((angles.cos(), angles.sin()), -1).float()
+    positions = torch.randint(0, MAX_POS, (T,))
+    q, k = torch.randn(T, HQ, D), torch.randn(T, HK, D)
+    query, key = q.clone(), k.clone()
+    compat_vllm.rotary_embedding(positions, query, key, D, cache, True, rope_dim_offset=offset, inverse=inverse)
+    assert kernel_on_cpu.count == 1
+    c, s = cache.double()[positions][:, None].chunk(2, -1)
+    for x, out in ((q, query), (k, key)):
+        want = rotary_reference(x.double(), c, s, interleaved=False, rotary_dim=R, full_tables=False,
+                                conjugate=inverse, rotary_offset=offset, out_dtype=torch.float64)
+        assert rel_err(out, want) < 1e-6
+    with pytest.raises(ValueError, match="rope_dim_offset=40"):
+        compat_vllm.rotary_embedding(positions, query, key, D, cache, True, rope_dim_offset=40)
 
 
 def test_rotary_embedding_bad_cache(make_layer):

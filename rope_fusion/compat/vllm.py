@@ -3,16 +3,21 @@
 vLLM keeps one `cos_sin_cache` [max_position, rot_dim]: the cos half, then the sin half, each one entry per pair.
 Its two halves are views that the op gathers by `positions` (the op's cache form), so nothing is copied. q and k
 are flat [T, H * D] or [T, H, D]; a cache narrower than the head (rot_dim < head_size) rotates the first rot_dim
-lanes of each head (partial rotary).
+lanes of each head (partial rotary). The serving signature `(positions, query, key, head_size, cos_sin_cache,
+is_neox)`, which SGLang and FlashInfer share, rotates in place: eagerly, the in-place form of the op's kernel
+(ops/slice_write.py's device planners) writes into query and key themselves, one launch and no copy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from ..ops import library
+from ..ops import library, slice_write
+from ..ops.optional_backends import load_backends
+from ..ops.schema import RotaryCall, RotaryParams, check_call
+from .direct import Plans, call_key
 
 
 def _heads(t: torch.Tensor, num_tokens: int, head_size: int) -> torch.Tensor:
@@ -24,9 +29,10 @@ def _heads(t: torch.Tensor, num_tokens: int, head_size: int) -> torch.Tensor:
 
 
 def _rotate(query: torch.Tensor, key: torch.Tensor | None, head_size: int, cos: torch.Tensor, sin: torch.Tensor,
-            positions: torch.Tensor | None, is_neox: bool) -> tuple:
+            positions: torch.Tensor | None, is_neox: bool, rotary_offset: int = 0, conjugate: bool = False) -> tuple:
     num_tokens = cos.shape[0] if positions is None else positions.shape[0]
-    rot = dict(interleaved=not is_neox, rotary_dim=2 * cos.shape[-1])
+    rot = dict(interleaved=not is_neox, rotary_dim=2 * cos.shape[-1], rotary_offset=rotary_offset,
+               conjugate=conjugate)
     table = (cos[:, None], sin[:, None]) if positions is None else (cos, sin)
     pos = None if positions is None else positions[:, None]
     q = _heads(query, num_tokens, head_size)
@@ -35,24 +41,85 @@ def _rotate(query: torch.Tensor, key: torch.Tensor | None, head_size: int, cos: 
     return library.apply_rotary_qk(q, _heads(key, num_tokens, head_size), *table, positions=pos, **rot)
 
 
-def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, head_size: int,
-                     cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
-    """vLLM's `_C.rotary_embedding`: rotates query and key in place; key may be None (cross-layer KV sharing).
-
-    In place means the op's result is copied back into query and key (one extra write of each), as the op is
-    functional; a caller that can take new tensors uses `mrope_rotary_embedding` with 1-D positions instead.
-
-    positions: [T] (or [B, S], flattened as vLLM does); query [T, H * D] or [T, H, D]; cos_sin_cache
-    [max_position, rot_dim] with rot_dim <= head_size."""
-    positions = positions.flatten()
-    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[-1] % 2 or cos_sin_cache.shape[-1] > head_size:
+def _check_cache(cos_sin_cache: torch.Tensor, head_size: int, rope_dim_offset: int = 0) -> None:
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[-1] % 2 or \
+            not 0 <= rope_dim_offset <= head_size - cos_sin_cache.shape[-1]:
         raise ValueError(f"cos_sin_cache must be [max_position, rot_dim] with an even rot_dim <= head_size="
-                         f"{head_size}, got {tuple(cos_sin_cache.shape)}")
+                         f"{head_size} - rope_dim_offset={rope_dim_offset}, got {tuple(cos_sin_cache.shape)}")
+
+
+_IN_PLACE = Plans()  # rotary_embedding's call geometries -> their in-place runners
+
+
+def _plan_in_place(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, head_size: int,
+                   cos_sin_cache: torch.Tensor, params: RotaryParams) -> Callable[..., None]:
+    """The in-place runner of a checked call geometry: the device's in-place kernel writing the rotation into
+    query's and key's own memory (one launch for both), where their [T, H, D] views exist and the kernel takes
+    them; else the rotation computed apart and copied in."""
+    tokens = positions.numel()
+    if key is not None and key.dtype != query.dtype:
+        raise ValueError(f"query is {query.dtype} and key {key.dtype}: both are rotated in place, in one dtype")
+    heads = (tokens, -1, head_size)
+    try:
+        xs = [t.view(heads) for t in (query, key) if t is not None]
+        rows = positions.view(tokens, 1)
+    except RuntimeError:  # strides that no [T, H, D] view has: computed apart, then copied in
+        return _copied_in(head_size, params)
     cos, sin = cos_sin_cache.chunk(2, dim=-1)
-    q_out, k_out = _rotate(query, key, head_size, cos, sin, positions, is_neox)
-    query.copy_(q_out.view(query.shape))
-    if key is not None:
-        key.copy_(k_out.view(key.shape))
+    call = RotaryCall(xs, cos, sin, params, rows)
+    check_call(call)
+    load_backends()  # the device kernels register on import
+    planner = slice_write.PLANNERS.get(query.device.type)
+    runner = planner(call) if planner is not None else None
+    if runner is None:
+        return _copied_in(head_size, params)
+
+    def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, cache: torch.Tensor) -> None:
+        xs = [query.view(heads)] if key is None else [query.view(heads), key.view(heads)]
+        cos, sin = cache.chunk(2, dim=-1)
+        runner(xs, cos, sin, positions.view(tokens, 1), None)
+    return run
+
+
+def _copied_in(head_size: int, params: RotaryParams) -> Callable[..., None]:
+    """A runner that rotates into new tensors and copies them into query and key (one more write of each): where
+    the kernel cannot write them in place, and on devices without an in-place kernel (the CPU)."""
+    def run(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, cache: torch.Tensor) -> None:
+        cos, sin = cache.chunk(2, dim=-1)
+        q_out, k_out = _rotate(query, key, head_size, cos, sin, positions.reshape(-1), not params.interleaved,
+                               params.rotary_offset, params.conjugate)
+        query.copy_(q_out.view(query.shape))
+        if key is not None:
+            key.copy_(k_out.view(key.shape))
+    return run
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, head_size: int,
+                     cos_sin_cache: torch.Tensor, is_neox: bool, rope_dim_offset: int = 0,
+                     inverse: bool = False) -> None:
+    """vLLM's `ops.rotary_embedding` (its `_C.rotary_embedding`): rotates query and key in place; key may be None
+    (cross-layer KV sharing).
+
+    positions: [T] (or [B, S], flattened as vLLM does); query [T, H * D] or [T, H, D], key the same with its own
+    head count (GQA); cos_sin_cache [max_position, rot_dim] (cos half, then sin half, fp32 or the activations'
+    dtype) with rot_dim <= head_size; rot_dim < head_size rotates the first rot_dim lanes of each head (partial
+    rotary), or those from `rope_dim_offset` on (DeepSeek's rope lanes after its nope lanes); `inverse` rotates by
+    minus the angle. Eagerly on CUDA, the kernel reads each token's cache row by its position and writes the
+    rotation into query's and key's own memory: one launch, nothing copied; a call geometry is checked and planned
+    once. Traced (torch.compile, make_fx), the rotation is the op's result copied in, which functionalization
+    turns back into an in-place write."""
+    scalars = (head_size, bool(is_neox), rope_dim_offset, bool(inverse))
+    call_id = call_key((positions, query, key, cos_sin_cache), scalars)
+    run = _IN_PLACE.get(call_id)
+    if run is None:
+        _check_cache(cos_sin_cache, head_size, rope_dim_offset)
+        params = RotaryParams(interleaved=not is_neox, rotary_dim=cos_sin_cache.shape[-1], full_tables=False,
+                              conjugate=bool(inverse), out_dtype=query.dtype, rotary_offset=rope_dim_offset)
+        if call_id is None:  # traced, or autograd to record: the op's result, copied in
+            _copied_in(head_size, params)(positions.flatten(), query, key, cos_sin_cache)
+            return
+        run = _IN_PLACE.put(call_id, _plan_in_place(positions, query, key, head_size, cos_sin_cache, params))
+    run(positions, query, key, cos_sin_cache)
 
 
 def _mrope_tables(cache: torch.Tensor, positions: torch.Tensor, mrope_section: Sequence[int],
