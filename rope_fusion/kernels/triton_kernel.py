@@ -16,9 +16,9 @@ Why it looks the way it does (docs/design.md section 3, measured on the H200):
   complex freqs): they are never copied; their broadcast strides (0 on broadcast dims) come as arguments.
 - Head dims that are not powers of two (80, 96, ...) are padded to one with masks.
 - A norm across heads, or a per-head norm over padded rows, holds the token's head rows in registers between its
-  statistics and the rotation (HELD); a tensor of one head takes several tokens a program (TOKS); a pass-through
-  head gives every head block a program of its own; streaming cache hints (STREAM) only where the sweep measured
-  them faster.
+  statistics and the rotation (HELD), with a pass-through tail after the rotated lanes where there is one; a
+  tensor of one head takes several tokens a program (TOKS); a pass-through head gives every head block a program
+  of its own; streaming cache hints (STREAM) only where the sweep measured them faster.
 
 The three forms of a row's rotated lanes (`NEOX_ROW`, `INTERLEAVED`, else NeoX as two halves) differ in how a
 block is loaded, split into the two members of each pair and stored; the `@triton.jit` helpers below hold those
@@ -433,8 +433,12 @@ def rotary_kernel(
             # time from L2 (12 heads 1.15 -> 1.10x the floor, 40 heads 1.16 -> 1.05x); a per-head norm over
             # padded rows (D=80) no longer waits on one block's loads at a time (1.24 -> 1.06x; BENCHMARKS.md,
             # Tile choice). Blocks are held as loaded, in x's dtype (`held`, and `held_b` for the second halves).
+            # A pass-through tail after the rotated lanes (a partial rotation: MiniMax-H3's 96 of 128 lanes) is
+            # held beside them (`held_t`); without one (SIDE_TAIL 0, every held launch the planner made before it
+            # held tails) none of its code is emitted.
             held = ()
             held_b = ()
+            held_t = ()
             total = tl.full((BLOCK_H,), 0.0, cdt)
             for hb in tl.static_range(HELD):
                 heads = hb * BLOCK_H + hoffs
@@ -448,11 +452,18 @@ def rotary_kernel(
                                     BH=BH, ROWS_FORM=ROWS_FORM, XPOL=XPOL, cdt=x_row.dtype.element_ty)
                 held_b = held_b + (vb,)
                 held = held + (v,)
+                if SIDE_TAIL[side] > 0:
+                    t = tl.load(x_row + hcol * sxh + plane, mask=hmask & (tl.arange(0, TAIL_PAD)[None, :] < PASS),
+                                other=0.0, eviction_policy=XPOL)
+                    held_t = held_t + (t,)
                 if NORM == 2:
                     vf = v.to(cdt)
                     total += tl.sum(vf * vf, axis=1)
                     if not ROWS_FORM:
                         vf = vb.to(cdt)
+                        total += tl.sum(vf * vf, axis=1)
+                    if SIDE_TAIL[side] > 0:
+                        vf = t.to(cdt)
                         total += tl.sum(vf * vf, axis=1)
             if NORM == 2:
                 token_scale = _rsqrt(tl.sum(total, axis=0) / (nheads * HEAD_DIM) + eps, MATH_FP64)
@@ -464,26 +475,41 @@ def rotary_kernel(
                 m = hmask & _block_mask(lanes, row_mask, j, ROT, HALF, NEOX_ROW, INTERLEAVED)
                 a = held[hb].to(cdt)
                 b = held_b[hb].to(cdt)
+                if SIDE_TAIL[side] > 0:
+                    t = held_t[hb].to(cdt)
+                    pmask = hmask & (tl.arange(0, TAIL_PAD)[None, :] < PASS)
                 if NORM == 2:
                     scale = token_scale
                 else:  # a per-head norm: each row's own scale
-                    scale = _rsqrt(_sum_squares(a, b, ROWS_FORM) / HEAD_DIM + eps, MATH_FP64)[:, None]
+                    ss = _sum_squares(a, b, ROWS_FORM)
+                    if SIDE_TAIL[side] > 0:
+                        ss += tl.sum(t * t, axis=1)
+                    scale = _rsqrt(ss / HEAD_DIM + eps, MATH_FP64)[:, None]
                 a = a * scale
                 b = b * scale
+                if SIDE_TAIL[side] > 0:
+                    t = t * scale
                 if HAS_W and not W_HEADS:
                     if W_TILE:
                         a = a * w_a
                         b = b * w_b
+                    if SIDE_TAIL[side] > 0:
+                        t = t * w_t
                 elif HAS_W:
                     wa, wb = _load_weights(w_ptr + hcol * swh, m, row, BH, ROWS_FORM, cdt)
                     a = a * wa
                     b = b * wb
+                    if SIDE_TAIL[side] > 0:
+                        t = t * tl.load(w_ptr + hcol * swh + plane, mask=pmask, other=0.0).to(cdt)
                 if ROWS_FORM:
                     a, b = _split_pairs(a, BLOCK_H, HALF_PAD, NEOX_ROW)
                 oa = a * ca_w - b * sa_w
                 ob = b * cb_w + a * sb_w
                 _store_block(o_row + hcol * soh, oa, ob, m, hmask, row, j, BH, HALF, BLOCK_H, HALF_PAD, NEOX_ROW,
                              INTERLEAVED, False, OMOD)
+                if SIDE_TAIL[side] > 0:
+                    tl.store(o_row + hcol * soh + plane, t.to(o_row.dtype.element_ty), mask=pmask,
+                             cache_modifier=OMOD)
         else:
             if NORM == 2 and not ONE_BLOCK:  # one scale for every head of the token: a first pass sums the squares
                 total = tl.full((BLOCK_H,), 0.0, cdt)
