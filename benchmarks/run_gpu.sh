@@ -13,8 +13,11 @@
 #   training[:LIST]    python -m benchmarks.training [--models LIST]          -> t.json, t.log
 #   distributed        torchrun (2 GPUs) benchmarks/distributed.py           -> d.json, d.log
 #   vllm_omni          python -m benchmarks.vllm_omni --rotary-file .kernels/rotary.py (when there) -> o.json, o.log
+#   dropins[:SECTIONS] python -m benchmarks.dropins [--sections SECTIONS], with the upstream files of .kernels/
+#                      (qk_norm_rope.py, fused_qk_norm_rope.py, rotary.py) where there -> dr.json, dr.log
+#   norm_tiles         python -m benchmarks.norm_tiles                         -> nt.json, nt.log
 #   notests            skip the GPU tests (which otherwise run first, -> tests.log)
-# Extra arguments per step: $KERNELS_ARGS, $MODELS_ARGS, $PROFILE_ARGS, $TRAINING_ARGS (word-split).
+# Extra arguments per step: $KERNELS_ARGS, $MODELS_ARGS, $PROFILE_ARGS, $TRAINING_ARGS, $DROPINS_ARGS (word-split).
 # Deadline for the whole call: $RUN_DEADLINE seconds (default 570); a step gets at most what is left, and is
 # skipped when less than 30 s is left. A failing or timed-out step is reported and the next one runs (the
 # benchmarks rewrite their JSON after every row or model, so a timed-out step still leaves what it measured).
@@ -130,7 +133,17 @@ for a in "$@"; do
             # shellcheck disable=SC2086
             run vllm_omni "${limit:-240}" "$OUT/o.log" python3 -m benchmarks.vllm_omni --out "$OUT/o.json" \
                 $rotary ${VLLM_OMNI_ARGS:-} ;;
-        *) note "unknown step '$a' (kernels[:GROUPS], models[:LIST], profile:LIST, training[:LIST], distributed, vllm_omni, notests)" ;;
+        dropins)
+            upstream=()
+            [[ -f .kernels/qk_norm_rope.py ]] && upstream+=(--kernel-file .kernels/qk_norm_rope.py)
+            [[ -f .kernels/fused_qk_norm_rope.py ]] && upstream+=(--joint-kernel-file .kernels/fused_qk_norm_rope.py)
+            [[ -f .kernels/rotary.py ]] && upstream+=(--rotary-file .kernels/rotary.py)
+            # shellcheck disable=SC2086
+            run dropins "${limit:-420}" "$OUT/dr.log" python3 -m benchmarks.dropins --out "$OUT/dr.json" \
+                ${upstream[@]+"${upstream[@]}"} ${arg:+--sections ${arg//,/ }} ${DROPINS_ARGS:-} ;;
+        norm_tiles)
+            run norm_tiles "${limit:-300}" "$OUT/nt.log" python3 -m benchmarks.norm_tiles --out "$OUT/nt.json" ;;
+        *) note "unknown step '$a' (kernels[:GROUPS], models[:LIST], profile:LIST, training[:LIST], distributed, vllm_omni, dropins[:SECTIONS], norm_tiles, notests)" ;;
     esac
 done
 note "all steps done; files in $OUT:"
