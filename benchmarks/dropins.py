@@ -106,6 +106,28 @@ def measure(columns: dict[str, Column], reference: Any, device: str, calls: int,
     return out
 
 
+def host_profile(fn: Callable[[], Any], device: str, calls: int) -> str:
+    """Where a column's host time goes: cProfile of back-to-back calls (the GPU kept busy, as `host_us` times)."""
+    import cProfile
+    import io
+    import pstats
+
+    for _ in range(3):
+        fn()
+    sync(device)
+    if device == "cuda":
+        torch.cuda._sleep(200_000_000)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    sync(device)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(16)
+    return text.getvalue()
+
+
 def packed_table(rows: int, rotary_dim: int, device: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     angles = torch.rand(rows, rotary_dim // 2, dtype=torch.float64) * 50
     return torch.cat((angles.cos(), angles.sin()), -1).to(device, dtype)
@@ -330,6 +352,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rotary-file", help="flash-attn's Triton rotary.py (vLLM's copy)")
     ap.add_argument("--calls", type=int, default=200, help="calls of the host and end-to-end timings")
     ap.add_argument("--no-launches", action="store_true", help="skip counting each column's launches")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile rope_fusion's calls in the qk section")
     ap.add_argument("--out", default=None, help="write the records as JSON here")
     return ap.parse_args(argv)
 
@@ -345,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
             columns, reference = build()
             rec = {"section": section, **key,
                    "columns": measure(columns, reference, args.device, calls, not args.no_launches)}
+            if args.host_profile and section == "qk" and columns["rope_fusion"][0] is not None:
+                rec["host_profile"] = host_profile(columns["rope_fusion"][0], args.device, calls)
+                print(rec["host_profile"])
             result["records"].append(rec)
             write_json(args.out, result, quiet=True)  # partial results survive a time limit
             print_rows(section, [rec], args.device)

@@ -170,8 +170,9 @@ B, S0, S1 = 2, 3, 5
 
 
 def joint_inputs(d, rotary_dim, dtype, hq=HQ, hk=HK):
+    """Each stream's q, k and v as views of its fused QKV projection `[B, S, HQ + 2 * HK, D]` (strided)."""
     torch.manual_seed(d + rotary_dim)
-    streams = tuple(torch.randn(B, s, h, d).to(dtype) for s in (S0, S1) for h in (hq, hk, hk))
+    streams = tuple(t for s in (S0, S1) for t in torch.randn(B, s, hq + 2 * hk, d).to(dtype).split([hq, hk, hk], 2))
     weights = tuple((torch.rand(d) + 0.5).to(dtype) for _ in range(4))
     return (*streams, *weights, packed_table(B * (S0 + S1), rotary_dim))
 
