@@ -28,6 +28,7 @@ import torch
 
 from .library import LIBRARY, reference_outputs, tensor_geometry
 from .optional_backends import load_backends
+from .overlap import overlap_reason
 from .packed import unpacked
 from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, check_call, op_schema
 
@@ -113,6 +114,17 @@ def _check(call: RotaryCall, bases: list) -> None:
                              f"{call.params.out_dtype}")
 
 
+def _check_written(views: list) -> None:
+    """A written slice whose elements share memory (expanded, overlapping rows) cannot be rotated row by row in
+    place: a row written first would be read again, rotated, by the next. Checked on real tensors, once per
+    geometry (the plan cache keys on the strides); the pass refuses such bases before it emits the op."""
+    for name, v in zip(TENSOR_NAMES[len(views)], views):
+        why = overlap_reason(v)
+        if why is not None:
+            raise ValueError(f"the slice of {name} written in place has {why}; pass a tensor whose elements do not "
+                             "share memory")
+
+
 def _fake(arity: int) -> Callable[..., None]:
     def fake(*args: Any, **kw: Any) -> None:
         _call(arity, args, kw)
@@ -185,6 +197,7 @@ def _eager(arity: int) -> Callable[..., None]:
             return
         call = RotaryCall.parse([*views, *rest], kw, arity)
         _check(call, list(args[:arity]))
+        _check_written(views)
         load_backends()  # the device's in-place kernel registers when its backend imports
         planner = PLANNERS.get(views[0].device.type)
         if key is not None and planner is not None and call.cu_seqlens is None:
@@ -218,6 +231,7 @@ def _into_eager(arity: int) -> Callable[..., None]:
             _run_plan(planned, arity, xs, tail, views)
             return
         call, views = _into_call(arity, args, {**kw, **dict(zip(SLICE_ARGS, bounds))})
+        _check_written(views)
         if _shares_memory(call.xs, views):  # computed apart, then written: the rows may overlap
             for view, out in zip(views, reference_outputs(unpacked(call))):
                 view.copy_(out)

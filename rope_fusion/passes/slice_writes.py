@@ -25,6 +25,7 @@ import torch.fx as fx
 from ..ops.schema import TENSOR_NAMES
 from ..ops.slice_write import SLICE_OPS
 from .fx_util import as_int
+from .written_bases import base_reason, shared_reason
 
 aten = torch.ops.aten
 
@@ -94,6 +95,9 @@ def slice_write(site_node: fx.Node, x: fx.Node) -> SliceWrite | str:
         return f"the rotation is {sv.dtype} of shape {tuple(sv.shape)}, its slice of the base {bv.dtype}"
     if end == start:
         return "the slice is empty"
+    why = base_reason(base, {scatter, src} - {site_node}, site_node)
+    if why is not None:
+        return why
     return SliceWrite(base, dim, start, end, scatter)
 
 
@@ -106,7 +110,7 @@ def group_writes(group: tuple, xs: list) -> list | str:
             return f if len(group) == 1 else f"{name}: {f}"
     if len({id(f.base) for f in found}) != len(found):
         return "two of the rotations are written into one tensor"
-    return found
+    return shared_reason([f.base for f in found]) or found
 
 
 def emit_slice_write(em, call, writes: list, like: fx.Node) -> list:
