@@ -90,10 +90,26 @@ def slice_views(bases: Sequence[torch.Tensor], bounds: tuple) -> list:
             raise ValueError(f"slice_dims entry {d} for {name} of shape {tuple(b.shape)}: the slice runs along a "
                              "dim before the lanes")
         d = d % b.dim()
-        if not 0 <= s <= e <= b.shape[d]:
-            raise ValueError(f"slice [{s}, {e}) of {name} along dim {d} (size {b.shape[d]}) is out of range")
-        views.append(b.narrow(d, s, e - s))
+        size = b.shape[d]
+        if all(isinstance(v, int) for v in (s, e, size)):
+            if not 0 <= s <= e <= size:
+                raise ValueError(f"slice [{s}, {e}) of {name} along dim {d} (size {size}) is out of range")
+            views.append(b.narrow(d, s, e - s))
+        else:
+            views.append(_symbolic_rows(name, b, d, s, e))
     return views
+
+
+def _symbolic_rows(name: str, b: torch.Tensor, d: int, s, e) -> torch.Tensor:
+    """Rows [s, e) of a fake tensor along d, with symbolic bounds, as a view that adds no guard: the pass emits
+    the op only for bounds it proved in range without one (passes/slice_writes.py), a bound known out of range
+    still raises, and the eager op checks the ints of every call."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_or
+
+    if statically_known_true(sym_or(s < 0, e < s, e > b.shape[d])):
+        raise ValueError(f"slice [{s}, {e}) of {name} along dim {d} (size {b.shape[d]}) is out of range")
+    shape = [*b.shape[:d], e - s, *b.shape[d + 1:]]
+    return b.as_strided(shape, b.stride(), b.storage_offset() + s * b.stride(d))
 
 
 def _call(arity: int, args: tuple, kw: dict) -> tuple[RotaryCall, list]:
