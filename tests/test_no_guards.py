@@ -209,33 +209,34 @@ def vllm_flat(query, key, cos, sin):
     return one(query), one(key)
 
 
-@pytest.mark.parametrize("dim,fuses", [(1, False), (0, True)], ids=["flat H*D marked", "tokens marked"])
-def test_vllm_flat_rows_with_a_marked_dim(dim, fuses):
+@pytest.mark.parametrize("marked,ops", [
+    ({0: 1, 1: 1}, []),
+    ({1: 1}, ["rope_fusion.rotary"]),
+    ({0: 0, 1: 0, 2: 0, 3: 0}, ["rope_fusion.rotary_qk"]),
+], ids=["flat H*D marked", "k's flat dim marked", "tokens marked"])
+def test_vllm_flat_rows_with_a_marked_dim(marked, ops):
     """vLLM's flat [T, H*D] q and k: with the flat dim marked dynamic the compile completes and the sites are left,
-    naming it (it raised ConstraintViolationError); with the token count marked (vLLM's own case) they fuse, no
-    guard, one graph for every count."""
+    naming it (it raised ConstraintViolationError); marked on k alone, q still fuses on its own; with the token
+    count marked (vLLM's own case) both fuse in one launch. No guard, and as many graphs as plain compile."""
     torch.manual_seed(6)
 
     def make_args(n):
         t = (7, 12)[n]
-        heads = 4 if dim == 0 else n + 2  # a marked flat dim changes between calls
+        heads = n + 2 if marked.get(0) == 1 else 4  # a marked flat dim changes between calls
         ang = torch.rand(t, 16) * 6
         args = (torch.randn(t, heads * 32), torch.randn(t, 2 * 32), ang.cos(), ang.sin())
-        for a in args if dim == 0 else args[:2]:
-            torch._dynamo.mark_dynamic(a, dim)
+        for i, d in marked.items():
+            torch._dynamo.mark_dynamic(args[i], d)
         return args
 
     plain, _ = compiled_graphs(vllm_flat, make_args, with_pass=False, sizes=range(2), dynamic=None)
     fused, p = compiled_graphs(vllm_flat, make_args, with_pass=True, sizes=range(2), dynamic=None)
     assert fused == plain, (fused, plain)
-    guards, sites = _guards_and_sites(p)
-    assert guards == 0, p.calls
-    if fuses:
-        assert sites == 2 * fused and [k.op for k in p.report.kernels] == ["rope_fusion.rotary_qk"] * fused, \
-            p.report.table()
-    else:
-        assert p.report.misses and any("L['query'].size()[1]" in m.reason for m in p.report.misses), \
-            p.report.table()
+    assert [g for g, _ in p.calls] == [0] * fused, p.calls
+    assert [k.op for k in p.report.kernels] == ops * fused, p.report.table()
+    left = [name for name, i in (("query", 0), ("key", 1)) if marked.get(i) == 1]
+    assert sorted(m.reason.split("from ")[1].split("L['")[1].split("']")[0] for m in p.report.misses) == \
+        sorted(left * fused), p.report.table()
 
 
 def rope_interleaved(x, cos, sin):
@@ -394,3 +395,29 @@ def test_data_dependent_sizes_fuse(fn, args, data_dependent_capture):
     out, p = compile_with_pass(fn, *args)
     assert len(p.report.sites) == 1 and not p.report.errors, (p.report.table(), p.report.errors)
     check_numerics(fn, args, out)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_gpu_write_back_at_a_symbolic_start_compiles_once(backend):
+    """On a GPU: the write-back at a symbolic text length over eight lengths, the head dim static, compiles one
+    graph with the pass as without it and adds no guard; with the Triton kernel the rows from t are written in
+    place (t passed as the graph computes it), and every result is eager's."""
+    torch.manual_seed(10)
+
+    def make_args(t):
+        return _static_head(torch.randn(1, 4, t + 64, 64, device="cuda"), torch.randn(64, 64, device="cuda"),
+                            torch.randn(64, 64, device="cuda"))
+
+    plain, _ = compiled_graphs(write_back_at_t, make_args, with_pass=False, sizes=range(2, 10))
+    fused, p = compiled_graphs(write_back_at_t, make_args, with_pass=True, sizes=range(2, 10), backend=backend)
+    assert fused == plain == 1, (fused, plain)
+    guards, sites = _guards_and_sites(p)
+    assert guards == 0, p.calls
+    if backend == "triton":
+        assert sites == 1, p.report.table()
+        assert re.fullmatch(r"slice write: \w+\[dim 2, s\d+ - s\d+:s\d+\]", p.report.kernels[0].fold), \
+            p.report.table()
+    else:  # the cost model decides (sizes known only at run time are not measured): fused, or left with its reason
+        assert sites == 1 or [m.reason.startswith("left to Inductor") for m in p.report.misses] == [True], \
+            p.report.table()
