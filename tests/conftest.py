@@ -41,6 +41,16 @@ def table_re(fn) -> str:
     return "|".join(rf"^L_{n}_$" for n in names) or r"^$"
 
 
+def static_lanes(args) -> tuple:
+    """`args` with the last dim of every floating tensor marked static (`torch._dynamo.mark_static`): under
+    dynamic=True the batch, sequence and head counts stay symbolic while the head dim is a constant, as a model's
+    config makes it. A symbolic head dim leaves its sites unfused and reported, never guarded (docs/design.md 5)."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() and (a.is_floating_point() or a.is_complex()):
+            torch._dynamo.mark_static(a, a.dim() - 1)
+    return args
+
+
 def compile_with_pass(fn, *args, dynamic=False, **pass_kw):
     """Compile `fn` on the CPU with a fresh `RopeFusionPass(**pass_kw)` and run it on `args`: (out, pass).
 

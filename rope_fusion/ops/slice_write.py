@@ -28,6 +28,7 @@ import torch
 
 from .library import LIBRARY, reference_outputs, tensor_geometry
 from .optional_backends import load_backends
+from .overlap import overlap_reason
 from .packed import unpacked
 from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, check_call, op_schema
 
@@ -89,10 +90,26 @@ def slice_views(bases: Sequence[torch.Tensor], bounds: tuple) -> list:
             raise ValueError(f"slice_dims entry {d} for {name} of shape {tuple(b.shape)}: the slice runs along a "
                              "dim before the lanes")
         d = d % b.dim()
-        if not 0 <= s <= e <= b.shape[d]:
-            raise ValueError(f"slice [{s}, {e}) of {name} along dim {d} (size {b.shape[d]}) is out of range")
-        views.append(b.narrow(d, s, e - s))
+        size = b.shape[d]
+        if all(isinstance(v, int) for v in (s, e, size)):
+            if not 0 <= s <= e <= size:
+                raise ValueError(f"slice [{s}, {e}) of {name} along dim {d} (size {size}) is out of range")
+            views.append(b.narrow(d, s, e - s))
+        else:
+            views.append(_symbolic_rows(name, b, d, s, e))
     return views
+
+
+def _symbolic_rows(name: str, b: torch.Tensor, d: int, s, e) -> torch.Tensor:
+    """Rows [s, e) of a fake tensor along d, with symbolic bounds, as a view that adds no guard: the pass emits
+    the op only for bounds it proved in range without one (passes/slice_writes.py), a bound known out of range
+    still raises, and the eager op checks the ints of every call."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_or
+
+    if statically_known_true(sym_or(s < 0, e < s, e > b.shape[d])):
+        raise ValueError(f"slice [{s}, {e}) of {name} along dim {d} (size {b.shape[d]}) is out of range")
+    shape = [*b.shape[:d], e - s, *b.shape[d + 1:]]
+    return b.as_strided(shape, b.stride(), b.storage_offset() + s * b.stride(d))
 
 
 def _call(arity: int, args: tuple, kw: dict) -> tuple[RotaryCall, list]:
@@ -111,6 +128,17 @@ def _check(call: RotaryCall, bases: list) -> None:
         if b.dtype != call.params.out_dtype:
             raise ValueError(f"{name} is {b.dtype}: a rotation written into it has out_dtype {b.dtype}, got "
                              f"{call.params.out_dtype}")
+
+
+def _check_written(views: list) -> None:
+    """A written slice whose elements share memory (expanded, overlapping rows) cannot be rotated row by row in
+    place: a row written first would be read again, rotated, by the next. Checked on real tensors, once per
+    geometry (the plan cache keys on the strides); the pass refuses such bases before it emits the op."""
+    for name, v in zip(TENSOR_NAMES[len(views)], views):
+        why = overlap_reason(v)
+        if why is not None:
+            raise ValueError(f"the slice of {name} written in place has {why}; pass a tensor whose elements do not "
+                             "share memory")
 
 
 def _fake(arity: int) -> Callable[..., None]:
@@ -185,6 +213,7 @@ def _eager(arity: int) -> Callable[..., None]:
             return
         call = RotaryCall.parse([*views, *rest], kw, arity)
         _check(call, list(args[:arity]))
+        _check_written(views)
         load_backends()  # the device's in-place kernel registers when its backend imports
         planner = PLANNERS.get(views[0].device.type)
         if key is not None and planner is not None and call.cu_seqlens is None:
@@ -218,6 +247,7 @@ def _into_eager(arity: int) -> Callable[..., None]:
             _run_plan(planned, arity, xs, tail, views)
             return
         call, views = _into_call(arity, args, {**kw, **dict(zip(SLICE_ARGS, bounds))})
+        _check_written(views)
         if _shares_memory(call.xs, views):  # computed apart, then written: the rows may overlap
             for view, out in zip(views, reference_outputs(unpacked(call))):
                 view.copy_(out)

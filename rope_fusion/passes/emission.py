@@ -469,7 +469,7 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
         if folds_writes:  # the rotation written into the bases' slices in place
             finals = emit_slice_write(em, call, writes, m0.node)
             replaced = [w.scatter for w in writes]
-            fold = "slice write: " + ", ".join(f"{w.base.name}[dim {w.dim}, {w.start}:{w.end}]" for w in writes)
+            fold = "slice write: " + ", ".join(w.describe() for w in writes)
         elif isinstance(joined, JoinedFold):  # the pieces read, the joined rotation written once
             finals = [_unflatten(em, o, m) for o, m in zip(joined.outs, group)]
             replaced = [m.node for m in group]

@@ -460,6 +460,13 @@ def rule_unsqueeze(interp, node):
     a computed value whose atoms keep their right-aligned meaning (`m [S, 4] = stack([c, -s, s, c])` unsqueezed
     to [1, S, 4]), else a new source, whose lanes that the value proves equal or negated share one atom
     (`LaneInterpreter.identified_source`: m [B, S, 4] unsqueezed to [B, 1, S, 4] reads (m0, -m2, m2, m0))."""
+    src = meta(node.args[0])
+    if isinstance(src, torch.Tensor) and src.dim() and norm_dim(node.args[1], src.dim() + 1) == src.dim() \
+            and interp.is_source(node.args[0]) and as_int(src.shape[-1]) is None:
+        # a unit dim after a symbolic one on a source (`pos[..., None]`, positions over a dynamic sequence, before
+        # they scale the frequencies): its lanes would be that dim, read at its example value, and every site
+        # computed from it would hold for that value only. A source of one lane instead: the sequence stays leading
+        raise Unsupported("a unit dim after a symbolic dim of a source: the result is a new source")
     value = interp.value(node.args[0])
     if value.is_complex:
         raise Unsupported("complex unsqueeze")
@@ -666,10 +673,10 @@ def rule_select(interp, node):
         raise Unsupported("complex select")
     ndim = len(value.shape)
     pos = norm_dim(node.args[1], ndim)
+    value = interp.ensure_dim_in_grid(value, pos)  # first: an index along a leading dim is never read
     index = _lane_int(node.args[2])
     if not isinstance(index, int):
         raise Unsupported("symbolic index")
-    value = interp.ensure_dim_in_grid(value, pos)
     axis = pos - (ndim - value.k)
     index = index + value.grid[axis] if index < 0 else index
     entries = _take(value, axis, [index], False)
@@ -768,7 +775,7 @@ def _constant_index(arg, depth: int = 0) -> torch.Tensor | None:
         return None
     val = meta(arg)
     if isinstance(val, torch.SymInt):  # a size (dynamic=True: roll's `iota(s)` of a lane dim): at its hint,
-        return as_int(val, specialize=True)  # remembered, and guarded only if a fused site reads it
+        return as_int(val, specialize=True)  # remembered: a site that depends on it is left unfused
     if arg.op != "call_function":
         return None
     if arg.target not in _INDEX_MATH:
@@ -936,12 +943,14 @@ def rule_slice_scatter(interp, node):
     slice_scatter(empty [4], y [2], -1, 0, 4, 2): lanes (y0, None, y1, None)."""
     base, src = node.args[:2]
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    # the operands first: a scatter along a sequence or head dim is no lane op, and its bounds are never read
+    # (read at their hints, a symbolic start `q[:, :, t:] = ...` was guarded to one value per compile)
+    base_value, src_value, pos, axis = _scatter_operands(interp, node, base, src, dim)
     start = _lane_int(node.args[3] if len(node.args) > 3 else node.kwargs.get("start"))
     end = _lane_int(node.args[4] if len(node.args) > 4 else node.kwargs.get("end"))
     step = _lane_int(node.args[5] if len(node.args) > 5 else node.kwargs.get("step", 1))
     if not all(isinstance(bound, int) or bound is None for bound in (start, end, step)):
         raise Unsupported("symbolic scatter")
-    base_value, src_value, pos, axis = _scatter_operands(interp, node, base, src, dim)
     picks = _slice_picks(base_value.grid[axis], start, end, step)
     return _scatter(interp, node, base_value, src_value, pos, picks)
 

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from . import fx_util, poly
-from .fx_util import SymbolicSizeError, as_int, concrete_ints, meta, norm_dim
+from .fx_util import SymbolicSizeError, as_int, concrete_ints, meta, norm_dim, reading_for
 
 MAX_LANES = 4096
 WIDE = (torch.float64, torch.complex128)
@@ -328,7 +328,8 @@ class LaneInterpreter:
                     self._note_matrix_2x2(node)
                 continue
             try:
-                value = rule(self, node)
+                with reading_for(node):  # a size read at its hint here is read for this node's lanes
+                    value = rule(self, node)
             except Unsupported:
                 value = None
                 self._note_over_cap(node)
@@ -421,7 +422,8 @@ class LaneInterpreter:
             raise Unsupported("not a float tensor")
         shape = tuple(val.shape) + ((2,) if is_complex else ())
         grid_rank = min(k + (1 if is_complex else 0), len(shape))
-        grid = lane_dims(shape[len(shape) - grid_rank:], specialize=(grid_rank <= (2 if is_complex else 1)))
+        with reading_for(node):  # the source's own lanes
+            grid = lane_dims(shape[len(shape) - grid_rank:], specialize=(grid_rank <= (2 if is_complex else 1)))
         if math.prod(grid) > self.max_lanes:
             raise Unsupported("too many lanes")
         return shape[: len(shape) - grid_rank] + tuple(grid), grid_rank, is_complex

@@ -28,7 +28,7 @@ import torch.fx as fx
 from ..ops.backends import BACKEND_NAMES, LeftToInductor, SiteSpec, choose_backend
 from . import auto_timing, emission
 from .emission import Emitter, GraphTransaction
-from .fx_util import deferred_guards, guard_deferred_sizes
+from .fx_util import hint_reads
 from .grouping import pair_up
 from .kernel_scan import claim_kernel_sites
 from .pass_identity import PassBase, source_hash
@@ -36,6 +36,7 @@ from .provenance import dtype_name, role, rotation_source, source_line
 from .report import FROM_CACHE, GraphError, GraphRecord, Kernel, Miss, Report, Site, fused_text, plain_params
 from .site_costs import graph_host_bound
 from .sites import find_sites
+from .symbolic_sizes import check_none_needed, hold_symbolic, site_roots
 
 log = logging.getLogger("rope_fusion")
 
@@ -230,7 +231,7 @@ class RopeFusionPass(PassBase):
         mark = self._mark()
         tx = GraphTransaction(graph)
         try:
-            with deferred_guards():  # the analysis reads symbolic sizes without guarding (fx_util)
+            with hint_reads():  # the analysis reads symbolic sizes without guarding (fx_util)
                 planned = self._fuse(graph, index)
         except Exception as e:  # the failure policy: never break a compile
             try:
@@ -273,6 +274,10 @@ class RopeFusionPass(PassBase):
         except Exception:  # an input to the cost model, never a reason to fail: the GPU's costs then
             self._host_bound = False
         nodes, order = acc.interp.nodes, acc.order
+        # never a guard: a site whose proof read a symbolic size is left
+        matches, held = hold_symbolic(matches, nodes, acc.interp.values)
+        for m, why in held:
+            self.report.misses.append(Miss(index, m.node.name, why, rotation_source(m.node)))
         groups = pair_up(matches, acc) if self.fuse_qk else [(m,) for m in matches]
         em = Emitter(graph, requested=self.backend)
         planned = []
@@ -295,7 +300,7 @@ class RopeFusionPass(PassBase):
                                index, type(e).__name__, e)
         emission.commit(planned)
         emission.commit_joins(em)
-        guard_deferred_sizes([n for p in planned for n in (*p.finals, *(m.node for m in p.group))])
+        check_none_needed([n for p in planned for m in p.group for n in site_roots(m, nodes)], acc.interp.values)
         emission.finish(graph, planned, order)
         for p in planned:
             self._record(index, p)
