@@ -414,3 +414,65 @@ def test_not_differentiable():
         out = rope_fusion.apply_rotary_qk_kv_cache(*args)
     assert not out.requires_grad and torch.count_nonzero(args[5]) > 0
 
+
+@pytest.fixture(scope="module")
+def vllm_rope():
+    """vLLM 0.33's own rotary layer (`get_rope`), built on the CPU."""
+    import types
+
+    try:
+        from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+        from vllm.model_executor.layers.rotary_embedding import get_rope
+    except Exception as e:  # missing vLLM or its Python deps
+        pytest.skip(f"vLLM's rotary layers are not importable here: {type(e).__name__}: {e}")
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    cfg.model_config = types.SimpleNamespace(max_model_len=MAX_POS)
+
+    def make(head_size: int, neox: bool, dtype: torch.dtype):
+        with set_current_vllm_config(cfg):
+            return get_rope(head_size, max_position=MAX_POS, is_neox_style=neox, dtype=dtype)
+    return make
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_compat_vllm_rotary_embedding_writes_the_cache(path, vllm_rope, neox, kv_cache_dtype):
+    """`compat.vllm.rotary_embedding(..., value=, k_cache=, v_cache=, slot_mapping=)` against vLLM's unfused pair:
+    its layer's `forward_native`, then an index_put of k and v into the cache rows of their slots. q within the
+    numerics contract of the pair's own result; the caches within one rounding of the fp64 pair (an FP8 cache: half
+    an e4m3 step of x / scale); key left as it was (its rotation lives in the cache)."""
+    from conftest import check_numerics
+
+    from rope_fusion.compat import vllm as compat_vllm
+
+    D, T, HQ, HK, BLOCKS, BS = 32, 5, 4, 2, 3, 4
+    layer = vllm_rope(D, neox, torch.bfloat16)
+    torch.manual_seed(5)
+    positions = torch.randint(0, MAX_POS, (T,))
+    query, key, value = (torch.randn(T, h * D).bfloat16() for h in (HQ, HK, HK))
+    slots = torch.tensor([3, 7, 1, 10, 4])
+
+    def unfused(p, q, k, v):
+        q2, k2 = layer.forward_native(p, q, k)
+        k_cache, v_cache = (torch.zeros(BLOCKS * BS, HK, D, dtype=q.dtype) for _ in range(2))
+        k_cache[slots] = k2.view(T, HK, D)
+        v_cache[slots] = v.view(T, HK, D)
+        return q2, k_cache, v_cache
+
+    fp8 = kv_cache_dtype == "fp8"
+    cdt = torch.uint8 if fp8 else torch.bfloat16  # vLLM keeps an FP8 cache as bytes
+    k_cache, v_cache = (torch.zeros(BLOCKS, BS, HK, D, dtype=cdt) for _ in range(2))
+    scales = (torch.tensor(0.02), torch.tensor(0.03))
+    q, k = query.clone(), key.clone()
+    ret = compat_vllm.rotary_embedding(positions, q, k, D, layer._match_cos_sin_cache_dtype(query), neox, value=value,
+                                       k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
+                                       kv_cache_dtype=kv_cache_dtype, k_scale=scales[0], v_scale=scales[1])
+    assert ret is None and torch.equal(k, key)
+    got = (q, *(c.view(torch.float8_e4m3fn) if fp8 else c for c in (k_cache, v_cache)))
+    if not fp8:
+        check_numerics(unfused, (positions, query, key, value), (got[0], *(c.view(-1, HK, D) for c in got[1:])))
+        return
+    check_numerics(lambda p, q, k, v: unfused(p, q, k, v)[0], (positions, query, key, value), got[0])
+    want = unfused(positions, query.double(), key.double(), value.double())
+    for cache, want64, scale in zip(got[1:], want[1:], scales):
+        check_rows(cache.view(-1, HK, D)[slots], want64[slots], scale.reshape(1), "cache")

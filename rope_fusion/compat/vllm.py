@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ..ops import library
+from ..ops.kv_cache_api import apply_rotary_qk_kv_cache
 
 
 def _heads(t: torch.Tensor, num_tokens: int, head_size: int) -> torch.Tensor:
@@ -36,11 +37,23 @@ def _rotate(query: torch.Tensor, key: torch.Tensor | None, head_size: int, cos: 
 
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, head_size: int,
-                     cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+                     cos_sin_cache: torch.Tensor, is_neox: bool, *, value: torch.Tensor | None = None,
+                     k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                     slot_mapping: torch.Tensor | None = None, kv_cache_dtype: str = "auto",
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                     kv_layout: str = "NHD") -> None:
     """vLLM's `_C.rotary_embedding`: rotates query and key in place; key may be None (cross-layer KV sharing).
 
     In place means the op's result is copied back into query and key (one extra write of each), as the op is
     functional; a caller that can take new tensors uses `mrope_rotary_embedding` with 1-D positions instead.
+
+    With value, k_cache, v_cache and slot_mapping, the rotation and vLLM's cache write are one call
+    (`rope_fusion.apply_rotary_qk_kv_cache`, one launch on CUDA): query is rotated in place, key's rotation and value
+    go into the caches at slot_mapping (reshape_and_cache_flash's semantics: a negative slot writes nothing), and key
+    itself is left as it was (its rotation lives in k_cache, where attention reads it). The caches are vLLM's
+    `[num_blocks, block_size, kv_heads, head_size]` (`kv_layout="NHD"`, any strides, as an HND-ordered cache viewed
+    so) or `"HND"`; kv_cache_dtype "auto" writes them in their dtype, "fp8" / "fp8_e4m3" as float8 e4m3 (a uint8
+    cache is viewed so) holding x / k_scale and v / v_scale.
 
     positions: [T] (or [B, S], flattened as vLLM does); query [T, H * D] or [T, H, D]; cos_sin_cache
     [max_position, rot_dim] with rot_dim <= head_size."""
@@ -49,6 +62,26 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         raise ValueError(f"cos_sin_cache must be [max_position, rot_dim] with an even rot_dim <= head_size="
                          f"{head_size}, got {tuple(cos_sin_cache.shape)}")
     cos, sin = cos_sin_cache.chunk(2, dim=-1)
+    cache_args = (value, k_cache, v_cache, slot_mapping)
+    if any(a is not None for a in cache_args):
+        if any(a is None for a in cache_args) or key is None:
+            raise ValueError("a cache write takes key, value, k_cache, v_cache and slot_mapping together")
+        if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+            k_cache, v_cache = (c.view(torch.float8_e4m3fn) if c.dtype == torch.uint8 else c
+                                for c in (k_cache, v_cache))
+        elif kv_cache_dtype == "auto":
+            k_scale = v_scale = None  # vLLM passes its layers' scales either way; only an FP8 cache reads them
+        else:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: the fused cache write takes 'auto', 'fp8' and "
+                             "'fp8_e4m3'")
+        num_tokens = positions.shape[0]
+        q = apply_rotary_qk_kv_cache(
+            _heads(query, num_tokens, head_size), _heads(key, num_tokens, head_size),
+            _heads(value, num_tokens, head_size), cos, sin, k_cache, v_cache, slot_mapping, positions=positions,
+            interleaved=not is_neox, rotary_dim=2 * cos.shape[-1], k_scale=k_scale, v_scale=v_scale,
+            kv_layout=kv_layout)
+        query.copy_(q.view(query.shape))
+        return
     q_out, k_out = _rotate(query, key, head_size, cos, sin, positions, is_neox)
     query.copy_(q_out.view(query.shape))
     if key is not None:
