@@ -476,3 +476,26 @@ def test_compat_vllm_rotary_embedding_writes_the_cache(path, vllm_rope, neox, kv
     want = unfused(positions, query.double(), key.double(), value.double())
     for cache, want64, scale in zip(got[1:], want[1:], scales):
         check_rows(cache.view(-1, HK, D)[slots], want64[slots], scale.reshape(1), "cache")
+
+
+def test_a_dynamic_token_count_compiles_once():
+    """vLLM compiles with a symbolic token count: the op's checks decide what they can without a guard, and one graph
+    serves every count, writing the caches each call gives it."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def step(q, k, v, cos, sin, kc, vc, slots, positions):
+        return rope_fusion.apply_rotary_qk_kv_cache(q, k, v, cos, sin, kc, vc, slots, positions=positions)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, dynamic=True, fullgraph=True)
+    cos, sin = _tables(Case("dynamic"), 8, 0)
+    for T in (3, 5, 9):
+        args = _plain(T=T, blocks=8)
+        args[3], args[4] = cos, sin
+        args[7] = torch.randperm(32)[:T]
+        positions = torch.randint(0, MAX_POS, (T,))
+        eager = [a.clone() for a in args]
+        torch.testing.assert_close(compiled(*args, positions), step(*eager, positions))
+        assert torch.equal(args[5], eager[5]) and torch.equal(args[6], eager[6])
+    assert counter.frame_count == 1

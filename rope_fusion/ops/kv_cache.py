@@ -144,9 +144,15 @@ def parse_joint(args: Sequence[Any], kw: dict) -> CacheCall:
 
 
 def _require(ok: Any, message: str) -> None:
-    """A ValueError where a check fails on known sizes; on symbolic ones (a traced token count), a run-time check
-    rather than a guard."""
+    """A ValueError where a check fails; on symbolic sizes (a traced token count) one decided without a guard where
+    it can be, else left to torch's check of the traced graph, as the rotary op's broadcasts are."""
     if isinstance(ok, torch.SymBool):
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        if statically_known_true(ok):
+            return
+        if statically_known_true(torch.sym_not(ok)):
+            raise ValueError(message)
         torch._check(ok, lambda: message)
     elif not ok:
         raise ValueError(message)
@@ -191,7 +197,7 @@ def cache_geometry(cc: CacheCall, cache: torch.Tensor, held: torch.Tensor) -> tu
 
 
 def _check_caches(cc: CacheCall) -> None:
-    blocks = set()
+    blocks = []
     for name, cache, held, scale in cc.caches():
         if cache.dtype not in CACHE_DTYPES:
             hint = " (an FP8 cache kept as bytes: pass cache.view(torch.float8_e4m3fn))" \
@@ -201,10 +207,11 @@ def _check_caches(cc: CacheCall) -> None:
             raise ValueError(f"{name} on {cache.device}, q on {held.device}: all tensors must be on one device")
         nb, bs, heads, dim = cache_geometry(cc, cache, held)
         tensor = name[0]
-        if heads != held.shape[1] or dim != held.shape[2]:
-            raise ValueError(f"{name} of shape {tuple(cache.shape)} ({cc.layout.name}: {heads} heads of {dim}) does "
-                             f"not hold {tensor}'s {held.shape[1]} heads of {held.shape[2]}")
-        blocks.add((nb, bs))
+        message = (f"{name} of shape {tuple(cache.shape)} ({cc.layout.name}: {heads} heads of {dim}) does not hold "
+                   f"{tensor}'s {held.shape[1]} heads of {held.shape[2]}")
+        _require(heads == held.shape[1], message)
+        _require(dim == held.shape[2], message)
+        blocks.append((nb, bs))
         if cache.dtype in FP8_CACHE_DTYPES:
             if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32
                                       or scale.device != held.device):
@@ -212,6 +219,6 @@ def _check_caches(cc: CacheCall) -> None:
                                  f"cache holds x / scale), got {tuple(scale.shape)} {scale.dtype} on {scale.device}")
         elif scale is not None:
             raise ValueError(f"{tensor}_scale given for a {cache.dtype} {name}: a scale applies to an FP8 cache only")
-    if len(blocks) > 1:
-        raise ValueError(f"k_cache and v_cache must share (num_blocks, block_size), one slot addressing both: got "
-                         f"{sorted(blocks)}")
+    message = f"k_cache and v_cache must share (num_blocks, block_size), one slot addressing both: got {blocks}"
+    for k_size, v_size in zip(*blocks):
+        _require(k_size == v_size, message)
