@@ -70,6 +70,8 @@ class Case:
     mla: bool = False  # MLA's one cache [blocks, block_size, dv + d]: v_cache=None
     slots: tuple = (3, -1, 7, 1, 10)  # one per token, 5 tokens; fewer: the tokens after them write nothing
     tokens: int = 5
+    slot_dtype: torch.dtype = torch.int64
+    packed_qkv: bool = False  # q, k and v as views of one [T, (Hq + Hk + Hv) * D] projection (vLLM's qkv.split)
 
 
 CASES = [
@@ -90,6 +92,8 @@ CASES = [
          options=dict(interleaved=True, deinterleave=True, rotary_offset=16, offset_q_only=True, full_tables=True)),
     Case("mla joint cache fp8", hq=2, hk=1, hv=1, d=8, dq=8, dv=16, mla=True, cache_dtype=FP8, scales=(0.05, 0.05)),
     Case("nz layout", layout="NZ"),
+    Case("head dim 80 int32 slots", d=80, slot_dtype=torch.int32, options=dict(norm="rms")),
+    Case("views of one qkv", packed_qkv=True, layout="HND", options=dict(interleaved=True)),
 ]
 
 
@@ -119,9 +123,13 @@ def make_inputs(case: Case) -> Inputs:
     hv, dv = case.hv or case.hk, case.dv or case.d
     r = case.options.get("rotary_dim", d)
     width = r if case.options.get("full_tables") else r // 2
-    q = torch.randn(T, case.hq, dq, dtype=case.dtype)
-    k = torch.randn(T, case.hk, d, dtype=case.dtype)
-    v = torch.randn(T, hv, dv, dtype=case.dtype)
+    if case.packed_qkv:
+        qkv = torch.randn(T, (case.hq + case.hk + hv) * d, dtype=case.dtype)
+        q, k, v = (t.view(T, -1, d) for t in qkv.split([case.hq * d, case.hk * d, hv * d], dim=-1))
+    else:
+        q = torch.randn(T, case.hq, dq, dtype=case.dtype)
+        k = torch.randn(T, case.hk, d, dtype=case.dtype)
+        v = torch.randn(T, hv, dv, dtype=case.dtype)
     cos, sin = _tables(case, width, T)
     kw = dict(case.options)
     positions = torch.randint(0, MAX_POS, (T,))
@@ -154,7 +162,7 @@ def make_inputs(case: Case) -> Inputs:
         kw["kv_layout"] = case.layout
         if case.scales:
             kw.update(k_scale=scale[0], v_scale=scale[1])
-    slots = torch.tensor(case.slots)
+    slots = torch.tensor(case.slots, dtype=case.slot_dtype)
     args = (q, k, v, cos, sin, k_cache, v_cache, slots)
     return Inputs(args, kw, positions[:, None], caches)
 
@@ -499,3 +507,23 @@ def test_a_dynamic_token_count_compiles_once():
         torch.testing.assert_close(compiled(*args, positions), step(*eager, positions))
         assert torch.equal(args[5], eager[5]) and torch.equal(args[6], eager[6])
     assert counter.frame_count == 1
+
+
+def test_a_cache_of_other_strides(path, monkeypatch):
+    """An NHD cache whose memory is head-major (vLLM's HND order viewed as NHD): the kernel writes through the
+    strides what the reference writes."""
+    torch.manual_seed(11)
+    args = _plain(T=5, hq=4, hk=2, d=16, dtype=torch.bfloat16)
+    caches = [_random_bytes((3, 2, 4, 16), torch.bfloat16).transpose(1, 2) for _ in range(2)]  # [blocks, 4, 2, 16]
+    theirs = [c.clone() for c in caches]
+    args[5:7] = caches
+    args[7] = torch.tensor([0, 9, -1, 4, 11])
+    out = rope_fusion.apply_rotary_qk_kv_cache(*args)
+    if path == "triton":
+        monkeypatch.delitem(kv_cache_op.DEVICE_IMPLS, "cpu")
+    want = rope_fusion.apply_rotary_qk_kv_cache(*args[:5], *theirs, args[7])
+    torch.testing.assert_close(out, want, rtol=2 ** -7, atol=2 ** -7)
+    for got, ref in zip(caches, theirs):
+        differ = got.view(torch.int16) != ref.view(torch.int16)
+        assert differ.sum() <= 0.2 * differ.numel() and ((got[differ].float() - ref[differ].float()).abs()
+                                                           <= ref[differ].float().abs() * 2 ** -7).all()
