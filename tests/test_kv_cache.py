@@ -527,3 +527,32 @@ def test_a_cache_of_other_strides(path, monkeypatch):
         differ = got.view(torch.int16) != ref.view(torch.int16)
         assert differ.sum() <= 0.2 * differ.numel() and ((got[differ].float() - ref[differ].float()).abs()
                                                            <= ref[differ].float().abs() * 2 ** -7).all()
+
+
+HELD = [Case("held rows d80 fp8", d=80, hq=2, hk=2, tokens=6, slots=(3, -1, 7, 1, 10, 2), cache_dtype=FP8,
+             scales=(0.05, 0.05), options=dict(norm="rms")),
+        Case("held across heads", hq=3, hk=3, tokens=6, slots=(3, -1, 7, 1, 10, 2), dtype=torch.float32,
+             options=dict(norm="rms_across_heads"))]
+
+
+@pytest.mark.parametrize("case", HELD, ids=[c.name for c in HELD])
+def test_held_rows_write_the_cache(path, case, monkeypatch):
+    """The kernel's held form (a token's head rows in registers under a norm, one program a token) writes k's rows
+    into the cache as its head loop does: six tokens count as many programs here."""
+    if path == "triton":
+        import rope_fusion.kernels.triton_plan as planner
+
+        monkeypatch.setattr(planner, "MIN_PROGRAMS", 2)
+        from rope_fusion.kernels import triton_kv_cache
+        from rope_fusion.ops.kv_cache import parse_separate
+
+        inp = make_inputs(case)
+        kw = dict(inp.kwargs)
+        scales = (kw.pop("k_scale", None), kw.pop("v_scale", None))
+        positions = kw.pop("positions")
+        cc = parse_separate((*inp.args, positions, None, None, None, None, *scales, None),
+                            dict(interleaved=False, rotary_dim=case.d, full_tables=False, conjugate=False,
+                                 out_dtype=case.dtype, **kw))
+        plan = triton_kv_cache.plan_cache_launch(cc)
+        assert plan.meta["HELD"] > 0 and plan.grid[1] == 1, (plan.meta["HELD"], plan.grid)
+    test_every_option_against_fp64(path, case)
