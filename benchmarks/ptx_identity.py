@@ -235,8 +235,51 @@ def _cases() -> dict[str, dict]:
     return cases
 
 
+def _cache_call(T: int, hq: int, hk: int, head: int, cache_dtype: torch.dtype, layout: str = "NHD",
+                norm: bool = False) -> Any:
+    """The KV-cache op's call (ops/kv_cache.py) as vLLM makes it: [T, H, D] q, k and v, the cos|sin cache gathered by
+    positions, 64 blocks of 16 slots, NHD or HND caches (an FP8 one with its scales)."""
+    from rope_fusion.ops.kv_cache import parse_separate
+
+    c = _vllm(T, head, head, True, hq, hk, 8192, norm=norm)
+    q, k = c["xs"]
+    shape = (64, 16, hk, head) if layout == "NHD" else (64, hk, 16, head)
+    scales = (torch.ones(1), torch.ones(1)) if cache_dtype == torch.float8_e4m3fn else (None, None)
+    args = (q, k, _x(T, hk * head).view(T, hk, head), c["cos"], c["sin"], _x(*shape, dtype=cache_dtype),
+            _x(*shape, dtype=cache_dtype), torch.zeros(T, dtype=torch.int64), c["positions"],
+            *(c["weights"] or (None, None)), None, None, *scales, None)
+    return parse_separate(args, {**c["params"].kwargs(), "kv_layout": layout})
+
+
+def _mla_cache_call(T: int, heads: int) -> Any:
+    """DeepSeek's MLA: q [T, H, 128 + 64] rotated after its nope lanes, the one k_pe head, the 512-lane latent normed
+    into the [blocks, 16, 576] cache."""
+    from rope_fusion.ops.kv_cache import parse_joint
+
+    cache = vllm_cos_sin_cache(8192, 64, 10000.0, "cpu")
+    cos, sin = cache.chunk(2, dim=-1)
+    p = RotaryParams(interleaved=True, rotary_dim=64, full_tables=False, conjugate=False, out_dtype=BF16,
+                     rotary_offset=128, offset_q_only=True)
+    args = (_x(T, heads, 192), _x(T, 64), _x(T, 512), cos, sin, _x(64, 16, 576), torch.zeros(T, dtype=torch.int64),
+            torch.zeros(T, 1, dtype=torch.int64), None, None, None, None, None, _x(512))
+    return parse_joint(args, p.kwargs())
+
+
+def _cache_cases() -> dict[str, Any]:
+    """name -> a call of the KV-cache op (kernels/triton_kv_cache.py) at rows of benchmarks/kv_cache.py."""
+    cases = {}
+    for T in (1, 64, 8192):
+        cases[f"kv cache llama 32/32x128 bf16 T={T}"] = _cache_call(T, 32, 32, 128, BF16)
+        cases[f"kv cache gqa 32/8x128 fp8 T={T}"] = _cache_call(T, 32, 8, 128, torch.float8_e4m3fn)
+    cases["kv cache gqa 32/8x128 bf16 HND T=256"] = _cache_call(256, 32, 8, 128, BF16, "HND")
+    cases["kv cache qwen3 qk-norm 32/8x128 T=8192"] = _cache_call(8192, 32, 8, 128, BF16, norm=True)
+    cases["kv cache mla T=64"] = _mla_cache_call(64, 16)
+    return cases
+
+
 def record_launches(cases: dict[str, dict] | None = None) -> list[Launch]:
-    """Every launch the host planner makes for the cases, with the compile options of a direct launch."""
+    """Every launch the host planner makes for the cases, with the compile options of a direct launch; the KV-cache
+    op's launches after them."""
     from rope_fusion.kernels.triton_launch import launch, row_checks
 
     out = []
@@ -247,6 +290,15 @@ def record_launches(cases: dict[str, dict] | None = None) -> list[Launch]:
         rows = c.get("positions") if c.get("positions") is not None else c.get("cu_seqlens")
         for i, (args, kwargs) in enumerate(rec.calls):
             out.append(Launch(name, i, args, {**kwargs, **row_checks(rows)}))
+    if cases is None:
+        from rope_fusion.kernels.triton_kv_cache import launch_planned, plan_cache_launch
+
+        for name, cc in _cache_cases().items():
+            rec = _Recorder()
+            plan = plan_cache_launch(cc)
+            assert not isinstance(plan, str), f"{name}: {plan}"
+            launch_planned(plan, cc, kernel=rec)
+            out += [Launch(name, i, args, kwargs) for i, (args, kwargs) in enumerate(rec.calls)]
     return out
 
 

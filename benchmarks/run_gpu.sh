@@ -16,8 +16,10 @@
 #   dropins[:SECTIONS] python -m benchmarks.dropins [--sections SECTIONS], with the upstream files of .kernels/
 #                      (qk_norm_rope.py, fused_qk_norm_rope.py, rotary.py) where there -> dr.json, dr.log
 #   norm_tiles         python -m benchmarks.norm_tiles                         -> nt.json, nt.log
+#   kv_cache           python -m benchmarks.kv_cache (RoPE + the KV-cache write) -> kv.json, kv.log
 #   notests            skip the GPU tests (which otherwise run first, -> tests.log)
-# Extra arguments per step: $KERNELS_ARGS, $MODELS_ARGS, $PROFILE_ARGS, $TRAINING_ARGS, $DROPINS_ARGS (word-split).
+# Extra arguments per step: $KERNELS_ARGS, $MODELS_ARGS, $PROFILE_ARGS, $TRAINING_ARGS, $DROPINS_ARGS,
+# $KV_CACHE_ARGS (word-split).
 # Deadline for the whole call: $RUN_DEADLINE seconds (default 570); a step gets at most what is left, and is
 # skipped when less than 30 s is left. A failing or timed-out step is reported and the next one runs (the
 # benchmarks rewrite their JSON after every row or model, so a timed-out step still leaves what it measured).
@@ -90,7 +92,7 @@ tests=1
 for a in "$@"; do [[ $a == notests ]] && tests=0; done
 if (( tests )); then
     run tests 240 "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
-        tests/test_triton_graph.py -k gpu
+        tests/test_triton_graph.py tests/test_kv_cache_gpu.py -k gpu
 fi
 
 n_models=0
@@ -127,6 +129,10 @@ for a in "$@"; do
             # shellcheck disable=SC2086
             run distributed "${limit:-240}" "$OUT/d.log" torchrun --nproc-per-node "${NPROC:-2}" \
                 benchmarks/distributed.py --out "$OUT/d.json" ${DISTRIBUTED_ARGS:-} ;;
+        kv_cache)
+            # shellcheck disable=SC2086
+            run kv_cache "${limit:-300}" "$OUT/kv.log" python3 -m benchmarks.kv_cache --out "$OUT/kv.json" \
+                ${KV_CACHE_ARGS:-} ;;
         vllm_omni)
             rotary=
             [[ -f .kernels/rotary.py ]] && rotary="--rotary-file .kernels/rotary.py"
@@ -143,7 +149,7 @@ for a in "$@"; do
                 ${upstream[@]+"${upstream[@]}"} ${arg:+--sections ${arg//,/ }} ${DROPINS_ARGS:-} ;;
         norm_tiles)
             run norm_tiles "${limit:-300}" "$OUT/nt.log" python3 -m benchmarks.norm_tiles --out "$OUT/nt.json" ;;
-        *) note "unknown step '$a' (kernels[:GROUPS], models[:LIST], profile:LIST, training[:LIST], distributed, vllm_omni, dropins[:SECTIONS], norm_tiles, notests)" ;;
+        *) note "unknown step '$a' (kernels[:GROUPS], models[:LIST], profile:LIST, training[:LIST], distributed, vllm_omni, dropins[:SECTIONS], norm_tiles, kv_cache, notests)" ;;
     esac
 done
 note "all steps done; files in $OUT:"

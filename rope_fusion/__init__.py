@@ -18,7 +18,7 @@ from . import compat  # noqa: F401
 from .integrations.depyf_debug import debug  # noqa: F401
 from .integrations.vllm import vllm_pass  # noqa: F401  (vLLM resolves __import__("rope_fusion").__dict__["vllm_pass"])
 from .norm_rope import rms_norm_rope_qk  # noqa: F401
-from .ops import apply_rotary, apply_rotary_qk, apply_rotary_qkv  # noqa: F401
+from .ops import apply_rotary, apply_rotary_qk, apply_rotary_qk_kv_cache, apply_rotary_qkv  # noqa: F401
 from .passes import Report, RopeFusionPass, inductor_options, install, installed, uninstall  # noqa: F401
 from .passes.dynamo_backend import backend  # noqa: F401
 from .passes.fx_pass import FxPass, fx_pass  # noqa: F401
@@ -46,5 +46,5 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = ["RopeFusionPass", "Report", "apply_rotary", "apply_rotary_qk", "apply_rotary_qkv", "rms_norm_rope_qk",
-           "compat", "inductor_options", "install", "installed", "uninstall", "vllm_pass", "debug", "fx_pass", "FxPass",
-           "backend", "__version__"]
+           "apply_rotary_qk_kv_cache", "compat", "inductor_options", "install", "installed", "uninstall", "vllm_pass",
+           "debug", "fx_pass", "FxPass", "backend", "__version__"]

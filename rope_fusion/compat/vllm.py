@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..ops import library, slice_write
+from ..ops.kv_cache_api import apply_rotary_qk_kv_cache
 from ..ops.optional_backends import load_backends
 from ..ops.schema import RotaryCall, RotaryParams, check_call
 from .direct import Plans, call_key
@@ -96,7 +97,11 @@ def _copied_in(head_size: int, params: RotaryParams) -> Callable[..., None]:
 
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, head_size: int,
                      cos_sin_cache: torch.Tensor, is_neox: bool, rope_dim_offset: int = 0,
-                     inverse: bool = False) -> None:
+                     inverse: bool = False, *, value: torch.Tensor | None = None,
+                     k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                     slot_mapping: torch.Tensor | None = None, kv_cache_dtype: str = "auto",
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                     kv_layout: str = "NHD") -> None:
     """vLLM's `ops.rotary_embedding` (its `_C.rotary_embedding`): rotates query and key in place; key may be None
     (cross-layer KV sharing).
 
@@ -107,7 +112,20 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     minus the angle. Eagerly on CUDA, the kernel reads each token's cache row by its position and writes the
     rotation into query's and key's own memory: one launch, nothing copied; a call geometry is checked and planned
     once. Traced (torch.compile, make_fx), the rotation is the op's result copied in, which functionalization
-    turns back into an in-place write."""
+    turns back into an in-place write.
+
+    With value, k_cache, v_cache and slot_mapping, the rotation and vLLM's cache write are one call
+    (`rope_fusion.apply_rotary_qk_kv_cache`, one launch on CUDA): query is rotated in place, key's rotation and value
+    go into the caches at slot_mapping (reshape_and_cache_flash's semantics: a negative slot writes nothing), and key
+    itself is left as it was (its rotation lives in k_cache, where attention reads it). The caches are vLLM's
+    `[num_blocks, block_size, kv_heads, head_size]` (`kv_layout="NHD"`, any strides, as an HND-ordered cache viewed
+    so) or `"HND"`; kv_cache_dtype "auto" writes them in their dtype, "fp8" / "fp8_e4m3" as float8 e4m3 (a uint8
+    cache is viewed so) holding x / k_scale and v / v_scale."""
+    if any(a is not None for a in (value, k_cache, v_cache, slot_mapping)):
+        _rotate_into_cache(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset, inverse,
+                           value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
+                           kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout)
+        return
     scalars = (head_size, bool(is_neox), rope_dim_offset, bool(inverse))
     call_id = call_key((positions, query, key, cos_sin_cache), scalars)
     run = _IN_PLACE.get(call_id)
@@ -120,6 +138,33 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
             return
         run = _IN_PLACE.put(call_id, _plan_in_place(positions, query, key, head_size, cos_sin_cache, params))
     run(positions, query, key, cos_sin_cache)
+
+
+def _rotate_into_cache(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, head_size: int,
+                       cos_sin_cache: torch.Tensor, is_neox: bool, rope_dim_offset: int, inverse: bool, *,
+                       value: torch.Tensor | None, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+                       slot_mapping: torch.Tensor | None, kv_cache_dtype: str, k_scale: torch.Tensor | None,
+                       v_scale: torch.Tensor | None, kv_layout: str) -> None:
+    """rotary_embedding with its cache write: query rotated in place, key's rotation and value into the caches."""
+    if any(a is None for a in (value, k_cache, v_cache, slot_mapping)) or key is None:
+        raise ValueError("a cache write takes key, value, k_cache, v_cache and slot_mapping together")
+    _check_cache(cos_sin_cache, head_size, rope_dim_offset)
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        k_cache, v_cache = (c.view(torch.float8_e4m3fn) if c.dtype == torch.uint8 else c for c in (k_cache, v_cache))
+    elif kv_cache_dtype == "auto":
+        k_scale = v_scale = None  # vLLM passes its layers' scales either way; only an FP8 cache reads them
+    else:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: the fused cache write takes 'auto', 'fp8' and "
+                         "'fp8_e4m3'")
+    positions = positions.flatten()
+    num_tokens = positions.shape[0]
+    cos, sin = cos_sin_cache.chunk(2, dim=-1)
+    q = apply_rotary_qk_kv_cache(
+        _heads(query, num_tokens, head_size), _heads(key, num_tokens, head_size),
+        _heads(value, num_tokens, head_size), cos, sin, k_cache, v_cache, slot_mapping, positions=positions,
+        interleaved=not is_neox, rotary_dim=2 * cos.shape[-1], rotary_offset=rope_dim_offset, conjugate=bool(inverse),
+        k_scale=k_scale, v_scale=v_scale, kv_layout=kv_layout)
+    query.copy_(q.view(query.shape))
 
 
 def _mrope_tables(cache: torch.Tensor, positions: torch.Tensor, mrope_section: Sequence[int],

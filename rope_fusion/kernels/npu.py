@@ -273,5 +273,7 @@ if torch._C._get_privateuse1_backend_name() == "npu":  # torch_npu is loaded: se
 
     register_device_kernel("npu", _impl)
 
+from . import npu_kv_cache  # noqa: E402,F401  (the KV-cache op's torch_npu ops register with the backend)
+
 __all__ = ["BRIDGE_FIELDS", "OP_NAMESPACE", "NPU_OPS", "ROTARY_NPU", "ROTARY_QK_NPU", "ROTARY_QKV_NPU", "supports",
            "full_width", "rotary_mul_layout", "apply_layout", "stats"]

@@ -215,6 +215,51 @@ def _load_tables(c_row, s_row, ia, ib, tmask, SCD: tl.constexpr, SSD: tl.constex
     return ca, sa, cb, sb
 
 
+E4M3_MAX = tl.constexpr(448.0)  # the largest finite float8 e4m3fn value: vLLM's FP8 cache writes saturate to it
+
+
+@triton.jit
+def _to_e4m3(x, scale):
+    """x / scale as the float8 e4m3fn value it rounds to, in fp32: ties to even, saturated at +-448 (NaN stays NaN),
+    as vLLM's reshape_and_cache_flash stores an FP8 cache (CUDA's satfinite conversion). The value is rounded here,
+    in fp32 arithmetic, so that the store's conversion to fp8 is exact: on the GPU that conversion rounds the same
+    way, and Triton's interpreter, which the CPU tests run, converts exact values exactly but rounds others wrongly
+    (no carry into the exponent). Normal values keep 3 mantissa bits (the fp32 bit pattern rounded at bit 20);
+    subnormal ones (below 2^-6) are multiples of 2^-9, rounded by the magic-number addition."""
+    q = tl.math.div_rn(x.to(tl.float32), scale)
+    q = tl.where(q > E4M3_MAX, E4M3_MAX, tl.where(q < -E4M3_MAX, -E4M3_MAX, q))
+    bits = q.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    sub = ((tl.abs(q) * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    sub = tl.where(bits < 0, -sub, sub)  # the sign, a negative zero's included
+    out = tl.where(tl.abs(q) < 0.015625, sub, normal)
+    return tl.where(q != q, q, out)
+
+
+@triton.jit
+def _copy_rows(src, dst, src_sh, dst_sh, heads_n, first, nsplit, eps, w_ptr, w_sh, scale_ptr,
+               V_DIM: tl.constexpr, V_PAD: tl.constexpr, BLOCK_V: tl.constexpr, V_NORM: tl.constexpr,
+               V_W: tl.constexpr, FP8: tl.constexpr, MATH_FP64: tl.constexpr, cdt: tl.constexpr):
+    """Copy one token's rows of v (heads_n heads of V_DIM lanes, BLOCK_V heads a block, blocks first, first +
+    nsplit, ...) into its cache slot: RMS-normalised and times the weight first with V_NORM (MLA's latent norm),
+    quantised to FP8 by the cache's scale with FP8. Head offsets in 64 bits: a cache's head stride may be a page."""
+    lanes = tl.arange(0, V_PAD)[None, :]
+    nblocks = (heads_n + BLOCK_V - 1) // BLOCK_V
+    for hb in range(first, nblocks, nsplit):
+        heads = (hb * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)[:, None]
+        m = (heads < heads_n) & (lanes < V_DIM)
+        v = tl.load(src + heads * src_sh + lanes, mask=m, other=0.0)
+        if V_NORM:
+            vf = v.to(cdt)
+            vf = vf * _rsqrt(tl.sum(vf * vf, axis=1) / V_DIM + eps, MATH_FP64)[:, None]
+            if V_W:
+                vf = vf * tl.load(w_ptr + heads * w_sh + lanes, mask=m, other=0.0).to(cdt)
+            v = vf
+        if FP8:
+            v = _to_e4m3(v, tl.load(scale_ptr))
+        tl.store(dst + heads * dst_sh + lanes, v.to(dst.dtype.element_ty), mask=m)
+
+
 # `batch` stays a runtime value even where it is 1, so that the binary search over cu_seqlens is a loop of the
 # compiled kernel on every Triton release (a specialised 1 would be a Python int there)
 @triton.jit(do_not_specialize=["batch"])
@@ -237,6 +282,13 @@ def rotary_kernel(
     CAT: tl.constexpr = False, CAT_SLOT: tl.constexpr = 0, cat_split=None, q2_ptr=None, k2_ptr=None,
     wq2_ptr=None, wk2_ptr=None, q2_stride_t0=None, q2_stride_t1=None, q2_stride_t2=None, q2_stride_head=None,
     k2_stride_t0=None, k2_stride_t1=None, k2_stride_t2=None, k2_stride_head=None,
+    KV_CACHE: tl.constexpr = False, slot_ptr=None, n_slots=None, block_size=None, kv_capacity=None,
+    kc_ptr=None, kc_stride_block=None, kc_stride_slot=None, kc_stride_head=None,
+    vc_ptr=None, vc_stride_block=None, vc_stride_slot=None, vc_stride_head=None,
+    vsrc_ptr=None, vsrc_stride_token=None, vsrc_stride_head=None, vsrc_heads=None,
+    k_scale_ptr=None, v_scale_ptr=None, wvn_ptr=None, wvn_stride_head=None,
+    KC_FP8: tl.constexpr = False, VC_FP8: tl.constexpr = False, V_DIM: tl.constexpr = 0, V_PAD: tl.constexpr = 0,
+    BLOCK_V: tl.constexpr = 1, V_NORM: tl.constexpr = False, V_W: tl.constexpr = False,
 ):
     """Rotate the rows of one token of q (and k, and v): grid = (tokens, nsplit).
 
@@ -259,7 +311,15 @@ def rotary_kernel(
     CAT_SLOT (0, 1, 2: t0, t1, t2), as `cat([x, x2], dim)` would write it: the tokens from index cat_split on
     read the second piece (q2_ptr, k2_ptr at index - cat_split, strides q2_stride_*, its norm weight wq2_ptr,
     wk2_ptr), the others the first; the output is the joined tensor (ops/cat_rotary.py, docs/design.md 4.4).
-    Off by default, compiling to the code before it existed; one token a program (TOKS 1) under it."""
+    Off by default, compiling to the code before it existed; one token a program (TOKS 1) under it.
+    With KV_CACHE (ops/kv_cache.py, docs/design.md 4.6), the program is also its token's KV-cache write: the
+    tokens are x's first dim, the token's slot is slot_mapping[token] (slot_ptr; -1, and every token from n_slots
+    on, writes nothing; a slot past kv_capacity fails the device assert and writes nothing), and k's rotated rows
+    (the whole head, pass-through lanes included) are stored into the slot's rows of the k cache (kc_ptr, strides
+    per block, slot and head; lanes contiguous) instead of an output, quantised to FP8 by *k_scale_ptr with
+    KC_FP8; then v's rows (vsrc_ptr, vsrc_heads heads of V_DIM lanes, BLOCK_V a block, work items after k's) are
+    copied into the v cache's slot, normalised first with V_NORM. Off by default, compiling to the code before it
+    existed; NSIDES 2 and one token a program under it."""
     HALF: tl.constexpr = ROT // 2
     PASS: tl.constexpr = HEAD_DIM - ROT
     ROWS_FORM: tl.constexpr = NEOX_ROW or INTERLEAVED  # a block is one tile, split into pairs in registers
@@ -359,6 +419,16 @@ def rotary_kernel(
     KV_TAIL: tl.constexpr = 0 if OFFSET_Q_ONLY else TAIL_PAD
     SIDE_OFFSET: tl.constexpr = (OFFSET, KV_OFFSET, KV_OFFSET)
     SIDE_TAIL: tl.constexpr = (TAIL_PAD, KV_TAIL, KV_TAIL)
+    SIDE_FP8: tl.constexpr = (False, KC_FP8, False)  # k's rows go to an FP8 cache (KV_CACHE)
+    if KV_CACHE:  # the token's cache slot: a padding token (slot < 0), or one past slot_mapping, writes nothing
+        slot = tl.load(slot_ptr + tok, mask=tok < n_slots, other=-1).to(tl.int64)
+        tl.device_assert(slot < kv_capacity, "rope_fusion: a slot outside the KV cache's blocks")
+        slot_ok = (slot >= 0) & (slot < kv_capacity)
+        slot = tl.where(slot_ok, slot, 0)
+        kc_row = kc_ptr + (slot // block_size) * kc_stride_block + (slot % block_size) * kc_stride_slot
+        vc_row = vc_ptr + (slot // block_size) * vc_stride_block + (slot % block_size) * vc_stride_slot
+        if KC_FP8:
+            k_scale = tl.load(k_scale_ptr)
     for side in tl.static_range(NSIDES):
         # side 0 is q, 1 is k, 2 is v: a compile-time choice, so each side's code has its own dtypes.
         x_row = _token_row(x_ptrs[side], i0, i1, i2, x_strides[side])
@@ -368,6 +438,11 @@ def rotary_kernel(
         nheads = side_heads[side]
         w_ptr = w_ptrs[side]
         swh = w_strides[side]
+        if KV_CACHE:
+            if side == 1:  # k's rows go to the slot's rows of the k cache; none for a token that writes nothing
+                o_row = kc_row
+                soh = kc_stride_head
+                nheads = tl.where(slot_ok, nheads, 0)
         if CAT:  # the token's piece of a joined x: a select per program (the rows of a token are in one piece)
             ci = (i0, i1, i2)[CAT_SLOT]
             second = ci >= cat_split
@@ -505,6 +580,9 @@ def rotary_kernel(
                     a, b = _split_pairs(a, BLOCK_H, HALF_PAD, NEOX_ROW)
                 oa = a * ca_w - b * sa_w
                 ob = b * cb_w + a * sb_w
+                if SIDE_FP8[side]:
+                    oa = _to_e4m3(oa, k_scale)
+                    ob = _to_e4m3(ob, k_scale)
                 _store_block(o_row + hcol * soh, oa, ob, m, hmask, row, j, BH, HALF, BLOCK_H, HALF_PAD, NEOX_ROW,
                              INTERLEAVED, False, OMOD)
                 if SIDE_TAIL[side] > 0:
@@ -563,7 +641,17 @@ def rotary_kernel(
                     a, b = _split_pairs(a, ROWS, HALF_PAD, NEOX_ROW)
                 oa = a * ca_w - b * sa_w
                 ob = b * cb_w + a * sb_w
+                if SIDE_FP8[side]:
+                    oa = _to_e4m3(oa, k_scale)
+                    ob = _to_e4m3(ob, k_scale)
                 _store_block(oh + SIDE_OFFSET[side], oa, ob, m, hmask, row, j, BH, HALF, ROWS, HALF_PAD, NEOX_ROW,
                              INTERLEAVED, DEINTERLEAVE, OMOD)
                 if SIDE_TAIL[side] > 0:
+                    if SIDE_FP8[side]:
+                        t = _to_e4m3(t, k_scale)
                     tl.store(oh + plane, t.to(oh.dtype.element_ty), mask=pmask, cache_modifier=OMOD)
+    if KV_CACHE:  # v's rows into the v cache's slot: work items after the head blocks of q and of k
+        before = nbq + nbk
+        _copy_rows(vsrc_ptr + tok * vsrc_stride_token, vc_row, vsrc_stride_head, vc_stride_head,
+                   tl.where(slot_ok, vsrc_heads, 0), (split + nsplit - before % nsplit) % nsplit, nsplit, eps,
+                   wvn_ptr, wvn_stride_head, v_scale_ptr, V_DIM, V_PAD, BLOCK_V, V_NORM, V_W, VC_FP8, MATH_FP64, cdt)

@@ -341,9 +341,12 @@ def heads_fit_int32(p: Plan, block_h: int, weight_strides: Sequence) -> bool:
 
 def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, params: RotaryParams, *,
                  block_h: int | None = None, num_warps: int | None = None, nsplit: int | None = None,
-                 neox_row: bool | None = None, stream: bool | None = None, held: bool | None = None) -> tuple:
+                 neox_row: bool | None = None, stream: bool | None = None, held: bool | None = None,
+                 copy_blocks: int = 0) -> tuple:
     """(grid, scalar arguments, compile-time constants with num_warps) of one launch of plan p: the tile rules
-    above, where the tuning options (`launch`'s) do not set them."""
+    above, where the tuning options (`launch`'s) do not set them. `copy_blocks`: work items the launch does after
+    the rotated head blocks (the KV-cache write's v rows, kernels/triton_kv_cache.py), counted where the programs
+    per token are chosen; a launch with them takes one token a program."""
     if params.offset_q_only and params.norm != "none":
         raise ValueError("offset_q_only with a norm: the kernel's norm takes one head dim for every side; "
                          "make_launches gives each tensor a launch of its own")
@@ -371,7 +374,7 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
     # a norm across heads whose heads all fit one block takes its statistics from that tile (a larger block to
     # get there was slower in the norm sweep: 1.32x against 1.17x the floor at 12 heads x 128)
     one_block = params.norm == "rms_across_heads" and all(is_true(h <= bh) for h in p.heads)
-    nblocks = sum(-(-hint(h, 1) // bh) for h in p.heads)  # work items: head blocks of q, then of k
+    nblocks = sum(-(-hint(h, 1) // bh) for h in p.heads) + copy_blocks  # work items: q's blocks, k's, copies
     if nsplit is None:
         nsplit = 1
         if params.rotary_offset:  # every head block a program of its own (HEAD_PASS_TILE_ELEMENTS)
@@ -383,7 +386,8 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
             nsplit = torch.sym_max(1, torch.sym_min(nblocks, (ntok + MIN_PROGRAMS - 1) // ntok))
     toks = 1
     if (isinstance(ntok, int) and nsplit == 1 and all(isinstance(h, int) and h == 1 for h in p.heads)
-            and params.norm != "rms_across_heads" and ntok % ROW_TOKENS == 0 and ntok // ROW_TOKENS >= MIN_PROGRAMS):
+            and params.norm != "rms_across_heads" and ntok % ROW_TOKENS == 0 and ntok // ROW_TOKENS >= MIN_PROGRAMS
+            and not copy_blocks):
         toks = ROW_TOKENS
     side_blocks = [-(-h // bh) if isinstance(h, int) else 0 for h in p.heads]
     held = held and not one_block and max(side_blocks) * bh * lanes_pad <= HELD_ELEMENTS
@@ -429,7 +433,7 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
                 # the joined form off (kernels/triton_cat.py sets it): every parameter is passed, at its default
                 # here, since the user-kernel node of torch 2.11 takes none of a kernel's defaults ("Incorrect
                 # number of arguments passed to kernel") and the compiled launcher's check wants them all
-                **CAT_OFF,
+                **CAT_OFF, **KV_OFF,
                 num_warps=num_warps or warps_for(bh * lanes_pad, "head_pass" if params.rotary_offset else
                                                   "rows" if interleaved or neox_row else "halves"))
     return (ntok // toks if toks > 1 else ntok, nsplit), scalars, meta
@@ -438,6 +442,12 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
 # the kernel's joined-form parameters at their defaults: a launch that reads no second pieces
 CAT_OFF = dict(CAT=False, CAT_SLOT=0, cat_split=None, q2_ptr=None, k2_ptr=None, wq2_ptr=None, wk2_ptr=None,
                **{f"{s}2_stride_{a}": None for s in "qk" for a in ("t0", "t1", "t2", "head")})
+# the kernel's KV-cache write at its defaults: a launch that writes no cache (kernels/triton_kv_cache.py sets it)
+KV_OFF = dict(KV_CACHE=False, slot_ptr=None, n_slots=None, block_size=None, kv_capacity=None, kc_ptr=None,
+              kc_stride_block=None, kc_stride_slot=None, kc_stride_head=None, vc_ptr=None, vc_stride_block=None,
+              vc_stride_slot=None, vc_stride_head=None, vsrc_ptr=None, vsrc_stride_token=None, vsrc_stride_head=None,
+              vsrc_heads=None, k_scale_ptr=None, v_scale_ptr=None, wvn_ptr=None, wvn_stride_head=None, KC_FP8=False,
+              VC_FP8=False, V_DIM=0, V_PAD=0, BLOCK_V=1, V_NORM=False, V_W=False)
 
 
 def packed_batch(tables: Tables) -> Any:

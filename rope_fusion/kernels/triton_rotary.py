@@ -17,7 +17,12 @@ import torch
 from ..ops.backends import Backend, SiteSpec, emit_op_call, register_backend
 from ..ops.library import define_rotary_ops, register_device_kernel
 from ..ops.schema import RotaryCall
-from . import triton_cat, triton_launch, triton_slice  # noqa: F401  (the slice and cat ops' CUDA kernels register)
+from . import (  # noqa: F401  (the slice, cat and KV-cache ops' CUDA kernels register)
+    triton_cat,
+    triton_kv_cache,
+    triton_launch,
+    triton_slice,
+)
 from .triton_graph import emit_triton
 from .triton_launch import launch, launch_call, plan_eager
 from .triton_plan import KERNEL_FIELDS, MAX_HEAD_DIM

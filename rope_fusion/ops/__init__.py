@@ -1,9 +1,11 @@
-"""The fused rotary op: its one schema, reference semantics, Inductor lowering and backend registry."""
+"""The fused rotary op: its one schema, reference semantics, Inductor lowering and backend registry; the op with a
+KV-cache write (kv_cache*.py)."""
 
 from . import (
     backends,  # noqa: F401
     lowering,  # noqa: F401  (registers the Inductor lowering)
 )
+from .kv_cache_api import apply_rotary_qk_kv_cache  # noqa: F401
 from .library import (  # noqa: F401
     apply_rotary,
     apply_rotary_qk,

@@ -393,7 +393,7 @@ def tensor_geometry(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
 
 
-def _direct_key(xs: tuple, cos: Any, sin: Any, options: dict) -> tuple | None:
+def direct_key(xs: tuple, cos: Any, sin: Any, options: dict) -> tuple | None:
     """The plan key of a call that may go straight to its device's kernel: the arity, each tensor's geometry and
     every other option as the caller spelled it (an order of keywords is a key of its own). None where the call
     must go through the op: tracing, a dispatch mode or functorch transform (fake and functional tensors live
@@ -433,20 +433,14 @@ def _apply(xs: tuple, cos: torch.Tensor, sin: torch.Tensor, options: dict) -> An
     (torch.compile, FX, fake tensors) or a dispatch mode, it calls the op, so the mode, the tracer and autograd
     see `rope_fusion::rotary*`."""
     arity = len(xs)
-    key = _direct_key(xs, cos, sin, options)
+    key = direct_key(xs, cos, sin, options)
     plan = _EAGER_PLANS.get(key) if key is not None else None
     if plan is None:
         keywords = _KEYWORDS[arity]
         if not keywords.issuperset(options):
             unknown = sorted(set(options) - keywords)
             raise TypeError(f"unknown option(s) {unknown}; expected {sorted(keywords)}")
-    positions = options.pop("positions", None)
-    cu_seqlens, offsets = options.pop("cu_seqlens", None), options.pop("seqlen_offsets", None)
-    if offsets is not None and not isinstance(offsets, torch.Tensor):
-        cos, sin = _offset_caches(cos, sin, offsets, cu_seqlens)
-        offsets = None
-    own = [options.pop(f"{n}_norm_weight", None) for n in TENSOR_NAMES[arity]] if arity > 1 else [None]
-    weights = _weights(arity, options.pop("norm_weight", None), own)
+    cos, sin, positions, weights, cu_seqlens, offsets = _tensor_options(arity, cos, sin, options)
     if plan is None:
         tensors = (*xs, cos, sin, positions, *(weights or ()), cu_seqlens, offsets)
         call = RotaryCall(list(xs), cos, sin, _resolve(xs, options), positions, weights, cu_seqlens, offsets)
@@ -460,6 +454,28 @@ def _apply(xs: tuple, cos: torch.Tensor, sin: torch.Tensor, options: dict) -> An
         _EAGER_PLANS[key] = plan
     outs = plan.run(xs, cos, sin, positions, weights, cu_seqlens, offsets)
     return outs[0] if arity == 1 else tuple(outs)
+
+
+def _tensor_options(arity: int, cos: torch.Tensor, sin: torch.Tensor, options: dict) -> tuple:
+    """(cos, sin, positions, norm weights, cu_seqlens, seqlen_offsets) of a public call, popped from its options (an
+    int seqlen_offsets turned into views of the caches), which keep the RotaryParams fields."""
+    positions = options.pop("positions", None)
+    cu_seqlens, offsets = options.pop("cu_seqlens", None), options.pop("seqlen_offsets", None)
+    if offsets is not None and not isinstance(offsets, torch.Tensor):
+        cos, sin = _offset_caches(cos, sin, offsets, cu_seqlens)
+        offsets = None
+    own = [options.pop(f"{n}_norm_weight", None) for n in TENSOR_NAMES[arity]] if arity > 1 else [None]
+    weights = _weights(arity, options.pop("norm_weight", None), own)
+    return cos, sin, positions, weights, cu_seqlens, offsets
+
+
+def rotary_call(xs: tuple, cos: torch.Tensor, sin: torch.Tensor, options: dict) -> RotaryCall:
+    """The `RotaryCall` of a public call's tensors and its rotary options (tensor keywords and RotaryParams fields,
+    None where not given; popped from `options`): what the public functions build, for the functions of other op
+    families that take every rotary option too (ops/kv_cache_api.py). Not checked."""
+    cos, sin, positions, weights, cu_seqlens, offsets = _tensor_options(len(xs), cos, sin, options)
+    params = _resolve(xs, {k: options.pop(k) for k in list(options) if k in RotaryParams.__dataclass_fields__})
+    return RotaryCall(list(xs), cos, sin, params, positions, weights, cu_seqlens, offsets)
 
 
 def _offset_caches(cos: torch.Tensor, sin: torch.Tensor, offset: Any, cu_seqlens: Any) -> tuple:

@@ -1,0 +1,117 @@
+"""The cache ops as torch.library operators, `rope_fusion::rotary_qk_kv_cache` and `rotary_qk_mla_cache`, and their
+dispatch (ops/kv_cache.py has their meaning).
+
+They mutate their caches (`Tensor(a!)`): traced, they are `auto_functionalized`, and Inductor writes the caches in
+place. Eagerly a kernel registered for the tensors' device serves a call (`register_cache_kernel`: the Triton
+kernel's KV-cache epilogue on CUDA, kernels/triton_kv_cache.py; torch_npu's fused ops on Ascend,
+kernels/npu_kv_cache.py), and the reference (ops/kv_cache_reference.py) wherever none does or the kernel declines the
+call. They are not differentiable: a cache write is inference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .kv_cache import JOINT_SCHEMA, SEPARATE_SCHEMA, CacheCall, check, parse_joint, parse_separate
+from .kv_cache_reference import reference
+from .library import LIBRARY, tensor_geometry
+from .optional_backends import load_backends
+
+# impl(cc) -> q rotated ([T, Hq, Dq]) after writing the caches, or None where the kernel does not take the call (the
+# reference then runs)
+Impl = Callable[[CacheCall], "torch.Tensor | None"]
+DEVICE_IMPLS: dict[str, Impl] = {}
+
+
+def register_cache_kernel(device_type: str, impl: Impl) -> None:
+    """Serve the cache ops on one device type with `impl` (None from it: the reference)."""
+    DEVICE_IMPLS[device_type] = impl
+
+
+def run(cc: CacheCall) -> torch.Tensor:
+    """A checked call on its device: the device's kernel, else the reference; q rotated in the caller's shape."""
+    load_backends()  # the device's kernel registers when its backend imports
+    impl = DEVICE_IMPLS.get(cc.q.device.type)
+    out = impl(cc) if impl is not None else None
+    if out is None:
+        out = reference(cc)
+    return out.view(cc.q_shape)
+
+
+Parse = Callable[[Sequence[Any], dict], CacheCall]
+_CHECKED: set = set()  # (parser, geometry) of the calls that passed `check`
+_MAX_CHECKED = 4096
+
+
+def geometry_key(args: Sequence[Any], kw: dict) -> tuple | None:
+    """What `check` depends on: every tensor's geometry (`library.tensor_geometry`: shape, strides, dtype, device,
+    alignment) and every other argument; None where one cannot be a key."""
+    def part(a: Any) -> Any:
+        return tensor_geometry(a) if isinstance(a, torch.Tensor) else a
+    try:
+        key = (tuple(part(a) for a in args), tuple((k, part(v)) for k, v in kw.items()))
+        hash(key)
+    except (TypeError, RuntimeError):  # a tensor without storage (fake tensors), an unhashable argument
+        return None
+    return key
+
+
+def checked(parse: Parse, args: Sequence[Any], kw: dict) -> CacheCall:
+    """The parsed call, checked once per geometry: Inductor's graph calls the op once per layer with one geometry,
+    and the checks cost more host time than the launch."""
+    cc = parse(args, kw)
+    key = geometry_key(args, kw)
+    if key is not None:
+        key = (parse.__name__, key)
+    if key is None or key not in _CHECKED:
+        check(cc)
+        if key is not None:
+            if len(_CHECKED) >= _MAX_CHECKED:
+                _CHECKED.clear()
+            _CHECKED.add(key)
+    return cc
+
+
+def _eager(parse: Parse) -> Callable[..., torch.Tensor]:
+    def run_op(*args: Any, **kw: Any) -> torch.Tensor:
+        return run(checked(parse, args, kw))
+    return run_op
+
+
+def _fake(parse: Parse) -> Callable[..., torch.Tensor]:
+    def fake(*args: Any, **kw: Any) -> torch.Tensor:
+        cc = parse(args, kw)
+        check(cc)
+        return cc.q.new_empty(cc.q_shape, dtype=cc.call.params.out_dtype)
+    return fake
+
+
+def _not_differentiable(name: str) -> Callable[..., torch.Tensor]:
+    """The op's Autograd kernel: a call that would record a gradient raises, where torch's fallback for an op with no
+    autograd formula (a mutating op may not have one) would warn at the backward and give no gradient, a silently
+    wrong one; any other call goes on below autograd."""
+    def run_op(*args: Any, **kw: Any) -> torch.Tensor:
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                           for a in (*args, *kw.values())):
+            raise RuntimeError(f"rope_fusion::{name} is not differentiable: it writes a KV cache, which is inference. "
+                               "Call it under torch.no_grad() or torch.inference_mode(), or rotate with "
+                               "rope_fusion.apply_rotary_qk where a gradient is needed")
+        with torch._C._AutoDispatchBelowAutograd():
+            return getattr(torch.ops.rope_fusion, name).default(*args, **kw)
+    return run_op
+
+
+def _define(name: str, schema: str, parse: Parse) -> Any:
+    qualname = f"rope_fusion::{name}"
+    torch.library.define(qualname, schema, lib=LIBRARY)
+    torch.library.impl(qualname, "default", lib=LIBRARY)(_eager(parse))
+    torch.library.register_fake(qualname, lib=LIBRARY)(_fake(parse))
+    LIBRARY.impl(name, _not_differentiable(name), "Autograd")
+    return getattr(torch.ops.rope_fusion, name).default
+
+
+KV_CACHE_OP = _define("rotary_qk_kv_cache", SEPARATE_SCHEMA, parse_separate)
+MLA_CACHE_OP = _define("rotary_qk_mla_cache", JOINT_SCHEMA, parse_joint)
