@@ -339,3 +339,18 @@ def test_auto_checks_the_fold_of_a_write_back(clock, triton_on_cpu, monkeypatch)
         assert fusion_check.STATS["refused"] == before + wrong
         assert bool(_disagreements(p)) == wrong, p.report.table()
         check_numerics(write_back, (x.clone(), cos, sin), out)
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_auto_checks_gathered_tables_on_valid_positions(clock, monkeypatch, wrong):
+    """Positions that `auto` builds pick valid rows of the cache, so the candidates are compared, not skipped."""
+    _kernel(wrong, monkeypatch)
+    clock.times = {"left": 10e-6, "triton": 2e-6, "inductor": 12e-6}
+    T, P = 12, 40
+    args = (torch.randn(T, 4, 16), torch.randn(T, 2, 16), torch.randn(P, 16), torch.randint(0, P, (T,)))
+    before = dict(fusion_check.STATS)
+    out, p = compile_with_pass(gathered, *args, verify=False)
+    assert fusion_check.STATS["checked"] == before.get("checked", 0) + 2
+    assert fusion_check.STATS["skipped"] == before.get("skipped", 0)
+    assert bool(_disagreements(p)) == wrong and bool(p.report.kernels) != wrong, p.report.table()
+    check_numerics(gathered, args, out)
