@@ -127,8 +127,8 @@ def test_long_profile(capsys):
 # -- the hazard families (tests/fuzz/hazards.py) ------------------------------------------------------------------
 
 # The fast profile's hazard cases: host tables written between calls through every path (a few ms each). The other
-# families compile (a few seconds each; the slice-write bases through real Inductor and the interpreted kernel, a
-# minute): they run in the long profile.
+# families compile (1-15 s each on 2 cores; the slice-write bases through real Inductor and the interpreted kernel):
+# they run in the long profile.
 HAZARD_FAST_SEEDS = tuple(s for s in range(140) if hazards.HAZARD_FAMILIES[s % 7] == "host_table")
 
 
@@ -139,7 +139,7 @@ def test_hazard_fast_profile(seed):
     assert not o.problems, f"{o.line()}\n\n{case.source}"
 
 
-# Each class of the round-4 table (issue 41), as the tag of the draws that produce it.
+# Each class of the round-4 table, as the tag of the draws that produce it.
 HAZARD_CLASSES = {
     "1. a slice-write base whose rows overlap": "base:overlap",
     "1b. a non-dense base with gaps, read again": "base:gaps",
