@@ -8,7 +8,9 @@ Kernel rows (the calibration rows of rope_fusion/passes/calibration.py, and the 
   a timed loop of calls with their launches), so the choice can be checked against the fastest;
 - `cold s` / `warm s` / `off s`: the first call's seconds (the compile) with measuring on and an empty decision
   cache, again with the decisions cached (Dynamo reset, FX graph cache off: the pass runs and times nothing), and
-  with measuring off.
+  with measuring off;
+- `check %`: the self-check's share of the cold compile (passes/fusion_check.py: the fused candidates' first
+  outputs against left's under the numbers contract; the target is at most 2%), and how many it refused.
 
 Models (benchmarks/models.py builders, default flux and qwen2.5-vl-vision): per model and mode the compile's
 seconds cold (measure on, empty caches), warm (decisions cached) and with measure off, the sites each fused or
@@ -25,6 +27,7 @@ table per group; `--out` writes the records as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -40,7 +43,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 import torch  # noqa: E402
 
 import rope_fusion  # noqa: E402
-from rope_fusion.passes import auto_clock, auto_timing, calibration  # noqa: E402
+from rope_fusion.passes import auto_clock, auto_timing, calibration, fusion_check  # noqa: E402
 
 VISION = calibration.Row("vision D=80 fp32 math (32768x16x80)", "neox", "none", 80, 16, 16,
                          {"triton": ("triton_padded", "none")})
@@ -82,6 +85,18 @@ def choices(p: Any) -> list[str]:
                   | {f"left: {m.reason}" for m in r.misses if m.reason.startswith("left to Inductor")})
 
 
+@contextlib.contextmanager
+def check_share(rec: dict, key: str):
+    """The self-check's seconds, checks and refusals while the block runs, and its share of `rec[key]` (seconds
+    the block sets)."""
+    before = dict(fusion_check.STATS)
+    yield
+    rec["check_s"] = fusion_check.STATS["seconds"] - before.get("seconds", 0.0)
+    rec["checked"] = fusion_check.STATS["checked"] - before.get("checked", 0)
+    rec["refused"] = fusion_check.STATS["refused"] - before.get("refused", 0)
+    rec["check_share"] = rec["check_s"] / rec[key] if rec.get(key) else None
+
+
 def compiled(fn: Callable, p: Any | None) -> Callable:
     return torch.compile(fn, options={"post_grad_custom_post_pass": p} if p is not None else None)
 
@@ -91,8 +106,9 @@ def run_row(row: calibration.Row, graphs: bool, device: str, tokens: int, dtype:
     site = calibration.site_fn(row)
     rec: dict = {"row": row.name, "mode": "graphs" if graphs else "launches"}
     fresh_cache()
-    p = rope_fusion.RopeFusionPass(cuda_graphs=graphs)
-    rec["cold_s"] = first_call(compiled(site, p), args)
+    p = rope_fusion.RopeFusionPass(cuda_graphs=graphs, verify=False)
+    with check_share(rec, "cold_s"):
+        rec["cold_s"] = first_call(compiled(site, p), args)
     rec["auto"] = choice_of(p)
     p = rope_fusion.RopeFusionPass(cuda_graphs=graphs)
     timed = auto_timing.STATS["timed"]
@@ -123,9 +139,10 @@ def run_model(name: str, graphs: bool, device: str, dtype: torch.dtype, quick: b
     fns = {}
     for label, measure in (("on", True), ("off", False)):
         fresh_cache()
-        p = rope_fusion.RopeFusionPass(cuda_graphs=graphs, measure=measure)
+        p = rope_fusion.RopeFusionPass(cuda_graphs=graphs, measure=measure, verify=False)
         fn = torch.compile(model, options={"post_grad_custom_post_pass": p, "triton.cudagraphs": graphs})
-        rec[f"cold_{label}_s"] = first_call(fn, (), inputs)
+        with check_share(rec, f"cold_{label}_s") if measure else contextlib.nullcontext():
+            rec[f"cold_{label}_s"] = first_call(fn, (), inputs)
         rec[f"sites_{label}"] = p.report.summary()
         rec[f"auto_{label}"] = choices(p)
         if measure:
@@ -147,28 +164,34 @@ def _num(v: Any, fmt: str = ".2f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def _share(r: dict) -> str:
+    """The self-check's share of the cold compile, and its refusals if any."""
+    share = r.get("check_share")
+    return "-" if share is None else f"{share:.2%}" + (f" R{r['refused']}" if r.get("refused") else "")
+
+
 def print_rows(records: list[dict]) -> None:
     print(f"{'row':38s} {'mode':8s} {'plain':>8s} {'triton':>8s} {'induct':>8s} {'cold s':>7s} {'warm s':>7s} "
-          f"{'off s':>6s}  auto / table")
+          f"{'off s':>6s} {'check %':>8s}  auto / table")
     for r in records:
         if "error" in r:
             print(f"{r['row']:38s} {r['mode']:8s} error: {r['error']}")
             continue
         us = r["us"]
         print(f"{r['row']:38s} {r['mode']:8s} {_num(us.get('plain'), '.1f'):>8s} {_num(us.get('triton'), '.1f'):>8s} "
-              f"{_num(us.get('inductor'), '.1f'):>8s} {r['cold_s']:7.1f} {r['warm_s']:7.1f} {r['off_s']:6.1f}  "
-              f"{r['auto']} / {r['table']}")
+              f"{_num(us.get('inductor'), '.1f'):>8s} {r['cold_s']:7.1f} {r['warm_s']:7.1f} {r['off_s']:6.1f} "
+              f"{_share(r):>8s}  {r['auto']} / {r['table']}")
 
 
 def print_models(records: list[dict]) -> None:
     print(f"{'model':20s} {'mode':8s} {'cold on':>8s} {'cold off':>8s} {'warm on':>8s} {'ms on':>8s} {'ms off':>8s}"
-          "  sites (on)")
+          f" {'check %':>8s}  sites (on)")
     for r in records:
         if "error" in r:
             print(f"{r['model']:20s} {r['mode']:8s} error: {r['error']}")
             continue
         print(f"{r['model']:20s} {r['mode']:8s} {r['cold_on_s']:8.1f} {r['cold_off_s']:8.1f} {r['warm_on_s']:8.1f} "
-              f"{r['ms_on']:8.3f} {r['ms_off']:8.3f}  {r['sites_on']}")
+              f"{r['ms_on']:8.3f} {r['ms_off']:8.3f} {_share(r):>8s}  {r['sites_on']}")
         for line in r["auto_on"]:
             print(f"    {line}")
 
@@ -229,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
           f"table {auto_timing.STATS['table']}; median cold compile with measuring on / off: "
           f"{statistics.median([r['cold_s'] for r in result['rows'] if 'cold_s' in r] or [0]):.1f} s / "
           f"{statistics.median([r['off_s'] for r in result['rows'] if 'off_s' in r] or [0]):.1f} s")
+    shares = [r["check_share"] for r in result["rows"] + result["models"] if r.get("check_share") is not None]
+    print(f"self-check: {fusion_check.STATS['checked']} candidates compared, {fusion_check.STATS['refused']} refused; "
+          f"its share of a cold compile: max {max(shares, default=0):.2%}, median "
+          f"{statistics.median(shares or [0]):.2%} (target: at most 2%)")
     return 0
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .library import LIBRARY, tensor_geometry
+from .library import LIBRARY, reference_only, tensor_geometry
 from .optional_backends import load_backends
 from .reference import rms_norm, rotary_reference
 from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, check_call, math_dtype, op_schema
@@ -186,7 +186,7 @@ def _eager(arity: int) -> Callable[..., Any]:
     def run(*args: Any, **kw: Any) -> Any:
         cat = _parsed(arity, args, kw)
         load_backends()  # the device's kernel registers when its backend imports
-        impl = DEVICE_IMPLS.get(cat.firsts[0].device.type)
+        impl = None if reference_only() else DEVICE_IMPLS.get(cat.firsts[0].device.type)
         outs = impl(cat) if impl is not None else None
         return _result(outs if outs is not None else reference(cat))
     return run

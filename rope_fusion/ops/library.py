@@ -12,12 +12,14 @@ Every signature comes from `schema.RotaryParams` and `schema.optional_tensor_nam
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
 import re
+import threading
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -63,6 +65,27 @@ def _fake(arity: int) -> Callable[..., Any]:
     return fake
 
 
+_REFERENCE = threading.local()
+
+
+@contextlib.contextmanager
+def reference_kernels() -> Iterator[None]:
+    """Inside (this thread), every eager call of the package's ops runs the reference, whatever kernel its device
+    has: the pass's self-check evaluates a fused form on the CPU by the op's semantics (passes/fusion_check.py),
+    where a device kernel can only be a stand-in (the tests' interpreted Triton kernel, 1 s a call)."""
+    depth = getattr(_REFERENCE, "depth", 0)
+    _REFERENCE.depth = depth + 1
+    try:
+        yield
+    finally:
+        _REFERENCE.depth = depth
+
+
+def reference_only() -> bool:
+    """Whether eager calls run the reference now (`reference_kernels`)."""
+    return getattr(_REFERENCE, "depth", 0) > 0
+
+
 def _eager(impl: Impl | None, arity: int, takes_packed: bool = False) -> Callable[..., Any]:
     def run(*args: Any, **kw: Any) -> Any:
         call = RotaryCall.parse(args, kw, arity)
@@ -70,7 +93,7 @@ def _eager(impl: Impl | None, arity: int, takes_packed: bool = False) -> Callabl
         load_backends()  # a compiled graph may run the op before any eager call imported the device kernels
         if not takes_packed:
             call = unpacked(call)  # packed sequences: the implementation takes their positions
-        outs = impl(call) if impl is not None else None
+        outs = impl(call) if impl is not None and not reference_only() else None
         return _result(outs if outs is not None else reference_outputs(call))
     return run
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .library import LIBRARY, reference_outputs, tensor_geometry
+from .library import LIBRARY, reference_only, reference_outputs, tensor_geometry
 from .optional_backends import load_backends
 from .overlap import overlap_reason
 from .packed import unpacked
@@ -206,7 +206,8 @@ def _eager(arity: int) -> Callable[..., None]:
         kw, bounds = split_kwargs(kw)
         views = slice_views(list(args[:arity]), bounds)
         rest = tuple(args[arity:])
-        key = _plan_key(arity, views, rest, kw)
+        kernels = not reference_only()  # else the reference, whatever kernel the device has
+        key = _plan_key(arity, views, rest, kw) if kernels else None
         planned = _PLANS.get(key) if key is not None else None
         if planned is not None:
             _run_plan(planned, arity, views, rest)
@@ -225,7 +226,7 @@ def _eager(arity: int) -> Callable[..., None]:
                 _run_plan(runner, arity, views, rest)
                 return
         call = unpacked(call)
-        impl = IN_PLACE.get(views[0].device.type)
+        impl = IN_PLACE.get(views[0].device.type) if kernels else None
         if impl is not None and impl(call, views):
             return
         for view, out in zip(views, reference_outputs(call)):  # the reference reads x before any view is written
@@ -241,7 +242,8 @@ def _into_eager(arity: int) -> Callable[..., None]:
         views = slice_views(outs, bounds)
         rest = tuple(args[arity:])
         xs, tail = list(rest[:arity]), rest[arity:]
-        key = _plan_key(arity, views, rest, {**kw, "into": True})
+        kernels = not reference_only()  # else the reference, whatever kernel the device has
+        key = _plan_key(arity, views, rest, {**kw, "into": True}) if kernels else None
         planned = _PLANS.get(key) if key is not None else None
         if planned is not None and not _shares_memory(xs, views):
             _run_plan(planned, arity, xs, tail, views)
@@ -263,7 +265,7 @@ def _into_eager(arity: int) -> Callable[..., None]:
                 _run_plan(runner, arity, xs, tail, views)
                 return
         call = unpacked(call)
-        impl = IN_PLACE.get(views[0].device.type)
+        impl = IN_PLACE.get(views[0].device.type) if kernels else None
         if impl is not None and impl(call, views):
             return
         for view, out in zip(views, reference_outputs(call)):

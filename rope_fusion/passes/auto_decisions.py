@@ -97,6 +97,8 @@ class Decision:
     choice: str  # "triton", "inductor" or "left"
     timings_us: dict
     margin: float
+    # candidates not timed since their outputs broke the numbers contract (passes/fusion_check.py): never cached
+    refused: dict = dataclasses.field(default_factory=dict, compare=False)
 
     def describe(self) -> str:
         """"left 12.3 us, triton 13.1 us, inductor 14.0 us", fastest first."""
@@ -162,7 +164,7 @@ class DecisionCache:
             self._seen = None
             self._load()
             entries = dict(self._entries)
-            entries[key] = dataclasses.asdict(decision)
+            entries[key] = {k: v for k, v in dataclasses.asdict(decision).items() if k != "refused"}
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".auto_decisions.", suffix=".tmp")
             try:

@@ -26,6 +26,12 @@ is taken only when it is faster than "left" by `MARGIN` (2%): below that the tim
 leaving a site is never slower than plain torch.compile. Decisions are cached on disk by site signature
 (passes/auto_decisions.py), so a warm compile times nothing.
 
+Each fused candidate's first outputs under the timer are compared with "left"'s on the same inputs
+(passes/fusion_check.py): one that breaks the numbers contract is refused, its timing dropped, with a WARNING; where
+no fused candidate is left to win, the site stays as the model wrote it, its near miss "the fused form disagreed
+with the model's code on this device: ...". A decision with a refusal is not cached, so that every compile checks
+and warns again.
+
 Measuring is never a reason to fail a compile: any exception, symbolic sizes, fake or meta tensors without a
 device to time on, a region too large to extract, `RopeFusionPass(measure=False)` or `ROPE_FUSION_MEASURE=0` fall
 back to the factor table (a calibrated one where `rope-fusion calibrate` wrote it), and the report says why.
@@ -52,7 +58,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import auto_decisions
+from . import auto_decisions, fusion_check
 from .auto_clock import default_timer
 from .auto_decisions import Decision
 from .auto_region import NotMeasured, canonical, copy_region, region, starts_region
@@ -405,15 +411,26 @@ def measure(site: AutoSite, candidates: list[str], cuda_graphs: bool, built: _Bu
     timings: dict = {}
     device = site.call.xs[0].meta["val"].device
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    refusals: dict = {}  # candidates whose outputs broke the numbers contract against left's (fusion_check)
     with _standalone(), on_device:
         real = _inputs(built, site)
+        check = fusion_check.CandidateCheck(built.left, [real[n] for n in built.left_inputs], len(site.outputs),
+                                            list(real.values()))
         for name in ["left", *candidates]:
             run = _runner(name, built, site, real)
             if run is not None:
-                timings[name] = timer(name, run) * 1e6
-    if "left" not in timings or len(timings) < 2:
+                took = timer(name, check.observed(name, run)) * 1e6
+                why = check.refusal(name)
+                if why is not None:
+                    refusals[name] = why
+                else:
+                    timings[name] = took
+    if "left" not in timings or (len(timings) < 2 and not refusals):
         raise NotMeasured("no fused candidate could be timed")
-    return Decision(pick(timings), timings, MARGIN)
+    decision = Decision(pick(timings) if len(timings) > 1 else "left", timings, MARGIN, refusals)
+    if decision.choice == "left" and refusals:  # a refused candidate might have won: the site stays, and says why
+        raise fusion_check.refused(refusals, f"measured {decision.describe()}")
+    return decision
 
 
 def pick(timings: dict) -> str:
@@ -444,10 +461,13 @@ def decide(site: AutoSite, device: torch.device, candidates: list[str], cuda_gra
         decision = measure(site, candidates, cuda_graphs, built)
         STATS["timed"] += 1
         try:
-            auto_decisions.DECISIONS.put(key, decision)
+            if not decision.refused:  # a refusal is checked (and warned of) again on every compile
+                auto_decisions.DECISIONS.put(key, decision)
         except OSError as e:  # a read-only cache dir: measured again next time, the choice stands
             log.warning("rope_fusion: measured decision not cached: %s", e)
         return Outcome(decision.choice, "measured", _text("measured", decision))
+    except fusion_check.FusionDisagreed:  # every fused form that could win computes other numbers: not fused
+        raise
     except Exception as e:  # never a reason to fail the compile: the table decides
         STATS["table"] += 1
         why = str(e) if isinstance(e, NotMeasured) else f"timing failed: {type(e).__name__}: {e}"
@@ -462,7 +482,8 @@ def decide(site: AutoSite, device: torch.device, candidates: list[str], cuda_gra
 
 def _text(how: str, d: Decision) -> str:
     rule = f"a fused choice must beat left by {d.margin:.0%}"
-    return f"{how} {d.describe()}, chose {d.choice} ({rule})"
+    refused = "".join(f"; refused {name}: {why}" for name, why in d.refused.items())
+    return f"{how} {d.describe()}, chose {d.choice} ({rule}){refused}"
 
 
 __all__ = ["AutoSite", "MARGIN", "NotMeasured", "Outcome", "STATS", "TIMER", "decide", "enabled", "measure",

@@ -26,7 +26,7 @@ from typing import Any
 import torch.fx as fx
 
 from ..ops.backends import BACKEND_NAMES, LeftToInductor, SiteSpec, choose_backend
-from . import auto_timing, emission
+from . import auto_timing, emission, fusion_check
 from .emission import Emitter, GraphTransaction
 from .fx_util import hint_reads
 from .grouping import pair_up
@@ -148,7 +148,7 @@ class RopeFusionPass(PassBase):
     """Find every RoPE it can prove in a post-grad graph and replace it (or each q/k pair) with one fused op."""
 
     def __init__(self, backend: str = "auto", fuse_qk: bool = True, cache_host_tables: bool = True,
-                 cuda_graphs: bool | None = None, measure: bool = True) -> None:
+                 cuda_graphs: bool | None = None, measure: bool = True, verify: bool | None = None) -> None:
         if isinstance(backend, (fx.Graph, fx.GraphModule)):  # the class was configured where an instance goes
             raise TypeError(_misconfigured(backend, "the class RopeFusionPass"))
         if not isinstance(backend, str) or backend not in BACKEND_NAMES:
@@ -156,8 +156,9 @@ class RopeFusionPass(PassBase):
         for name, value in (("fuse_qk", fuse_qk), ("cache_host_tables", cache_host_tables), ("measure", measure)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
-        if cuda_graphs not in (None, True, False) or not isinstance(cuda_graphs, (bool, type(None))):
-            raise ValueError(f"cuda_graphs must be None, True or False, got {cuda_graphs!r}")
+        for name, value in (("cuda_graphs", cuda_graphs), ("verify", verify)):
+            if not isinstance(value, (bool, type(None))):
+                raise ValueError(f"{name} must be None, True or False, got {value!r}")
         self.backend = backend
         self.fuse_qk = fuse_qk
         self.cache_host_tables = cache_host_tables  # ops/host_tables.py
@@ -166,6 +167,9 @@ class RopeFusionPass(PassBase):
         self.cuda_graphs = cuda_graphs
         # `auto` times its choices on the compile's GPU (passes/auto_timing.py); False: the factor table decides
         self.measure = measure
+        # every fused group evaluated eagerly against the code it replaces before it is committed
+        # (passes/fusion_check.py); None reads ROPE_FUSION_VERIFY
+        self.verify = verify
         self._choices: dict = {}  # the first replaced node of a group -> how `auto` chose it (the report)
         self._host_bound = False  # the graph being fused waits on the host (set per graph)
         self.report = Report(refresh=take_in_cache_replays)
@@ -280,17 +284,24 @@ class RopeFusionPass(PassBase):
             self.report.misses.append(Miss(index, m.node.name, why, rotation_source(m.node)))
         groups = pair_up(matches, acc) if self.fuse_qk else [(m,) for m in matches]
         em = Emitter(graph, requested=self.backend)
+        known = set(graph.nodes) if fusion_check.enabled(self.verify) else None  # what the pass did not emit
         planned = []
         for group in groups:
             anchor = emission.anchor_of(group, nodes, order)
             start = anchor.prev  # a group's nodes all go between start and anchor
+            joins = dict(em.joins)
             try:
-                planned.append(emission.plan_group(em, group, nodes, anchor, self._choose, acc.depends_on))
-            except LeftToInductor as e:  # the cost model: the model's own code is faster here
+                p = emission.plan_group(em, group, nodes, anchor, self._choose, acc.depends_on)
+                if known is not None:
+                    fusion_check.verify_group(p, known, f"graph {index}: the fused {p.op_name} of {group[0].node}")
+                planned.append(p)
+            except LeftToInductor as e:  # the model's own code is faster here, or the fused form disagreed with it
                 emission.erase_between(graph, start, anchor)
+                em.joins.clear()
+                em.joins.update(joins)  # a refused group's writes into a join are not there
+                reason = str(e) if isinstance(e, fusion_check.FusionDisagreed) else f"left to Inductor: {e}"
                 for m in group:
-                    self.report.misses.append(Miss(index, m.node.name, f"left to Inductor: {e}",
-                                                   rotation_source(m.node)))
+                    self.report.misses.append(Miss(index, m.node.name, reason, rotation_source(m.node)))
             except Exception as e:  # this group stays as it was; the others still fuse
                 emission.erase_between(graph, start, anchor)
                 self.report.errors.append(GraphError(index, f"{group[0].node.name}: {type(e).__name__}: {e}",
@@ -424,7 +435,8 @@ class RopeFusionPass(PassBase):
     def _options_key(self) -> str:
         graphs = "" if self.cuda_graphs is None else f"-g{int(self.cuda_graphs)}"  # None: in Inductor's key
         return (f"rope_fusion-{source_hash()[:32]}-{self.backend}-{int(self.fuse_qk)}"
-                f"-{int(self.cache_host_tables)}{graphs}{'' if self.measure else '-nomeasure'}")
+                f"-{int(self.cache_host_tables)}{graphs}{'' if self.measure else '-nomeasure'}"
+                f"{'-verify' if fusion_check.enabled(self.verify) else ''}")
 
     @property
     def tag(self) -> str:
@@ -434,14 +446,15 @@ class RopeFusionPass(PassBase):
     # -- copying and pickling: options travel, the report does not --------------------------------
     def __getstate__(self) -> dict:
         return {"backend": self.backend, "fuse_qk": self.fuse_qk, "cache_host_tables": self.cache_host_tables,
-                "cuda_graphs": self.cuda_graphs, "measure": self.measure}
+                "cuda_graphs": self.cuda_graphs, "measure": self.measure, "verify": self.verify}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(backend={self.backend!r}, fuse_qk={self.fuse_qk}, "
-                f"cache_host_tables={self.cache_host_tables}, cuda_graphs={self.cuda_graphs}, measure={self.measure})")
+                f"cache_host_tables={self.cache_host_tables}, cuda_graphs={self.cuda_graphs}, measure={self.measure}, "
+                f"verify={self.verify})")
 
 
 def _graph_kind(graph: fx.Graph, is_inference: bool | None) -> str:

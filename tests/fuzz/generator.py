@@ -50,6 +50,13 @@ class Case:
     S: int
     S2: int
     source: str
+    # how the harness runs it (tests/fuzz/hazards.py): "forward" (compiled and called), "backward" (its gradients
+    # too), "fx_pass" (traced without decompositions, then FxPass), "host_table" (a host table written between calls)
+    run: str = "forward"
+    pass_options: tuple = ()  # RopeFusionPass keyword arguments, as (name, value) pairs
+    marks: tuple = ()  # (argument index, dim) pairs marked dynamic before the first call
+    sizes: tuple = ()  # more sizes after S (and S2) to call the compiled function at: graphs and guards counted
+    needs_full: bool = False  # only real Inductor shows what can go wrong (its reinplacing, its scheduler)
 
     @property
     def filename(self) -> str:

@@ -43,7 +43,7 @@ SILENT = "silent miss"
 FUSED_NONROT = "fused non-rotation"
 INTERNAL = "internal error"
 NO_RAISE = "no error where eager raises"
-GUARDS = "more graphs than plain"
+GUARDS = "added recompile"  # more graphs than plain compile over the same calls (a guard the pass added)
 PROBLEMS = (WRONG, BROKEN, SILENT, FUSED_NONROT, INTERNAL, NO_RAISE, GUARDS)
 # non-rotations of x that are rotations of a value the graph computes from x: fusing those is not a problem
 ROTATION_OF_COMPUTED_X = frozenset({"nonrot:complex_reflection"})
@@ -75,6 +75,7 @@ class Outcome:
     plain_raised: str = ""
     graphs_pass: int = 0
     graphs_plain: int = 0
+    guards_pass: int = 0  # shape guards the pass added (counted on the shape environment it ran in)
     detail: str = ""
     seconds: float = 0.0
 
@@ -91,13 +92,13 @@ class Outcome:
                 + (f"\n    {self.detail}" if self.detail else ""))
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:300] if text else ''}"
 
 
 @contextlib.contextmanager
-def _no_caches():
+def no_caches():
     """Caches off: a hit would skip the pass (and hide a graph from the count). Data-dependent values
     (`.item()`, nonzero) are traced into the graph, not broken out of it (fullgraph=True)."""
     with torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False), \
@@ -106,7 +107,7 @@ def _no_caches():
         yield
 
 
-def _compiled(fn, pass_, full: bool, dynamic: bool, counter: list):
+def compiled(fn, pass_, full: bool, dynamic: bool | None, counter: list):
     """fn compiled at the graph level or through real Inductor, with `pass_` (None: plain compile); every
     graph compiled appends to `counter`."""
     from torch._inductor.compile_fx import compile_fx
@@ -127,8 +128,9 @@ def _compiled(fn, pass_, full: bool, dynamic: bool, counter: list):
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)
 
 
-def _run(fn, args, pass_, full, dynamic, args2=None, one_thread=False):
-    """(outputs, outputs at the second size, graphs compiled, exception text).
+def _run(fn, args, pass_, full, dynamic, later=(), one_thread=False, marks=()):
+    """(outputs, [outputs of each later call], graphs compiled, exception text). `later`: argument tuples to call
+    the compiled function with after `args`; `marks`: (argument, dim) pairs marked dynamic before the first call.
 
     one_thread: generated C++ without OpenMP regions. A bounds assert that fires inside one throws through
     the parallel region and terminates the process (seen with plain compile on rows gathered out of range);
@@ -136,13 +138,77 @@ def _run(fn, args, pass_, full, dynamic, args2=None, one_thread=False):
     counter: list = []
     threads = torch._inductor.config.patch({"cpp.threads": 1}) if one_thread else contextlib.nullcontext()
     try:
-        with _no_caches(), threads:
-            c = _compiled(fn, pass_, full, dynamic, counter)
+        with no_caches(), threads:
+            for i, dim in marks:
+                torch._dynamo.mark_dynamic(args[i], dim)
+            c = compiled(fn, pass_, full, True if dynamic else (None if marks else False), counter)
             out = as_tuple(c(*args))
-            out2 = as_tuple(c(*args2)) if args2 is not None else None
-        return out, out2, len(counter), ""
+            outs = [as_tuple(c(*a)) for a in later]
+        return out, outs, len(counter), ""
     except Exception as e:  # recorded: the classification decides whose failure it is
-        return None, None, len(counter), _first_line(e)
+        return None, None, len(counter), first_line(e)
+
+
+def _shape_env(graph):
+    for node in graph.nodes:
+        mode = getattr(node.meta.get("val"), "fake_mode", None)
+        if mode is not None and mode.shape_env is not None:
+            return mode.shape_env
+    return None
+
+
+class CountingPass(rope_fusion.RopeFusionPass):
+    """The pass, counting the shape guards it adds to each graph's shape environment."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self.guards_added = 0
+
+    def __call__(self, graph, is_inference=None):
+        env = _shape_env(graph)
+        before = len(env.guards) if env is not None else 0
+        super().__call__(graph, is_inference)
+        self.guards_added += (len(env.guards) - before) if env is not None else 0
+
+
+@contextlib.contextmanager
+def backend_on_cpu(options: dict):
+    """The Triton backend on CPU tensors where a case asks for it: its kernel interpreted (in place for the slice
+    op, the cat op's too), as the project's tests run it."""
+    if options.get("backend") != "triton":
+        yield
+        return
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import rope_fusion.kernels.triton_kernel as tk
+    import rope_fusion.kernels.triton_launch as launching
+    import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the backend and the in-place kernels)
+    from rope_fusion.ops import cat_rotary, slice_write
+    from tests.triton_interpreted import interpreted
+
+    saved = [(launching, "rotary_kernel", launching.rotary_kernel), (launching, "INTERPRETED", launching.INTERPRETED),
+             (triton.language, "sum", triton.language.sum)]
+    tables = [(slice_write.IN_PLACE, "cuda"), (slice_write.PLANNERS, "cuda"), (cat_rotary.DEVICE_IMPLS, "cuda"),
+              (cat_rotary.DEVICE_CHECKS, "cuda")]
+    before = [(t, t.get("cpu")) for t, _ in tables]
+    try:
+        launching.rotary_kernel = interpreted(tk.rotary_kernel)
+        launching.INTERPRETED = True
+        if not isinstance(triton.language.sum, InterpretedFunction):
+            triton.language.sum = InterpretedFunction(triton.language.sum.fn)
+        for t, key in tables:
+            if key in t:
+                t["cpu"] = t[key]
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+        for t, value in before:
+            if value is None:
+                t.pop("cpu", None)
+            else:
+                t["cpu"] = value
 
 
 class _ComputeDtypes(torch.utils._python_dispatch.TorchDispatchMode):
@@ -160,7 +226,7 @@ class _ComputeDtypes(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def _compute_eps(fn, args) -> float:
+def compute_eps(fn, args) -> float:
     """One rounding in the narrowest dtype the function computes in. fp64 data on which the graph computes in
     fp32 (`(x.float() * c.float() + ...).double()`) rounds in fp32: its fp64 evaluation keeps those casts, so
     eager is the reference there and a result that rounds the same math once more in fp32 meets the contract."""
@@ -170,10 +236,10 @@ def _compute_eps(fn, args) -> float:
     return max((torch.finfo(d).eps for d in mode.dtypes), default=0.0)
 
 
-def _errors(fn, args, outs, eager) -> tuple:
+def contract_rows(fn, args, outs, eager) -> tuple:
     """([err of outs], [err of eager], [eps], mismatch text) against the fp64 evaluation."""
     ref = fp64_eval(fn, *args)
-    math_eps = _compute_eps(fn, args)
+    math_eps = compute_eps(fn, args)
     ef, eo, eps, bad = [], [], [], ""
     for i, (o, e, r) in enumerate(zip(outs, eager, ref)):
         if o.shape != e.shape or o.dtype != e.dtype:
@@ -187,37 +253,64 @@ def _errors(fn, args, outs, eager) -> tuple:
     return ef, eo, eps, bad
 
 
-def _violates(ef, eo, eps) -> bool:
+def violates(ef, eo, eps) -> bool:
     return any(not (a <= b + e) for a, b, e in zip(ef, eo, eps))  # NaN is a violation
 
 
 def run_case(case: Case, full: bool = False) -> Outcome:
-    t0 = time.perf_counter()
-    res = Outcome(case.seed, case.family, case.tags, "full" if full else "graph", case.rotations)
-    fn, make = case.build()
-    args = case.inputs(make)
-    args2 = case.inputs(make, case.S2) if case.dynamic else None
-    try:
-        eager = as_tuple(fn(*args))
-        eager2 = as_tuple(fn(*args2)) if args2 is not None else None
-    except Exception as e:
-        res.eager_raised = _first_line(e)
-    p = rope_fusion.RopeFusionPass()
-    one_thread = bool(res.eager_raised)  # the inputs make the kernels fail: let them fail as exceptions
-    out, out2, res.graphs_pass, res.pass_raised = _run(fn, args, p, full, case.dynamic, args2, one_thread)
+    """Run one case the way its `run` says (tests/fuzz/hazards.py adds the ways beyond "forward") and classify it."""
+    from tests.fuzz import hazard_runs
+
+    full = full or case.needs_full
+    if case.run == "forward":
+        return _forward(case, full)
+    return hazard_runs.RUNS[case.run](case, full)
+
+
+def _sizes(case: Case) -> list:
+    """The sizes a case's compiled function is called at, in order: S, then S2 under dynamic=True, then `sizes`."""
+    return list(dict.fromkeys([case.S] + ([case.S2] if case.dynamic else []) + list(case.sizes)))
+
+
+def record_report(res: Outcome, p) -> None:
     r = p.report
     res.sites, res.misses = len(r.sites), len(r.misses)
     res.miss_reasons = [str(m.reason) for m in r.misses]
     res.site_norms = [str(s.norm) for s in r.sites]
     res.errors = [str(e.error) for e in r.errors]
+    res.guards_pass = getattr(p, "guards_added", 0)
     if res.errors:
         res.problems.append(INTERNAL)
+
+
+def _forward(case: Case, full: bool) -> Outcome:
+    t0 = time.perf_counter()
+    res = Outcome(case.seed, case.family, case.tags, "full" if full else "graph", case.rotations)
+    fn, make = case.build()
+    sizes = _sizes(case)
+
+    def inputs() -> list:  # fresh for every run: a case may write its inputs in place
+        return [case.inputs(make, n) for n in sizes]
+
+    try:
+        eager = [as_tuple(fn(*a)) for a in inputs()]
+    except Exception as e:
+        res.eager_raised = first_line(e)
+    options = dict(case.pass_options)
+    p = CountingPass(**options)
+    one_thread = bool(res.eager_raised)  # the inputs make the kernels fail: let them fail as exceptions
+    dynamic, marks = case.dynamic, case.marks
+    with backend_on_cpu(options):
+        first, *later = inputs()
+        out, outs, res.graphs_pass, res.pass_raised = _run(fn, first, p, full, dynamic, later, one_thread, marks)
+    record_report(res, p)
     plain = None
 
     def plain_run():
         nonlocal plain
         if plain is None:
-            plain = _run(fn, args, None, full, case.dynamic, args2, one_thread)
+            first, *later = inputs()
+            plain = _run(fn, first, None, full, dynamic, later, one_thread, marks)
         return plain
 
     if res.eager_raised:
@@ -237,38 +330,50 @@ def run_case(case: Case, full: bool = False) -> Outcome:
         res.detail = f"with the pass: {res.pass_raised}" + (f"; plain: {pl[3]}" if pl[3] else "")
         res.seconds = time.perf_counter() - t0
         return res
-    # numbers (both sizes under dynamic=True)
-    pairs = [(args, out, eager)] + ([(args2, out2, eager2)] if args2 is not None else [])
+    _judge_numbers(res, fn, inputs, [out, *outs], eager, plain_run)
+    # recompiles: graphs compiled over every size, against plain compile
+    if (case.dynamic or case.marks or len(sizes) > 1) and res.graphs_pass > 1:  # one graph is the least there is
+        res.graphs_plain = plain_run()[2]
+        if res.graphs_pass > res.graphs_plain:
+            res.problems.append(GUARDS)
+            res.detail = res.detail or f"{res.graphs_pass} graphs, plain {res.graphs_plain}; " \
+                                       f"{res.guards_pass} shape guards added by the pass"
+    classify_sites(res, case)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _judge_numbers(res: Outcome, fn, inputs, outs: list, eager: list, plain_run) -> None:
+    """Each call's outputs against eager's and fp64's under the contract; a violation that plain compile shares is
+    Inductor's ("plain off"), else wrong numbers."""
     violated, mismatch = False, ""
-    for a, o, e in pairs:
-        ef, eo, eps, bad = _errors(fn, a, o, e)
+    for a, o, e in zip(inputs(), outs, eager):
+        ef, eo, eps, bad = contract_rows(fn, a, o, e)
         res.err_pass += ef
         res.err_eager += eo
         mismatch = mismatch or bad
-        violated = violated or _violates(ef, eo, eps) or bool(bad)
+        violated = violated or violates(ef, eo, eps) or bool(bad)
     if violated:
         pl = plain_run()
         if pl[3]:
             res.plain_raised = pl[3]
         else:
-            plain_ok = True
-            for (a, _o, e), po in zip(pairs, [pl[0]] + ([pl[1]] if args2 is not None else [])):
-                pf, _eo, _eps, pbad = _errors(fn, a, po, e)
+            plain_ok, eps_all = True, []
+            for a, po, e in zip(inputs(), [pl[0], *pl[1]], eager):
+                pf, _eo, eps, pbad = contract_rows(fn, a, po, e)
                 res.err_plain += pf
+                eps_all += eps
                 plain_ok = plain_ok and not pbad
-            eps_all = [max(torch.finfo(e.dtype).eps, _compute_eps(fn, a)) for a, _o, ee in pairs for e in ee]
-            if not mismatch and plain_ok and not _violates(res.err_pass, res.err_plain, eps_all):
+            if not mismatch and plain_ok and not violates(res.err_pass, res.err_plain, eps_all):
                 res.plain_off = True
                 violated = False
         if violated:
             res.problems.append(WRONG)
             res.detail = mismatch
-    # guards: graphs compiled over the two sizes, against plain compile
-    if case.dynamic and res.graphs_pass > 1:  # one graph is the least plain compile can do: compiled only then
-        res.graphs_plain = plain_run()[2]
-        if res.graphs_pass > res.graphs_plain:
-            res.problems.append(GUARDS)
-    # fused, near miss, silent
+
+
+def classify_sites(res: Outcome, case: Case) -> None:
+    """fused, near miss or silent miss (rotations); a non-rotation fused is a problem."""
     if case.rotations:
         if res.sites >= case.rotations:
             res.status = "fused"
@@ -285,15 +390,14 @@ def run_case(case: Case, full: bool = False) -> Outcome:
             res.problems.append(FUSED_NONROT)
     if res.problems and not res.detail:
         res.detail = " | ".join(dict.fromkeys(res.miss_reasons + res.errors))[:600]
-    res.seconds = time.perf_counter() - t0
-    return res
 
 
 def uses_full(case: Case, full_every: int) -> bool:
     return (full_every > 0 and case.seed % full_every == 0) or any(t in case.tags for t in FULL_ONLY_TAGS)
 
 
-def run_seeds(seeds, full_every: int = 10, log=None, on_outcome=None) -> list:
+def run_seeds(seeds, full_every: int = 10, log=None, on_outcome=None, generate=generate) -> list:
+    """Run the cases of `seeds` (`generate`: generator.generate, or hazards.generate for the hazard families)."""
     outcomes = []
     for seed in seeds:
         case = generate(seed)
@@ -331,7 +435,7 @@ def summary(outcomes) -> str:
     rows = tally(outcomes)
     short = {"wrong numbers": "wrong", "broken compile": "broken", "silent miss": "silent",
              "fused non-rotation": "fused-nonrot", "internal error": "internal",
-             "no error where eager raises": "no-raise", "more graphs than plain": "guards"}
+             "no error where eager raises": "no-raise", "added recompile": "recompile"}
     heads = [short.get(c, c) for c in COLUMNS]
     width = max(len(k) for k in rows) + 2
     lines = ["class".ljust(width) + " ".join(h.rjust(max(6, len(h))) for h in heads)]
@@ -345,6 +449,21 @@ def summary(outcomes) -> str:
     return "\n".join(lines)
 
 
+def read_outcomes(paths) -> list:
+    """The outcomes that --jsonl files hold (one JSON line per case)."""
+    fields = {f.name for f in dataclasses.fields(Outcome)}
+    outcomes = []
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    d = json.loads(line)
+                    o = Outcome(**{k: v for k, v in d.items() if k in fields})
+                    o.tags = tuple(o.tags)
+                    outcomes.append(o)
+    return outcomes
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Run fuzz cases (python -m tests.fuzz.harness).")
     ap.add_argument("--start", type=int, default=0)
@@ -353,9 +472,22 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, help="one case: print its source and what happened")
     ap.add_argument("--full", action="store_true", help="with --seed: through real Inductor")
     ap.add_argument("--jsonl", help="append one JSON line per case")
+    ap.add_argument("--hazards", action="store_true", help="the hazard families of tests/fuzz/hazards.py")
+    ap.add_argument("--summary", nargs="+", metavar="JSONL", help="only print the summary of the cases in these "
+                    "--jsonl files (one table for all: chunks of a profile run in parallel)")
+    ap.add_argument("--family", help="with --hazards: only this family (seeds that draw it)")
     a = ap.parse_args(argv)
+    if a.summary:
+        outcomes = read_outcomes(a.summary)
+        print(summary(outcomes))
+        return 1 if any(o.problems for o in outcomes) else 0
+    from tests.fuzz import hazards
+
+    gen = generate
+    if a.hazards:
+        gen = (lambda seed: hazards.generate(seed, a.family)) if a.family else hazards.generate
     if a.seed is not None:
-        case = generate(a.seed)
+        case = gen(a.seed)
         print(case.reproducer())
         o = run_case(case, full=a.full or uses_full(case, 0))
         print(o.line())
@@ -367,7 +499,8 @@ def main(argv=None) -> int:
             out.write(json.dumps(dataclasses.asdict(o), default=str) + "\n")
             out.flush()
 
-    outcomes = run_seeds(range(a.start, a.start + a.cases), a.full_every, log=sys.stdout, on_outcome=record)
+    outcomes = run_seeds(range(a.start, a.start + a.cases), a.full_every, log=sys.stdout, on_outcome=record,
+                         generate=gen)
     print(summary(outcomes))
     return 1 if any(o.problems for o in outcomes) else 0
 

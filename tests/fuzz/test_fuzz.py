@@ -17,6 +17,13 @@ Two profiles, one marker:
   end. ROPE_FUZZ_REPORT=path also writes that summary to a file.
 The reduced reproducers of FINDINGS.md (tests/fuzz/reproducers.py) run as `test_reproducer`: the static ones in
 the default suite, the dynamic and real-Inductor ones with the long profile (`-m fuzz`).
+
+The hazard families (tests/fuzz/hazards.py: slice-write bases, marked-dynamic dims, recompiles, backward row
+slices, FxPass on undecomposed graphs, host tables written in place, regrouped matrix tables) have profiles of
+their own: the host-table cases in the default suite (`test_hazard_fast_profile`), every family with `-m fuzz`
+(`test_hazard_long_profile`: ROPE_FUZZ_HAZARD_CASES cases, default 14, from seed ROPE_FUZZ_HAZARD_START, default
+20000, in ROPE_FUZZ_HAZARD_CHUNKS chunks for pytest-xdist, ROPE_FUZZ_HAZARD_JSONL to collect them;
+`python -m tests.fuzz.harness --summary FILE` prints the table of all chunks).
 One case alone, with its source: `python -m tests.fuzz.harness --seed N` (add --full for real Inductor).
 """
 
@@ -27,6 +34,7 @@ import os
 
 import pytest
 
+from tests.fuzz import hazards
 from tests.fuzz.generator import FAMILIES, generate
 from tests.fuzz.harness import run_case, run_seeds, summary, uses_full
 from tests.fuzz.reproducers import REPRODUCERS
@@ -114,3 +122,123 @@ def test_long_profile(capsys):
             f.write(text + "\n")
     bad = [o for o in outcomes if o.problems]
     assert not bad, f"{len(bad)} of {n} cases failed:\n" + "\n".join(o.line() for o in bad[:50])
+
+
+# -- the hazard families (tests/fuzz/hazards.py) ------------------------------------------------------------------
+
+# The fast profile's hazard cases: host tables written between calls through every path (a few ms each). The other
+# families compile (1-15 s each on 2 cores; the slice-write bases through real Inductor and the interpreted kernel):
+# they run in the long profile.
+HAZARD_FAST_SEEDS = tuple(s for s in range(140) if hazards.HAZARD_FAMILIES[s % 7] == "host_table")
+
+
+@pytest.mark.parametrize("seed", HAZARD_FAST_SEEDS)
+def test_hazard_fast_profile(seed):
+    case = hazards.generate(seed)
+    o = run_case(case)
+    assert not o.problems, f"{o.line()}\n\n{case.source}"
+
+
+# Each class of the round-4 table, as the tag of the draws that produce it.
+HAZARD_CLASSES = {
+    "1. a slice-write base whose rows overlap": "base:overlap",
+    "1b. a non-dense base with gaps, read again": "base:gaps",
+    "1b. a base of every other row": "base:steps",
+    "1b. a base that is a view of wider lanes": "base:lanes_view",
+    "1b. a base read again after the write": "read_again:True",
+    "2. an expanded base": "base:expanded",
+    "2. k expanded over q's heads": "k_expanded",
+    "slice write into a graph input": "base:input",
+    "3. vLLM's flat dim marked dynamic": "marked:vllm_flat",
+    "3. a head dim marked dynamic": "marked:head_dim",
+    "4. a write-back at a symbolic start": "recompile:write_back_start",
+    "5. a head dim that changes under dynamic=True": "recompile:head_dim",
+    "6. the backward of a row-slice rotation": "backward:rows",
+    "6. the backward of a row slice written back": "backward:rows_written_back",
+    "7. fx_pass on unbind/stack kept whole": "spelling:unbind_stack",
+    "8. a host table written through .data.copy_": "write:data_copy",
+    "8. a host table written through .data.mul_": "write:data_mul",
+    "8. a host table's storage filled": "write:storage_fill",
+    "8. a host table written through another tensor on its storage": "write:alias_set",
+    "8. a host table set_ to another tensor": "write:set_",
+    "8. a host table written through a numpy view": "write:numpy_view",
+    "8. a host table written through the array from_numpy aliases": "write:from_numpy_array",
+    "9. a 2x2 matrix table regrouped into tiles": "tokens:tiles",
+}
+
+
+def test_hazard_generator_reaches_every_class():
+    """700 hazard seeds draw every class of the table at least 3 times, each family 100 times, and every case runs
+    in eager (its host-table writes too)."""
+    counts: collections.Counter = collections.Counter()
+    for seed in range(30000, 30700):
+        case = hazards.generate(seed)
+        counts.update(case.tags)
+        ns: dict = {}
+        exec(compile(case.source, case.filename, "exec"), ns)
+        args = case.inputs(ns["make"])
+        if case.run == "host_table":
+            x, table, array = args
+            for i in range(ns["WRITES"]):
+                ns[f"write{i}"](table, array)
+            ns["fn"](x, table)
+        else:
+            ns["fn"](*args)
+            for n in case.sizes:
+                ns["fn"](*case.inputs(ns["make"], n))
+    missing = {name: counts[tag] for name, tag in HAZARD_CLASSES.items() if counts[tag] < 3}
+    assert not missing, f"classes drawn fewer than 3 times in 700 cases: {missing}"
+    assert all(counts[f"family:{f}"] == 100 for f in hazards.HAZARD_FAMILIES)
+
+
+# The long profile of the hazard families, in chunks that pytest-xdist can run apart (ROPE_FUZZ_HAZARD_CHUNKS): each
+# chunk takes every chunks-th seed, so each sees every family. ROPE_FUZZ_HAZARD_JSONL=path appends one JSON line per
+# case, and `python -m tests.fuzz.harness --summary path` prints the table of all chunks.
+HAZARD_CHUNKS = int(os.environ.get("ROPE_FUZZ_HAZARD_CHUNKS", "1"))
+
+
+@pytest.mark.fuzz
+@pytest.mark.parametrize("chunk", range(HAZARD_CHUNKS))
+def test_hazard_long_profile(chunk, capsys):
+    import dataclasses
+    import json
+
+    n = int(os.environ.get("ROPE_FUZZ_HAZARD_CASES", "14"))
+    start = int(os.environ.get("ROPE_FUZZ_HAZARD_START", "20000"))
+    seeds = range(start + chunk, start + n, HAZARD_CHUNKS)
+    path = os.environ.get("ROPE_FUZZ_HAZARD_JSONL")
+
+    def record(case, o):
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps(dataclasses.asdict(o), default=str) + "\n")
+
+    outcomes = run_seeds(seeds, 0, on_outcome=record, generate=hazards.generate)
+    with capsys.disabled():
+        print(f"\nfuzz hazard profile, chunk {chunk} of {HAZARD_CHUNKS}: {len(outcomes)} cases of seeds {start}-"
+              f"{start + n - 1}\n{summary(outcomes)}")
+    bad = [o for o in outcomes if o.problems]
+    assert not bad, f"{len(bad)} of {len(outcomes)} cases failed:\n" + "\n".join(o.line() for o in bad[:50])
+
+
+def test_the_harness_classifies_a_stale_host_table(monkeypatch):
+    """A cache keyed on the version counter alone (as before the snapshot) serves stale copies after writes through
+    `.data`: the harness counts those cases as wrong numbers, and the cache as it is as fresh."""
+    from rope_fusion.ops import host_tables
+
+    class VersionKeyed(host_tables.HostTableCache):
+        def get(self, src, device):
+            hit = self._entries.get(src)
+            if hit is not None and hit.state == host_tables._state(src, device):
+                return hit.copy
+            return super().get(src, device)
+
+    seeds = [s for s in range(40000, 40140) if "write:data_copy" in hazards.generate(s, "host_table").tags][:3]
+    assert seeds
+    for seed in seeds:
+        case = hazards.generate(seed, "host_table")
+        assert not run_case(case).problems
+        with monkeypatch.context() as m:
+            m.setattr(host_tables, "HostTableCache", VersionKeyed)
+            o = run_case(case)
+        assert o.problems == ["wrong numbers"] and o.status == "stale", o.line()
