@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import check_numerics, compile_with_pass, contract_errors
+from conftest import check_numerics, compile_with_pass, contract_errors, static_lanes
 
 import rope_fusion
 from rope_fusion.ops import backends, library, slice_write
