@@ -2,7 +2,8 @@
 
 The inner function loads x at the lane and at its partner (index arithmetic with ModularIndexing, so
 every load stays in bounds) and the tables at the lane or pair index; a cache row picked by positions is a
-checked indirect index, so a position outside [0, rows) raises as plain compile does. Packed sequences
+checked indirect index, so a position outside [0, rows) raises (on the CPU an error naming positions, on a GPU
+Inductor's device-side assert, as plain compile's own gather). Packed sequences
 (`cu_seqlens`) get their positions from ops/packed.py's arithmetic applied to Inductor's own lowerings, then
 take the same path. Inductor then fuses
 the node with its neighbours (casts, norms) into one generated kernel. On the GPU this form of access is
@@ -21,6 +22,7 @@ from torch.utils._sympy.functions import ModularIndexing
 
 from .library import OPS
 from .packed import packed_positions
+from .reference import positions_error
 from .schema import RotaryCall, RotaryParams
 
 
@@ -43,6 +45,9 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams, positions=None):
         psize = list(positions.get_size())
         pos_load = positions.make_loader()
         rows = cos.get_size()[0]
+        # on the CPU the row is checked by an assert that names positions (one compare, in place of Inductor's
+        # own check); on a GPU by Inductor's check, a device-side assert that it drops where it proves the rows
+        named = x.get_device() is not None and x.get_device().type == "cpu"
     for t in (cos, sin):
         tsize = list(t.get_size()) if positions is None else [*positions.get_size(), t.get_size()[-1]]
         offset = nd - len(tsize)
@@ -57,7 +62,12 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams, positions=None):
             # checked, and negatives not wrapped: the op's rule is 0 <= row < rows (the pass emits the wrap of
             # `cache[positions]` before the op), and a row outside fails as plain compile fails (a C++ error on
             # the CPU, a device-side assert on the GPU) instead of reading past the cache
-            return [ops.indirect_indexing(row, rows, check=True, wrap_neg=False), lane]
+            if named:
+                wide = ops.to_dtype(row, torch.int64)
+                inside = ops.and_(ops.ge(wide, ops.constant(0, torch.int64)),
+                                  ops.lt(wide, ops.index_expr(rows, torch.int64)))
+                ops.device_assert_async(inside, "rope_fusion: " + positions_error(None, rows))
+            return [ops.indirect_indexing(row, rows, check=not named, wrap_neg=False), lane]
         out.append(lane)
         return out
 

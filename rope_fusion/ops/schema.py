@@ -9,6 +9,7 @@ nothing else spells the op's signature. docs/design.md section 2 gives the seman
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Sequence
 from typing import Any
@@ -210,10 +211,10 @@ def check_call(call: RotaryCall) -> None:
 def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
                positions: torch.Tensor | None = None, norm_weights: Sequence | None = None,
                cu_seqlens: torch.Tensor | None = None, seqlen_offsets: torch.Tensor | None = None) -> None:
-    """Raise ValueError naming the offending argument; shapes may be symbolic (fake tensors)."""
+    """Raise ValueError naming the offending argument (TypeError for an option of the wrong type); shapes may be
+    symbolic (fake tensors)."""
     names = TENSOR_NAMES[len(xs)]
-    if params.norm not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}, got {params.norm!r}")
+    check_options(params)
     for name, x, w in zip(names, xs, norm_weights or [None] * len(xs)):
         if w is None:
             continue
@@ -261,13 +262,7 @@ def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
     for name, t in (*zip(names, xs), ("cos", cos), ("sin", sin)):
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name} has unsupported dtype {t.dtype}; expected one of {FLOAT_DTYPES}")
-    if params.out_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"out_dtype {params.out_dtype} is unsupported; expected one of {FLOAT_DTYPES}")
     r, off = params.rotary_dim, params.rotary_offset
-    if r <= 0 or r % 2:
-        raise ValueError(f"rotary_dim must be a positive even number, got {r}")
-    if off < 0:
-        raise ValueError(f"rotary_offset must be >= 0, got {off}")
     if params.offset_q_only:
         if len(xs) < 2:
             raise ValueError("offset_q_only=True applies rotary_offset to q alone: it needs q and k (rotary_qk or "
@@ -302,6 +297,38 @@ def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
             for a, b in zip(reversed(shape[:-1]), reversed(x.shape[:-1])):
                 if not _broadcasts(a, b):
                     raise ValueError(f"{what} does not broadcast against {name} of shape {tuple(x.shape)}")
+
+
+# What each option's annotation admits (`RotaryParams`' hints): a flag is a bool (a string such as "no" is truthy,
+# and would have rotated interleaved pairs); a count is an int, or a SymInt while tracing (a rotary_dim derived from
+# a symbolic head dim), never a bool.
+_OPTION_TYPES = {bool: ((bool,), "True or False"), int: ((int, torch.SymInt), "an int"),
+                 float: ((int, float), "a number"), str: ((str,), "a string"), torch.dtype: ((torch.dtype,), "a dtype")}
+_OPTION_HINTS = {f.name: typing.get_type_hints(RotaryParams)[f.name] for f in dataclasses.fields(RotaryParams)}
+
+
+def check_options(params: RotaryParams) -> None:
+    """Raise naming the option whose value the op cannot take: TypeError for its type (from the schema's
+    annotations, so a new field is checked too), ValueError for its range. Cheap: the public functions call it
+    once per cached call geometry, the op's kernels and fake once per call."""
+    for name, annotation in _OPTION_HINTS.items():
+        value = getattr(params, name)
+        types, what = _OPTION_TYPES[annotation]
+        if not isinstance(value, types) or (annotation is not bool and isinstance(value, bool)):
+            raise TypeError(f"{name} must be {what}, got {value!r}")
+    if params.norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {params.norm!r}")
+    if not (math.isfinite(params.norm_eps) and params.norm_eps >= 0):
+        raise ValueError(f"norm_eps must be a finite number >= 0, got {params.norm_eps!r}")
+    if params.out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype {params.out_dtype} is unsupported; expected one of {FLOAT_DTYPES}")
+    if params.rotary_offset < 0:  # first: the public functions derive a default rotary_dim from it
+        raise ValueError(f"rotary_offset must be >= 0, got {params.rotary_offset}")
+    r = params.rotary_dim
+    if r <= 0 or r % 2:
+        raise ValueError(f"rotary_dim must be a positive even number, got {r}")
+    if params.rotary_blocks < 1:
+        raise ValueError(f"rotary_blocks must be a positive count, got {params.rotary_blocks}")
 
 
 def _broadcasts(a: Any, b: Any) -> bool:
