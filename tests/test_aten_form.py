@@ -18,7 +18,6 @@ from conftest import as_tuple, check_numerics
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import rope_fusion
-from rope_fusion.passes import aten_form
 from rope_fusion.passes.lanes import RULES
 from tests.spellings import ALL
 
@@ -45,6 +44,8 @@ SAMPLES = {
 def test_every_record_decomposes_into_ops_the_rules_read():
     """A record is an op Inductor decomposes before its post-grad passes, into ops with lane rules: the form the
     rules are written for. An op added without a sample call fails here."""
+    from rope_fusion.passes import aten_form
+
     assert set(SAMPLES) == set(aten_form.DECOMPOSED_FIRST)
     for op, (args, kwargs) in SAMPLES.items():
         assert op not in RULES, op
@@ -107,6 +108,8 @@ def test_a_write_in_place_is_seen():
 def test_a_graph_it_cannot_trace_again_is_left_with_a_true_reason(monkeypatch):
     """Where the functional form cannot be traced, a graph that writes in place is not analysed (a fused rotation
     could read a value from before the write), and the near miss names the write."""
+    from rope_fusion.passes import aten_form
+
     case = ALL["M6_cogvideox_seq_assign"]
     args = case.make(torch.float32)
     gm = make_fx(case.fn, tracing_mode="fake")(*args)
@@ -173,6 +176,8 @@ def test_fx_pass_as_a_torch_compile_backend_says_what_to_use(backend):
 
 def test_normal_form_keeps_the_inputs_names():
     """AOTAutograd's `tangents_*` inputs say a graph is a backward; the traced form keeps every input's name."""
+    from rope_fusion.passes import aten_form
+
     g = fx.Graph()
     x, t = g.placeholder("primals_1"), g.placeholder("tangents_1")
     for node, shape in ((x, (2, 4)), (t, (2, 4))):

@@ -16,7 +16,6 @@ import torch
 from conftest import check_numerics
 
 import rope_fusion
-from rope_fusion.passes.padded_sums import merge_padded_sums
 
 
 def rotate_half(x):
@@ -149,6 +148,8 @@ def test_sums_padded_differently_are_left_as_they_are():
     than zeros, another dim, a sum with a plain tensor."""
     import torch.fx as fx
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    from rope_fusion.passes.padded_sums import merge_padded_sums
 
     def alike(a, b):
         z = torch.zeros(4, 6, 8)
