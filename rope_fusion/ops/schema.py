@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import typing
 from collections.abc import Sequence
 from typing import Any
@@ -300,10 +301,11 @@ def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
 
 
 # What each option's annotation admits (`RotaryParams`' hints): a flag is a bool (a string such as "no" is truthy,
-# and would have rotated interleaved pairs); a count is an int, or a SymInt while tracing (a rotary_dim derived from
-# a symbolic head dim), never a bool.
-_OPTION_TYPES = {bool: ((bool,), "True or False"), int: ((int, torch.SymInt), "an int"),
-                 float: ((int, float), "a number"), str: ((str,), "a string"), torch.dtype: ((torch.dtype,), "a dtype")}
+# and would have rotated interleaved pairs); a count is an integer (numpy's too), or a SymInt while tracing (a
+# rotary_dim derived from a symbolic head dim); a number is any real; neither is a bool.
+_OPTION_TYPES = {bool: ((bool,), "True or False"), int: ((numbers.Integral, torch.SymInt), "an int"),
+                 float: ((numbers.Real,), "a number"), str: ((str,), "a string"),
+                 torch.dtype: ((torch.dtype,), "a dtype")}
 _OPTION_HINTS = {f.name: typing.get_type_hints(RotaryParams)[f.name] for f in dataclasses.fields(RotaryParams)}
 
 
