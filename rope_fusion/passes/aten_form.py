@@ -58,8 +58,8 @@ def decomposition_of(op: Any) -> Any:
 
 @dataclasses.dataclass
 class Finding:
-    """Why a graph is not in the form the rules read: the first node that writes in place, and the first node
-    whose op the rules read only decomposed (either may be None)."""
+    """Why a graph is not in the form the rules read: the first node that writes in place, the first node whose op
+    the rules read only decomposed, the first node whose example value is of another fake mode (each may be None)."""
 
     mutation: fx.Node | None = None
     undecomposed: fx.Node | None = None

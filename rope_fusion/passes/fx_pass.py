@@ -144,7 +144,7 @@ class FxPass(RopeFusionPass):
         if self._unread is None:
             return super()._fuse(graph, index)
         finding, error = self._unread
-        node = finding.mutation or finding.undecomposed
+        node = finding.mutation or finding.undecomposed or finding.foreign_value
         left = ("not analysed: its writes would be unseen" if finding.mutation is not None else
                 "analysed as it is")
         self.report.misses.append(Miss(index, node.name, f"the graph {finding.describe()}, and tracing it functional "

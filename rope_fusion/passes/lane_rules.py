@@ -932,9 +932,10 @@ def _joined_rows(interp, node, values: list) -> LaneValue:
     """A cat of rows (along a leading dim) whose operands relate their lanes alike (`lanes.lane_relations`: the
     same lanes equal or negated, the same constants): every row of the result obeys it, as after a regrouping of
     one value's rows (`_regrouped_rows`). Rotation matrices of two token ranges joined, say; else a new source."""
+    if not values or any(tuple(v.grid) != tuple(values[0].grid) or v.k != values[0].k for v in values):
+        raise Unsupported("a cat of rows of other lane grids: the result is a new source")
     relations = [lane_relations(v) for v in values]
-    same_grid = all(tuple(v.grid) == tuple(values[0].grid) and v.k == values[0].k for v in values)
-    if not values or not same_grid or relations[0] is None or any(r != relations[0] for r in relations):
+    if relations[0] is None or any(r != relations[0] for r in relations):
         raise Unsupported("a cat of rows whose lanes relate differently: the result is a new source")
     return _regrouped_rows(interp, node, values[0])
 
