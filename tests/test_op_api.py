@@ -103,6 +103,19 @@ def test_options_are_checked_under_compile(bad):
         torch.compile(lambda x: rope_fusion.apply_rotary(x, c, s, **bad))(q)
 
 
+def test_rms_norm_rope_qk_checks_its_options():
+    """Its own flag, and the op's options through the op's check (eps is the op's norm_eps)."""
+    q, k = torch.randn(5, 3, 8), torch.randn(5, 1, 8)
+    c, s = _tables((5, 1), 4, torch.float32)
+    w = torch.ones(8)
+    for bad, error, name in (({"per_head": "no"}, TypeError, "per_head"), ({"eps": -1.0}, ValueError, "norm_eps"),
+                             ({"interleaved": "no"}, TypeError, "interleaved"), ({"rotary_dim": 0}, ValueError,
+                                                                               "rotary_dim")):
+        kw = {"eps": 1e-6, **bad}
+        with pytest.raises(error, match=f"^{name} must be"):
+            rope_fusion.rms_norm_rope_qk(q, k, w, w, kw.pop("eps"), c, s, **kw)
+
+
 def test_options_in_range_still_run():
     """The checks refuse nothing the op takes: an int eps, rotary_dim given explicitly, every flag as a bool."""
     q = torch.randn(5, 3, 8)
