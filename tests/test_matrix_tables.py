@@ -232,8 +232,15 @@ def _tiles(rope, grid):  # Kandinsky 6 SR's and Kandinsky 5's `_local_patch` int
     return _local_patch(rope, grid, (1, 2, 2), dim=0).flatten(0, 1)
 
 
+def _tiles_with_batch(rope, grid):  # Kandinsky 5's `local_patching` (sparse attention on), on a batch of tables
+    from diffusers.models.transformers.transformer_kandinsky import local_patching
+
+    return local_patching(rope[None], (1, *grid), (1, 2, 2), dim=1).flatten(1, 2)[0]
+
+
 REGROUPED = {
     "local-patch": _tiles,
+    "kandinsky5-local-patching": _tiles_with_batch,
     "transposed-grid": lambda rope, grid: rope.permute(1, 0, 2, 3, 4, 5, 6).flatten(0, 2),
     "row-blocks-reversed": lambda rope, grid: torch.cat(list(reversed(rope.flatten(0, 2).chunk(4)))),
     "one-frame": lambda rope, grid: rope[1].flatten(0, 1),
