@@ -280,24 +280,29 @@ def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
             if x.shape[-1] != xs[0].shape[-1]:
                 raise ValueError(f"q and {name} must share the head dim, got q {tuple(xs[0].shape)} and {name} "
                                  f"{tuple(x.shape)}")
-    width = params.table_width
     for i, (name, x) in enumerate(zip(names, xs)):
         off = params.of_tensor(i).rotary_offset
         if off + r > x.shape[-1]:
             what = f"rotary_offset + rotary_dim = {off} + {r}" if off else f"rotary_dim={r}"
             raise ValueError(f"{what} exceeds the head dim of {name} (shape {tuple(x.shape)})")
-        rows = positions if cu_seqlens is None else positions_shape(x)
-        for arg, t in (("cos", cos), ("sin", sin)):
-            shape = gathered_shape(t, rows)
-            what = f"{arg}[positions] of shape {shape}" if rows is not None else f"{arg} of shape {shape}"
-            if t.dim() < 1 or t.shape[-1] != width:
-                raise ValueError(f"{arg} must have last dim {width} (rotary_dim={r}, "
-                                 f"full_tables={params.full_tables}), got shape {tuple(t.shape)}")
-            if len(shape) > x.dim():
-                raise ValueError(f"{what} has more dims than {name} {tuple(x.shape)}")
-            for a, b in zip(reversed(shape[:-1]), reversed(x.shape[:-1])):
-                if not _broadcasts(a, b):
-                    raise ValueError(f"{what} does not broadcast against {name} of shape {tuple(x.shape)}")
+        _check_tables(name, x, cos, sin, params, positions if cu_seqlens is None else positions_shape(x))
+
+
+def _check_tables(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
+                  rows: Any) -> None:
+    """The tables' width, and their shape (gathered by `rows`, the positions or their shape) against x's."""
+    width, r = params.table_width, params.rotary_dim
+    for arg, t in (("cos", cos), ("sin", sin)):
+        shape = gathered_shape(t, rows)
+        what = f"{arg}[positions] of shape {shape}" if rows is not None else f"{arg} of shape {shape}"
+        if t.dim() < 1 or t.shape[-1] != width:
+            raise ValueError(f"{arg} must have last dim {width} (rotary_dim={r}, "
+                             f"full_tables={params.full_tables}), got shape {tuple(t.shape)}")
+        if len(shape) > x.dim():
+            raise ValueError(f"{what} has more dims than {name} {tuple(x.shape)}")
+        for a, b in zip(reversed(shape[:-1]), reversed(x.shape[:-1])):
+            if not _broadcasts(a, b):
+                raise ValueError(f"{what} does not broadcast against {name} of shape {tuple(x.shape)}")
 
 
 # What each option's annotation admits (`RotaryParams`' hints): a flag is a bool (a string such as "no" is truthy,
