@@ -31,8 +31,11 @@ def rms_norm_rope_qk(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | 
 
     q [..., H, D], k [..., HK, D]. per_head=True normalises each head over its D lanes (weights [D]);
     per_head=False normalises each token over all its heads (weights [H * D] or [H, D]). The other keywords are
-    `rope_fusion.apply_rotary_qk`'s (positions, full_tables, rotary_dim, rotary_offset, conjugate, out_dtype, ...).
+    `rope_fusion.apply_rotary_qk`'s (positions, full_tables, rotary_dim, rotary_offset, conjugate, out_dtype, ...),
+    checked as it checks them; eps is its `norm_eps`, and errors name it so.
     """
+    if not isinstance(per_head, bool):  # "no" would be truthy: a norm per head where one across heads was meant
+        raise TypeError(f"per_head must be True or False, got {per_head!r}")
     for name in ("norm", "norm_eps", "q_norm_weight", "k_norm_weight", "norm_weight"):
         if name in options:
             raise TypeError(f"rms_norm_rope_qk sets {name} itself; pass the norm's arguments positionally")

@@ -1,11 +1,11 @@
 """Positions that pick rows of a gathered cache are checked: a row outside [0, rows) fails as plain compile fails.
 
 vLLM takes positions from requests, so a fused gather must never read past its cache. The op's rule, in every
-backend, is 0 <= position < rows: the Inductor lowering's indirect index is checked (a C++ error on the CPU, a
-device-side assert on the GPU, as plain compile's own gather), the Triton kernel asserts the row, and the
-reference raises. Eager's `index_select` and `embedding` raise on a negative position too, while advanced
-indexing `cache[positions]` reads row `rows + p`: the pass emits that wrap in the graph before the op, so the
-fused result is eager's for every position eager accepts.
+backend, is 0 <= position < rows: the Inductor lowering's indirect index is checked (on the CPU an error that names
+positions, on the GPU a device-side assert, as plain compile's own gather), the Triton kernel asserts the row, and
+the reference raises an IndexError naming positions. Eager's `index_select` and `embedding` raise on a negative
+position too, while advanced indexing `cache[positions]` reads row `rows + p`: the pass emits that wrap in the
+graph before the op, so the fused result is eager's for every position eager accepts.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from rope_fusion.ops.reference import rotary_reference
 D = 16  # head dim; the cache holds cos | sin of D // 2 lanes each
 ROWS = 16
 BAD = torch.tensor([0, 3, 16, 2, 1000])  # the issue's positions on a 16-row cache
+POSITIONS = r"positions must pick rows in \[0, 16\) of cos and sin"  # the op's error on the CPU
 
 
 def _rotate(positions, q, cos, sin):
@@ -92,15 +93,16 @@ def _fused_then_called(fn, positions):
 
 @pytest.mark.parametrize("fn", [by_index_select, by_embedding])
 def test_lowering_raises_like_plain_compile(fn):
-    """The issue's positions [0, 3, 16, 2, 1000] on a 16-row cache: eager raises IndexError, plain compile and
-    the fused op's lowering raise "index out of bounds" (before: values near 2e31 read past the cache)."""
+    """The issue's positions [0, 3, 16, 2, 1000] on a 16-row cache: eager raises IndexError, plain compile
+    "index out of bounds", the fused op's lowering an error naming positions and the rows (before: values near
+    2e31 read past the cache; then Inductor's bare "index out of bounds")."""
     args = _inputs(BAD)
     with pytest.raises(IndexError):
         fn(*args)
     torch._dynamo.reset()
     with pytest.raises(RuntimeError, match="index out of bounds"):
         torch.compile(fn, fullgraph=True)(*args)  # plain compile
-    with pytest.raises(RuntimeError, match="index out of bounds"):
+    with pytest.raises(RuntimeError, match=POSITIONS):
         _fused_then_called(fn, BAD)
 
 
@@ -112,7 +114,7 @@ def test_negative_positions_raise_where_eager_raises(fn):
     positions = torch.tensor([0, 3, -1, 2, 5])
     with pytest.raises(IndexError):
         fn(*_inputs(positions))
-    with pytest.raises(RuntimeError, match="index out of bounds"):
+    with pytest.raises(RuntimeError, match=POSITIONS):
         _fused_then_called(fn, positions)
 
 
@@ -132,19 +134,28 @@ def test_advanced_indexing_wraps_negative_positions_as_eager(fn):
     below = torch.tensor([0, 3, -17, 2, 15, 1])
     with pytest.raises(IndexError):
         fn(*_inputs(below))
-    with pytest.raises(RuntimeError, match="index out of bounds"):
+    with pytest.raises(RuntimeError, match=POSITIONS):
         _fused_then_called(fn, below)
 
 
 @pytest.mark.parametrize("positions", [BAD.view(-1, 1), torch.tensor([[0], [-1], [2], [3], [4]])],
                          ids=["past_the_end", "negative"])
 def test_reference_raises(positions):
-    """The reference (the op's eager implementation without a device kernel) takes only rows in [0, rows)."""
+    """The reference (the op's eager implementation without a device kernel) takes only rows in [0, rows), and
+    says which (before: torch's bare "index out of range in self"); so does every public function on the CPU."""
+    import rope_fusion
+
     cache = torch.randn(ROWS, D)
     x = torch.randn(5, 2, D)
-    with pytest.raises(IndexError):
+    row = int(positions.min()) if int(positions.min()) < 0 else int(positions.max())
+    with pytest.raises(IndexError, match=f"{POSITIONS}, got {row}"):
         rotary_reference(x, cache[:, : D // 2], cache[:, D // 2:], positions=positions, interleaved=False,
                          rotary_dim=D, full_tables=False)
+    cos, sin = cache[:, : D // 2], cache[:, D // 2:]
+    with pytest.raises(IndexError, match=POSITIONS):  # the direct path
+        rope_fusion.apply_rotary_qk(x, x[:, :1], cos, sin, positions=positions)
+    with pytest.raises(IndexError, match=POSITIONS), torch.enable_grad():  # through the op: autograd to record
+        rope_fusion.apply_rotary(x.clone().requires_grad_(), cos, sin, positions=positions)
 
 
 def test_triton_kernel_asserts_on_a_row_outside_the_cache():

@@ -154,11 +154,37 @@ def test_install_twice_is_one_pass(fresh):
         with torch.no_grad():
             compile_repeated_blocks(Model(n=1).eval())(x, cos, sin)
         assert len(p.report.sites) == 2 and len(p.report.kernels) == 1, p.report.table()
-        q = rope_fusion.install(backend="inductor", fuse_qk=False)  # other options: replaces it
-        assert q is not p and inductor_config.post_grad_custom_post_pass is q
+        assert rope_fusion.install(backend="auto", fuse_qk=True) is p  # the same options: the installed pass
     finally:
         rope_fusion.uninstall()
     assert inductor_config.post_grad_custom_post_pass is None and torch.compile is _ORIGINAL_COMPILE
+
+
+@pytest.mark.parametrize("again", [lambda: rope_fusion.install(backend="inductor"),
+                                   lambda: rope_fusion.install(fuse_qk=False),
+                                   lambda: rope_fusion.install(rope_fusion.RopeFusionPass())],
+                         ids=["backend", "fuse_qk", "another-pass"])
+def test_install_with_other_options_raises_and_keeps_the_installed_pass(fresh, again):
+    """install() then install(backend=...) replaced the installed pass without a word, and the pass the caller
+    held reported 0 sites from then on. Now it raises one line that says what to do, and the first pass stays
+    installed and keeps fusing."""
+    x, cos, sin = _inputs()
+    p = rope_fusion.install()
+    try:
+        with pytest.raises(RuntimeError, match=r"is installed already.*rope_fusion\.uninstall\(\) first") as e:
+            again()
+        assert "\n" not in str(e.value)
+        assert rope_fusion.installed() is p and inductor_config.post_grad_custom_post_pass is p
+        with torch.no_grad():
+            compile_repeated_blocks(Model(n=1).eval())(x, cos, sin)
+        assert len(p.report.sites) == 2 and len(p.report.kernels) == 1, p.report.table()
+    finally:
+        rope_fusion.uninstall()
+    q = again()  # after uninstall(): installs as asked
+    try:
+        assert rope_fusion.installed() is q and q is not p
+    finally:
+        rope_fusion.uninstall()
 
 
 def test_uninstall_leaves_a_pass_set_after_install(fresh, caplog):

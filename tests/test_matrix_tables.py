@@ -226,6 +226,82 @@ def test_kandinsky_video_matrices_flattened_over_the_grid_fuse(normed):
     assert all(s.norm == ("rms folded" if normed else "") for s in rep.sites), rep.table()
 
 
+# Rows regrouped before use: a permutation (or a choice) of rows keeps a rotation a rotation, and the matrix still
+# reads as its cos and sin. Each is applied to a [1, T*H*W, heads, D] q and k like Kandinsky's flattened tables.
+def _tiles(rope, grid):  # Kandinsky 6 SR's and Kandinsky 5's `_local_patch` into 1 x 2 x 2 tiles, then flattened
+    from diffusers.models.transformers.transformer_kandinsky6_sr import _local_patch
+
+    return _local_patch(rope, grid, (1, 2, 2), dim=0).flatten(0, 1)
+
+
+def _tiles_with_batch(rope, grid):  # Kandinsky 5's `local_patching` (sparse attention on), on a batch of tables
+    from diffusers.models.transformers.transformer_kandinsky import local_patching
+
+    return local_patching(rope[None], (1, *grid), (1, 2, 2), dim=1).flatten(1, 2)[0]
+
+
+REGROUPED = {
+    "local-patch": _tiles,
+    "kandinsky5-local-patching": _tiles_with_batch,
+    "transposed-grid": lambda rope, grid: rope.permute(1, 0, 2, 3, 4, 5, 6).flatten(0, 2),
+    "row-blocks-reversed": lambda rope, grid: torch.cat(list(reversed(rope.flatten(0, 2).chunk(4)))),
+    "one-frame": lambda rope, grid: rope[1].flatten(0, 1),
+    "strided-rows": lambda rope, grid: rope.flatten(0, 2)[::2],
+}
+
+
+def _regrouped_model(regroup, normed, grid=(2, 4, 4), d=16):
+    from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRRoPE3D, apply_rotary
+
+    weight = torch.rand(d) + 0.5
+
+    def fn(q, k, t, h, w):
+        rope = regroup(Kandinsky6SRRoPE3D((4, 6, 6), max_pos=(8, 8, 8))((t, h, w), (1.0, 2.0, 2.0)), grid)
+        if normed:
+            q, k = (torch.nn.functional.rms_norm(x, (d,), weight, 1e-6) for x in (q, k))
+        return apply_rotary(q, rope), apply_rotary(k, rope)
+
+    return fn
+
+
+@pytest.mark.parametrize("regroup,normed", [*((r, False) for r in REGROUPED), ("local-patch", True)],
+                         ids=[*REGROUPED, "local-patch-rms-normed"])
+def test_matrices_whose_rows_are_regrouped_fuse(regroup, normed):
+    """diffusers Kandinsky 6 SR's own RoPE module, `_local_patch` and `apply_rotary`: the [T, H, W, 1, D/2, 2, 2]
+    matrices regrouped into tiles of tokens (reshape -> permute -> flatten) for its sparse attention, or their rows
+    permuted or picked otherwise. 0 of 2 fused before, and the reasons were untrue ("a general 2x2 matrix of table
+    entries", "a table computed in the graph, but no node holds it")."""
+    pytest.importorskip("diffusers")
+    grid, heads, d = (2, 4, 4), 2, 16
+    fn = _regrouped_model(REGROUPED[regroup], normed, grid, d)
+    positions = tuple(torch.arange(n) for n in grid)
+    tokens = 16 if regroup in ("one-frame", "strided-rows") else 32  # of the 2 x 4 x 4 grid's rows
+    args = (torch.randn(1, tokens, heads, d), torch.randn(1, tokens, heads, d), *positions)
+    rep = _fused(fn, args)
+    assert all(s.norm == ("rms folded" if normed else "") for s in rep.sites), rep.table()
+    assert all("transformer_kandinsky6_sr.py" in s.source for s in rep.sites), rep.table()
+
+
+def test_a_normed_x_and_a_matrix_that_arrives_as_a_tensor_keeps_its_reason():
+    """With the norm folded into the factor (x times the norm's scale, its weight and the matrix entry), the reason
+    was "its factor ... is a table computed in the graph, but no node holds it": the scale is computed from x, and
+    the obstacle is the matrix that arrives as a tensor."""
+    q, k, ids = inputs(3, "bshd", FP32)
+    freqs_cis = tables(ids, 3, _rows, 2)
+    weight = torch.rand(16) + 0.5
+
+    def fn(q, k, freqs_cis):
+        q, k = (torch.nn.functional.rms_norm(x, (16,), weight, 1e-6) for x in (q, k))
+        return by_index(q, freqs_cis), by_index(k, freqs_cis)
+
+    out, p = compile_with_pass(fn, q, k, freqs_cis)
+    rep, t = p.report, p.report.table()
+    assert not rep.errors and not rep.sites and len(rep.misses) == 2, t
+    check_unchanged(fn, (q, k, freqs_cis), out, context=t)
+    assert all("a table that arrives as a tensor cannot be proven to hold [[cos, -sin], [sin, cos]]" in m.reason
+               and "no node holds" not in m.reason for m in rep.misses), t
+
+
 PRX_CONFIG = dict(in_channels=4, patch_size=2, context_in_dim=16, hidden_size=32, mlp_ratio=2.0, num_heads=2,
                   depth=2, axes_dim=[8, 8])
 

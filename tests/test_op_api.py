@@ -48,6 +48,85 @@ def test_bad_options_raise(bad, match):
         rope_fusion.apply_rotary(x, c, s, **bad)
 
 
+# Every option of the schema with values of the wrong type (TypeError) and out of range (ValueError). A flag given
+# as "no" was truthy (interleaved="no" rotated interleaved pairs), rotary_dim=0 fell back to the head dim, and
+# norm_eps=-1 gave NaN: each now raises one line that names the option.
+WRONG_TYPE = {bool: ["no", 1, 1.0], int: [2.0, True, "8"], float: ["1e-6", True],
+              str: [1], torch.dtype: ["float32", torch.float32.itemsize]}
+OUT_OF_RANGE = {"rotary_dim": [0, -2, 3], "rotary_offset": [-1], "rotary_blocks": [0, -1],
+                "norm_eps": [-1.0, float("nan"), float("inf")], "norm": ["layer"], "out_dtype": [torch.int32]}
+
+
+def _bad_options():
+    import dataclasses
+    import typing
+
+    from rope_fusion.ops.schema import RotaryParams
+
+    hints = typing.get_type_hints(RotaryParams)
+    for f in dataclasses.fields(RotaryParams):
+        for value in WRONG_TYPE[hints[f.name]]:
+            yield f.name, value, TypeError
+        for value in OUT_OF_RANGE.get(f.name, []):
+            yield f.name, value, ValueError
+
+
+@pytest.mark.parametrize("name,value,error", list(_bad_options()), ids=lambda v: repr(v)[:20])
+def test_every_option_is_checked_in_every_public_function(name, value, error):
+    """Directly (the eager path's first call of a geometry), through the op (autograd to record) and once more
+    (no plan is cached for a call that raised): one line that names the option."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(5, 3, 8), torch.randn(5, 1, 8), torch.randn(5, 1, 8)
+    c, s = _tables((5, 1), 4, torch.float32)
+    extra = {"norm": "rms"} if name == "norm_eps" else {}
+    calls = [lambda t: rope_fusion.apply_rotary(t, c, s, **extra, **{name: value}),
+             lambda t: rope_fusion.apply_rotary_qk(t, k, c, s, **extra, **{name: value}),
+             lambda t: rope_fusion.apply_rotary_qkv(t, k, v, c, s, **extra, **{name: value})]
+    for call in calls:
+        for x in (q, q, q.clone().requires_grad_()):
+            with pytest.raises(error) as raised:
+                call(x)
+            message = str(raised.value)
+            assert name in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("bad", [{"interleaved": "no"}, {"rotary_dim": 0}, {"norm": "rms", "norm_eps": -1.0}],
+                         ids=["flag", "rotary_dim", "norm_eps"])
+def test_options_are_checked_under_compile(bad):
+    """Traced, the call reaches the op's own check: Dynamo stops at the raise and the call runs eagerly, where the
+    same one line is raised."""
+    q = torch.randn(5, 3, 8)
+    c, s = _tables((5, 1), 4, torch.float32)
+    name = [k for k in bad if k != "norm"][0]
+    torch._dynamo.reset()
+    with pytest.raises((TypeError, ValueError), match=f"^{name} must be"):
+        torch.compile(lambda x: rope_fusion.apply_rotary(x, c, s, **bad))(q)
+
+
+def test_rms_norm_rope_qk_checks_its_options():
+    """Its own flag, and the op's options through the op's check (eps is the op's norm_eps)."""
+    q, k = torch.randn(5, 3, 8), torch.randn(5, 1, 8)
+    c, s = _tables((5, 1), 4, torch.float32)
+    w = torch.ones(8)
+    for bad, error, name in (({"per_head": "no"}, TypeError, "per_head"), ({"eps": -1.0}, ValueError, "norm_eps"),
+                             ({"interleaved": "no"}, TypeError, "interleaved"), ({"rotary_dim": 0}, ValueError,
+                                                                               "rotary_dim")):
+        kw = {"eps": 1e-6, **bad}
+        with pytest.raises(error, match=f"^{name} must be"):
+            rope_fusion.rms_norm_rope_qk(q, k, w, w, kw.pop("eps"), c, s, **kw)
+
+
+def test_options_in_range_still_run():
+    """The checks refuse nothing the op takes: an int eps, rotary_dim given explicitly, every flag as a bool."""
+    q = torch.randn(5, 3, 8)
+    c, s = _tables((5, 1), 2, torch.float32)
+    out = rope_fusion.apply_rotary(q, c, s, rotary_dim=4, norm="rms", norm_eps=0, interleaved=True,
+                                   conjugate=False, out_dtype=torch.float64)
+    want = rotary_reference(q, c, s, interleaved=True, rotary_dim=4, full_tables=False, norm="rms", norm_eps=0.0,
+                            out_dtype=torch.float64)
+    torch.testing.assert_close(out, want)
+
+
 def test_unknown_option_is_a_type_error():
     q = torch.randn(2, 5, 3, 8)
     c, s = _tables((5, 1), 4, torch.float32)

@@ -196,6 +196,26 @@ def test_a_2x2_matrix_applied_with_einsum_is_a_near_miss():
            reason="a 2x2 matrix built from cos and sin is applied to pairs of lanes with a matmul")
 
 
+def two_feature_layers(x, w1, w2):
+    """A linear layer of 2 features (a tiny model's time embedding: CogVideoX's time_embed_dim=2), in a training
+    step: its matmuls are [N, 2] @ [2, 2], which no pair rotation applied with einsum is (that is batched)."""
+    return F.linear(F.silu(F.linear(x, w1)), w2)
+
+
+def test_a_linear_layer_of_two_features_is_no_2x2_pair_matrix():
+    """Was a near miss "a 2x2 matrix read from a tensor ... is applied to pairs of lanes with a matmul" for every
+    such matmul of the forward and the backward."""
+    x, w1, w2 = torch.randn(8, 2), torch.randn(2, 2, requires_grad=True), torch.randn(2, 2, requires_grad=True)
+    import rope_fusion
+
+    torch._dynamo.reset()
+    p = rope_fusion.RopeFusionPass()
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        torch.compile(two_feature_layers, options={"post_grad_custom_post_pass": p})(x, w1, w2).sum().backward()
+    assert p.report.graphs == 2 and not p.report.misses and not p.report.sites, p.report.table()
+
+
 # -- one bug in q and k of one block: one reason ------------------------------------------------------
 
 def _rope_tables(s, d):

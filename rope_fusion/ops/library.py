@@ -349,8 +349,9 @@ def _signature_doc(arity: int, summary: str) -> str:
                 text += " Default: " + ("the head dim after rotary_offset." if p.name == "rotary_dim" else
                                         "x's dtype (q and k of two dtypes need it).")
         lines.append(f"    {p.name}={p.default!r}: {text}")
-    lines += ["", "Raises ValueError naming the argument for bad shapes, dtypes or devices, TypeError for an unknown "
-              "option. Differentiable (the gradient of a rotation is the inverse rotation)."]
+    lines += ["", "Raises ValueError naming the argument for bad shapes, dtypes, devices or option values (a position "
+              "outside the caches: IndexError naming positions), TypeError for an unknown option or an option of "
+              "the wrong type. Differentiable (the gradient of a rotation is the inverse rotation)."]
     return "\n".join(lines)
 
 
@@ -379,9 +380,14 @@ def _resolve(xs: Sequence[torch.Tensor], options: dict) -> RotaryParams:
                          "in it")
     chosen = {k: v for k, v in options.items() if v is not None and k in fields}
     defaults = {k: v for k, v in PUBLIC_DEFAULTS.items() if k not in _DERIVED}
-    rotary_dim = options.get("rotary_dim") or xs[0].shape[-1] - (options.get("rotary_offset") or 0)
+    rotary_dim = options.get("rotary_dim")
+    if rotary_dim is None:  # derived only where it was not given: rotary_dim=0 is checked, not replaced
+        offset = options.get("rotary_offset")
+        offset = offset if isinstance(offset, (int, torch.SymInt)) and not isinstance(offset, bool) else 0
+        rotary_dim = xs[0].shape[-1] - offset  # a wrong offset is named by the schema's check
+    out_dtype = options.get("out_dtype")
     return RotaryParams(**{**defaults, **chosen, "rotary_dim": rotary_dim,
-                           "out_dtype": options.get("out_dtype") or xs[0].dtype})
+                           "out_dtype": xs[0].dtype if out_dtype is None else out_dtype})
 
 
 def _weights(arity: int, shared: Any, own: list) -> list | None:

@@ -2,7 +2,8 @@
 
 The inner function loads x at the lane and at its partner (index arithmetic with ModularIndexing, so
 every load stays in bounds) and the tables at the lane or pair index; a cache row picked by positions is a
-checked indirect index, so a position outside [0, rows) raises as plain compile does. Packed sequences
+checked indirect index, so a position outside [0, rows) raises (on the CPU an error naming positions, on a GPU
+Inductor's device-side assert, as plain compile's own gather). Packed sequences
 (`cu_seqlens`) get their positions from ops/packed.py's arithmetic applied to Inductor's own lowerings, then
 take the same path. Inductor then fuses
 the node with its neighbours (casts, norms) into one generated kernel. On the GPU this form of access is
@@ -21,6 +22,7 @@ from torch.utils._sympy.functions import ModularIndexing
 
 from .library import OPS
 from .packed import packed_positions
+from .reference import positions_error
 from .schema import RotaryCall, RotaryParams
 
 
@@ -30,12 +32,11 @@ def _compute_dtype(x, cos, sin, out_dtype):
 
 
 def _rotary_pointwise(x, cos, sin, p: RotaryParams, positions=None):
-    interleaved, full_tables, conjugate, out_dtype = p.interleaved, p.full_tables, p.conjugate, p.out_dtype
+    full_tables, conjugate, out_dtype = p.full_tables, p.conjugate, p.out_dtype
     size = list(x.get_size())
     nd = len(size)
     head = size[-1]
     r = p.rotary_dim
-    half = r // 2
     cd = _compute_dtype(x, cos, sin, out_dtype)
     x_load = x.make_loader()
     tables = []
@@ -43,6 +44,7 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams, positions=None):
         psize = list(positions.get_size())
         pos_load = positions.make_loader()
         rows = cos.get_size()[0]
+        named = x.get_device() is not None and x.get_device().type == "cpu"  # `_cache_row`
     for t in (cos, sin):
         tsize = list(t.get_size()) if positions is None else [*positions.get_size(), t.get_size()[-1]]
         offset = nd - len(tsize)
@@ -54,10 +56,7 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams, positions=None):
             out.append(0 if s == 1 else idx[offset + i])
         if positions is not None:
             row = pos_load([0 if s == 1 else idx[nd - len(psize) - 1 + i] for i, s in enumerate(psize)])
-            # checked, and negatives not wrapped: the op's rule is 0 <= row < rows (the pass emits the wrap of
-            # `cache[positions]` before the op), and a row outside fails as plain compile fails (a C++ error on
-            # the CPU, a device-side assert on the GPU) instead of reading past the cache
-            return [ops.indirect_indexing(row, rows, check=True, wrap_neg=False), lane]
+            return [_cache_row(row, rows, named), lane]
         out.append(lane)
         return out
 
@@ -69,29 +68,7 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams, positions=None):
     def inner_fn(idx):
         *lead, d_out = idx
         d = ModularIndexing(d_out + shift, 1, r) if off else d_out
-        if p.deinterleave:  # out lane d: pair j = d mod R/2 of x, its first (d < R/2) or second element
-            pair = ModularIndexing(d, 1, half)
-            is_second = ModularIndexing(d, half, 2)
-            lane_x = 2 * pair + is_second
-            partner = 2 * pair + 1 - is_second
-        elif interleaved:
-            lane_x = d
-            partner = d + 1 - 2 * ModularIndexing(d, 1, 2)
-            is_second = ModularIndexing(d, 1, 2)
-            pair = ModularIndexing(d, 2, half)
-        elif p.rotary_blocks > 1:  # NeoX pairs within each block of width w = 2 * bh
-            bh = half // p.rotary_blocks
-            w = 2 * bh
-            block = ModularIndexing(d, w, p.rotary_blocks)
-            lane_x = d
-            partner = block * w + ModularIndexing(d + bh, 1, w)
-            is_second = ModularIndexing(d, bh, 2)
-            pair = block * bh + ModularIndexing(d, 1, bh)
-        else:
-            lane_x = d
-            partner = ModularIndexing(d + half, 1, r)
-            is_second = ModularIndexing(d, half, 2)
-            pair = ModularIndexing(d, 1, half)
+        lane_x, partner, is_second, pair = _pair_lanes(d, p)
         lane = ModularIndexing(d, 1, r) if full_tables else pair
         xv = ops.to_dtype(x_load([*lead, off + lane_x]), cd)
         xp = ops.to_dtype(x_load([*lead, off + partner]), cd)
@@ -115,6 +92,38 @@ def _rotary_pointwise(x, cos, sin, p: RotaryParams, positions=None):
         return ops.to_dtype(rot, out_dtype)
 
     return ir.Pointwise.create(device=x.get_device(), dtype=out_dtype, inner_fn=inner_fn, ranges=size)
+
+
+def _pair_lanes(d, p: RotaryParams) -> tuple:
+    """(x's lane, its partner's, whether it is the pair's second, the pair) of output lane d of the rotated part."""
+    r = p.rotary_dim
+    half = r // 2
+    if p.deinterleave:  # out lane d: pair j = d mod R/2 of x, its first (d < R/2) or second element
+        pair = ModularIndexing(d, 1, half)
+        is_second = ModularIndexing(d, half, 2)
+        return 2 * pair + is_second, 2 * pair + 1 - is_second, is_second, pair
+    if p.interleaved:
+        return d, d + 1 - 2 * ModularIndexing(d, 1, 2), ModularIndexing(d, 1, 2), ModularIndexing(d, 2, half)
+    if p.rotary_blocks > 1:  # NeoX pairs within each block of width w = 2 * bh
+        bh = half // p.rotary_blocks
+        w = 2 * bh
+        block = ModularIndexing(d, w, p.rotary_blocks)
+        return d, block * w + ModularIndexing(d + bh, 1, w), ModularIndexing(d, bh, 2), \
+            block * bh + ModularIndexing(d, 1, bh)
+    return d, ModularIndexing(d + half, 1, r), ModularIndexing(d, half, 2), ModularIndexing(d, 1, half)
+
+
+def _cache_row(row, rows, named: bool):
+    """The cache row that positions pick, as an index: checked, and negatives not wrapped. The op's rule is
+    0 <= row < rows (the pass emits the wrap of `cache[positions]` before the op), and a row outside fails as plain
+    compile fails instead of reading past the cache: `named` (the CPU), by an assert whose error names positions (one
+    compare, in place of Inductor's own check); else by Inductor's check, a device-side assert on the GPU that it
+    drops where it proves the rows in range."""
+    if named:
+        wide = ops.to_dtype(row, torch.int64)
+        inside = ops.and_(ops.ge(wide, ops.constant(0, torch.int64)), ops.lt(wide, ops.index_expr(rows, torch.int64)))
+        ops.device_assert_async(inside, "rope_fusion: " + positions_error(None, rows))
+    return ops.indirect_indexing(row, rows, check=not named, wrap_neg=False)
 
 
 def _rms_norm(x, p: RotaryParams, weight, cd):

@@ -32,8 +32,22 @@ def join_pairs(a: torch.Tensor, b: torch.Tensor, interleaved: bool, blocks: int 
 def gather_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """`table[positions]` for positions in [0, rows), the op's rule; any other position raises IndexError, a
     negative one included. Advanced indexing would wrap a negative position: the pass emits that wrap in the
-    graph where the model indexed so (passes/gathers.py), so every backend checks one rule."""
+    graph where the model indexed so (passes/gathers.py), so every backend checks one rule.
+
+    Positions on the CPU are checked here, where reading them costs no device sync, so the error names them;
+    elsewhere `index_select` checks them on the device (torch's own error)."""
+    if type(positions) is torch.Tensor and positions.device.type == "cpu" and positions.numel():
+        low, high = (int(v) for v in torch.aminmax(positions))
+        if low < 0 or high >= table.shape[0]:
+            raise IndexError(positions_error(low if low < 0 else high, table.shape[0]))
     return table.index_select(0, positions.reshape(-1)).reshape(*positions.shape, *table.shape[1:])
+
+
+def positions_error(row: int | None, rows: object) -> str:
+    """The one message of a position outside the caches (the reference's check, the CPU lowering's assert)."""
+    got = "" if row is None else f", got {row}"
+    return (f"positions must pick rows in [0, {rows}) of cos and sin{got} (positions given, or derived from "
+            "cu_seqlens and seqlen_offsets)")
 
 
 def _lane_tables(t: torch.Tensor, interleaved: bool, full_tables: bool, blocks: int):

@@ -9,6 +9,8 @@ nothing else spells the op's signature. docs/design.md section 2 gives the seman
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import typing
 from collections.abc import Sequence
 from typing import Any
@@ -210,10 +212,10 @@ def check_call(call: RotaryCall) -> None:
 def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
                positions: torch.Tensor | None = None, norm_weights: Sequence | None = None,
                cu_seqlens: torch.Tensor | None = None, seqlen_offsets: torch.Tensor | None = None) -> None:
-    """Raise ValueError naming the offending argument; shapes may be symbolic (fake tensors)."""
+    """Raise ValueError naming the offending argument (TypeError for an option of the wrong type); shapes may be
+    symbolic (fake tensors)."""
     names = TENSOR_NAMES[len(xs)]
-    if params.norm not in NORMS:
-        raise ValueError(f"norm must be one of {NORMS}, got {params.norm!r}")
+    check_options(params)
     for name, x, w in zip(names, xs, norm_weights or [None] * len(xs)):
         if w is None:
             continue
@@ -261,13 +263,7 @@ def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
     for name, t in (*zip(names, xs), ("cos", cos), ("sin", sin)):
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name} has unsupported dtype {t.dtype}; expected one of {FLOAT_DTYPES}")
-    if params.out_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"out_dtype {params.out_dtype} is unsupported; expected one of {FLOAT_DTYPES}")
     r, off = params.rotary_dim, params.rotary_offset
-    if r <= 0 or r % 2:
-        raise ValueError(f"rotary_dim must be a positive even number, got {r}")
-    if off < 0:
-        raise ValueError(f"rotary_offset must be >= 0, got {off}")
     if params.offset_q_only:
         if len(xs) < 2:
             raise ValueError("offset_q_only=True applies rotary_offset to q alone: it needs q and k (rotary_qk or "
@@ -284,24 +280,62 @@ def check_args(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
             if x.shape[-1] != xs[0].shape[-1]:
                 raise ValueError(f"q and {name} must share the head dim, got q {tuple(xs[0].shape)} and {name} "
                                  f"{tuple(x.shape)}")
-    width = params.table_width
     for i, (name, x) in enumerate(zip(names, xs)):
         off = params.of_tensor(i).rotary_offset
         if off + r > x.shape[-1]:
             what = f"rotary_offset + rotary_dim = {off} + {r}" if off else f"rotary_dim={r}"
             raise ValueError(f"{what} exceeds the head dim of {name} (shape {tuple(x.shape)})")
-        rows = positions if cu_seqlens is None else positions_shape(x)
-        for arg, t in (("cos", cos), ("sin", sin)):
-            shape = gathered_shape(t, rows)
-            what = f"{arg}[positions] of shape {shape}" if rows is not None else f"{arg} of shape {shape}"
-            if t.dim() < 1 or t.shape[-1] != width:
-                raise ValueError(f"{arg} must have last dim {width} (rotary_dim={r}, "
-                                 f"full_tables={params.full_tables}), got shape {tuple(t.shape)}")
-            if len(shape) > x.dim():
-                raise ValueError(f"{what} has more dims than {name} {tuple(x.shape)}")
-            for a, b in zip(reversed(shape[:-1]), reversed(x.shape[:-1])):
-                if not _broadcasts(a, b):
-                    raise ValueError(f"{what} does not broadcast against {name} of shape {tuple(x.shape)}")
+        _check_tables(name, x, cos, sin, params, positions if cu_seqlens is None else positions_shape(x))
+
+
+def _check_tables(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
+                  rows: Any) -> None:
+    """The tables' width, and their shape (gathered by `rows`, the positions or their shape) against x's."""
+    width, r = params.table_width, params.rotary_dim
+    for arg, t in (("cos", cos), ("sin", sin)):
+        shape = gathered_shape(t, rows)
+        what = f"{arg}[positions] of shape {shape}" if rows is not None else f"{arg} of shape {shape}"
+        if t.dim() < 1 or t.shape[-1] != width:
+            raise ValueError(f"{arg} must have last dim {width} (rotary_dim={r}, "
+                             f"full_tables={params.full_tables}), got shape {tuple(t.shape)}")
+        if len(shape) > x.dim():
+            raise ValueError(f"{what} has more dims than {name} {tuple(x.shape)}")
+        for a, b in zip(reversed(shape[:-1]), reversed(x.shape[:-1])):
+            if not _broadcasts(a, b):
+                raise ValueError(f"{what} does not broadcast against {name} of shape {tuple(x.shape)}")
+
+
+# What each option's annotation admits (`RotaryParams`' hints): a flag is a bool (a string such as "no" is truthy,
+# and would have rotated interleaved pairs); a count is an integer (numpy's too), or a SymInt while tracing (a
+# rotary_dim derived from a symbolic head dim); a number is any real; neither is a bool.
+_OPTION_TYPES = {bool: ((bool,), "True or False"), int: ((numbers.Integral, torch.SymInt), "an int"),
+                 float: ((numbers.Real,), "a number"), str: ((str,), "a string"),
+                 torch.dtype: ((torch.dtype,), "a dtype")}
+_OPTION_HINTS = {f.name: typing.get_type_hints(RotaryParams)[f.name] for f in dataclasses.fields(RotaryParams)}
+
+
+def check_options(params: RotaryParams) -> None:
+    """Raise naming the option whose value the op cannot take: TypeError for its type (from the schema's
+    annotations, so a new field is checked too), ValueError for its range. Cheap: the public functions call it
+    once per cached call geometry, the op's kernels and fake once per call."""
+    for name, annotation in _OPTION_HINTS.items():
+        value = getattr(params, name)
+        types, what = _OPTION_TYPES[annotation]
+        if not isinstance(value, types) or (annotation is not bool and isinstance(value, bool)):
+            raise TypeError(f"{name} must be {what}, got {value!r}")
+    if params.norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {params.norm!r}")
+    if not (math.isfinite(params.norm_eps) and params.norm_eps >= 0):
+        raise ValueError(f"norm_eps must be a finite number >= 0, got {params.norm_eps!r}")
+    if params.out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype {params.out_dtype} is unsupported; expected one of {FLOAT_DTYPES}")
+    if params.rotary_offset < 0:  # first: the public functions derive a default rotary_dim from it
+        raise ValueError(f"rotary_offset must be >= 0, got {params.rotary_offset}")
+    r = params.rotary_dim
+    if r <= 0 or r % 2:
+        raise ValueError(f"rotary_dim must be a positive even number, got {r}")
+    if params.rotary_blocks < 1:
+        raise ValueError(f"rotary_blocks must be a positive count, got {params.rotary_blocks}")
 
 
 def _broadcasts(a: Any, b: Any) -> bool:

@@ -19,6 +19,10 @@ What a site becomes, since no Inductor lowers or costs it here:
   CUDA kernel), the reference on the CPU. There is no cost model: the model's own code runs here as one kernel
   per ATen op, not as the fused kernels Inductor would generate, so there is nothing for a site to be left to.
 
+A graph in another form than AOTAutograd's (in-place writes, undecomposed `stack`, a pre-dispatch graph's composite
+ops) is analysed in its functional, decomposed form (passes/aten_form.py), which replaces it where a site fused.
+`fx_pass` is no Dynamo backend: given to torch.compile as one, it raises what to use instead.
+
 `rope_fusion.fx_pass` is one shared instance whose `report` fills with every graph it rewrites; `FxPass(...)`
 makes another with its own report. As with the Inductor pass, a copy or an unpickled pass keeps the options and
 starts with an empty report. In npugraph_ex and TorchAir the pre-pass slot runs before their own FX passes
@@ -37,6 +41,9 @@ import torch.fx as fx
 
 from ..ops.backends import Backend, LeftToInductor, SiteSpec, emit_op_call, load_backends
 from ..ops.library import OPS
+from . import aten_form
+from .provenance import source_line
+from .report import Miss
 from .rope_pass import RopeFusionPass
 
 log = logging.getLogger("rope_fusion")
@@ -51,6 +58,23 @@ class LeftInGraph(LeftToInductor):
     """A site left as the model wrote it because the compiler after this pass could not run the fused op."""
 
     PREFIX = "left in the graph: "
+
+
+NOT_A_BACKEND = (
+    "rope_fusion.fx_pass was given to torch.compile as its backend: it is a pass over the ATen graphs that "
+    "AOTAutograd produces (npugraph_ex's and TorchAir's custom-pass slot) and returns nothing to run. Use "
+    "torch.compile(f, backend=rope_fusion.backend(\"eager\")) (AOTAutograd, then fx_pass, then \"eager\", "
+    "\"aot_eager\", \"cudagraphs\", \"inductor\" or a backend callable), or "
+    "torch.compile(f, options=rope_fusion.inductor_options()) with Inductor")
+
+
+def dynamo_graph(graph: fx.Graph) -> bool:
+    """Whether `graph` is Dynamo's own graph (torch-level calls, handed to a backend), not an ATen graph: its
+    inputs carry Dynamo's `grapharg`, and its values `example_value` where ATen graphs carry `val`."""
+    nodes = list(graph.nodes)
+    if any("grapharg" in n.meta for n in nodes if n.op == "placeholder"):
+        return True
+    return any("example_value" in n.meta for n in nodes) and not any("val" in n.meta for n in nodes)
 
 
 def ge_mode(config: Any) -> bool:
@@ -73,22 +97,59 @@ class FxPass(RopeFusionPass):
         super().__init__(backend="auto", fuse_qk=fuse_qk, cache_host_tables=cache_host_tables)
         self._ge = False
         self._chosen: dict = {}  # the replaced node of a group -> (backend name, why not the NPU ops)
+        self._unread: tuple | None = None  # (aten_form.Finding, error) of a graph not brought into the rules' form
 
     def __call__(self, gm: fx.GraphModule | fx.Graph, example_inputs: Any = None, config: Any = None, *,
                  is_inference: bool | None = None) -> None:
         graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+        if isinstance(graph, fx.Graph) and dynamo_graph(graph):
+            raise TypeError(NOT_A_BACKEND)
         self._ge = ge_mode(config)
         self._chosen.clear()
         load_backends()  # the op's device kernels (Triton on CUDA) register when their module imports
         misses = len(self.report.misses)
-        super().__call__(graph, is_inference=is_inference)
+        work, traced = self._readable(graph, example_inputs)
+        try:
+            super().__call__(work, is_inference=is_inference)
+        finally:
+            self._unread = None
         for m in self.report.misses[misses:]:
             if m.reason.startswith(_LEFT + LeftInGraph.PREFIX):
                 m.reason = m.reason[len(_LEFT):]
         if self.report.graph_records[-1].sites:
+            if traced is not None:
+                aten_form.adopt(graph, traced)  # the fused normal form takes the original's place
             reshape_views_after(graph, [n for n in graph.nodes if n.target in self._emitted_ops()])
         if isinstance(gm, fx.GraphModule):
             gm.recompile()
+
+    def _readable(self, graph: fx.Graph, example_inputs: Any) -> tuple:
+        """(the graph to analyse, the traced normal form or None): `graph` itself where it is in the form the lane
+        rules read, else its functional, decomposed form (passes/aten_form.py). Where that cannot be traced, a
+        graph that writes in place is not analysed at all (its writes are unseen: a fused rotation could read a
+        value from before one), and one that only keeps an undecomposed op is analysed as it is; either way a near
+        miss says why (`_fuse`)."""
+        finding = aten_form.examine(graph)
+        if not finding:
+            return graph, None
+        try:
+            traced = aten_form.normal_form(graph, example_inputs)
+        except Exception as e:
+            self._unread = (finding, f"{type(e).__name__}: {e}")
+            return graph, None
+        return traced.graph, traced
+
+    def _fuse(self, graph: fx.Graph, index: int) -> list:
+        """The analysis, after a near miss for a graph that could not be brought into the form it reads."""
+        if self._unread is None:
+            return super()._fuse(graph, index)
+        finding, error = self._unread
+        node = finding.mutation or finding.undecomposed or finding.foreign_value
+        left = ("not analysed: its writes would be unseen" if finding.mutation is not None else
+                "analysed as it is")
+        self.report.misses.append(Miss(index, node.name, f"the graph {finding.describe()}, and tracing it functional "
+                                       f"and decomposed failed ({error}): {left}", source_line(node)))
+        return [] if finding.mutation is not None else super()._fuse(graph, index)
 
     @staticmethod
     def _emitted_ops() -> set:
@@ -168,4 +229,5 @@ def reshape_views_after(graph: fx.Graph, fused: list) -> int:
 fx_pass = FxPass()
 """The shared instance: `rope_fusion.fx_pass(gm, example_inputs, config)`; `rope_fusion.fx_pass.report`."""
 
-__all__ = ["FxPass", "LeftInGraph", "NPU_DEVICE_TYPES", "fx_pass", "ge_mode", "reshape_views_after"]
+__all__ = ["FxPass", "LeftInGraph", "NOT_A_BACKEND", "NPU_DEVICE_TYPES", "dynamo_graph", "fx_pass", "ge_mode",
+           "reshape_views_after"]

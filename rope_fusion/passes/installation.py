@@ -3,7 +3,8 @@ torch.compile itself (vllm-omni compiles repeated blocks with no options).
 
 `install()` sets Inductor's global `post_grad_custom_post_pass`, after any pass already configured there
 (both run, in that order; where that setting is a list of passes, which newer torch takes, ours joins the end of
-the list). It is idempotent: a second call returns the pass already installed.
+the list). It is idempotent: a second call returns the pass already installed, and a call with other options
+raises rather than replace it (the caller holds the first pass and reads its report).
 `uninstall()` takes out exactly what `install()` put in and nothing that was configured around it.
 
 A compile that passes its own `options={"post_grad_custom_post_pass": p}` replaces the global setting for
@@ -207,24 +208,33 @@ def installed() -> RopeFusionPass | None:
 def install(pass_: RopeFusionPass | None = None, **pass_kwargs: Any) -> RopeFusionPass:
     """Run the pass in every later torch.compile of this process (chained after any pass already set).
 
-    Returns the installed pass, whose `report` fills as graphs compile. Calling it again returns the pass
-    already installed (with other options or another pass: that one replaces it). `uninstall()` undoes it.
-    Use this, not `options=`, with `torch.compile(mode=...)`: torch.compile takes one or the other.
+    Returns the installed pass, whose `report` fills as graphs compile. Calling it again with no options, the same
+    options or the installed pass returns the pass already installed. With other options or another pass it raises
+    a RuntimeError: replacing the installed pass would leave the one the caller holds reporting nothing, without a
+    word; `uninstall()` first. Use this, not `options=`, with `torch.compile(mode=...)`: torch.compile takes one or
+    the other.
     """
     global _installed
     import torch._inductor.config as cfg
 
     p = _checked(pass_, pass_kwargs) if (pass_ is not None or pass_kwargs) else None
     if _installed is not None and contains(cfg.post_grad_custom_post_pass, _installed):
-        if p is None or p is _installed or (pass_ is None and p.uuid() == _installed.uuid()):
+        if p is None or p is _installed or (pass_ is None and _same_options(p, _installed)):
             return _installed
-        uninstall()
+        raise RuntimeError(f"rope_fusion.install: {_installed!r} is installed already, and {p!r} would replace it "
+                           "(the installed pass would then see no more graphs); call rope_fusion.uninstall() first, "
+                           "or take the installed one from rope_fusion.installed()")
     p = p or RopeFusionPass()
     cfg.post_grad_custom_post_pass = _with(cfg.post_grad_custom_post_pass, p)
     _installed = p
     _wrap_compile()
     _wrap_compile_fx()
     return p
+
+
+def _same_options(a: RopeFusionPass, b: RopeFusionPass) -> bool:
+    """Whether two passes run alike: one class, one set of options (what a copy or a pickle keeps)."""
+    return type(a) is type(b) and a.__getstate__() == b.__getstate__()
 
 
 def uninstall() -> None:

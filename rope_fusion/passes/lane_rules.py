@@ -25,6 +25,7 @@ from .lanes import (
     Unsupported,
     grid_indices,
     lane_dims,
+    lane_relations,
     lane_rule,
     row_major_strides,
     small_sum_dims,
@@ -385,15 +386,7 @@ def rule_reshape(interp, node):
     try:
         tail = _reshape_tail(interp, old, k, grid, value, new)
     except LeadingOnly:
-        # the leading dims regrouped, the lanes kept: a new source, whose lanes that the value proves equal or
-        # negated share one atom (Kandinsky's [T, H, W, 1, D/2, 2, 2] rotation matrices flattened to [T*H*W, 1,
-        # D/2, 2, 2] read as views of their cos and sin), as an unsqueeze between leading dims
-        value = interp.value(arg) if value is None else value
-        known = None if _is_gather(value) else interp.identified_source(node, value)
-        if known is None:
-            interp.note_lanes(node, value)
-            raise
-        return known
+        return _regrouped_rows(interp, node, interp.value(arg) if value is None else value)
     if value is None:
         value = interp.value(arg)
     if tail is None:
@@ -405,6 +398,21 @@ def rule_reshape(interp, node):
 
 class LeadingOnly(Unsupported):
     """A reshape that regroups leading dims only and keeps the lanes."""
+
+
+def _regrouped_rows(interp, node, value: LaneValue) -> LaneValue:
+    """A value whose rows are regrouped or picked (a reshape, permute, slice or select of leading dims only) with
+    their lanes kept: each row of the result is a row of the value, so lanes that the value proves equal or negated
+    are still so in every row. A new source whose such lanes share one atom (`LaneInterpreter.identified_source`):
+    Kandinsky's [T, H, W, 1, D/2, 2, 2] rotation matrices flattened to [T*H*W, 1, D/2, 2, 2], or first regrouped
+    into tiles of tokens (`reshape -> permute -> flatten`, Kandinsky 6 SR's `_local_patch` for its sparse
+    attention), read as views of their cos and sin, as after an unsqueeze between leading dims. Without a related
+    pair of lanes, a plain source (raises Unsupported) whose lanes a reason can still name (`note_lanes`)."""
+    known = None if _is_gather(value) else interp.identified_source(node, value)
+    if known is None:
+        interp.note_lanes(node, value)
+        raise LeadingOnly("leading dims regrouped: the result is a new source")
+    return known
 
 
 def _reshape_tail(interp, old: tuple, k: int, grid: tuple, value: LaneValue | None, new: tuple) -> tuple | None:
@@ -583,7 +591,9 @@ def _permute(interp, node, perm):
     if not moved:
         return rule_identity(interp, node)
     if min(moved) < ndim - value.k:
-        raise Unsupported("permute of leading dims: the result is a new source")
+        if max(moved) < ndim - value.k:
+            return _regrouped_rows(interp, node, value)
+        raise Unsupported("permute of leading and lane dims: the result is a new source")
     start = ndim - value.k
     grid_perm = [p - start for p in perm[start:]]
     grid = value.grid
@@ -598,7 +608,8 @@ def _permute(interp, node, perm):
 
 @lane_rule(aten.permute.default)
 def rule_permute(interp, node):
-    """A permutation of grid dims reorders the lanes (moving a leading dim makes a new source).
+    """A permutation of grid dims reorders the lanes; one of leading dims only regroups the rows (a new source,
+    related lanes sharing atoms: `_regrouped_rows`); one that moves both makes a plain new source.
     permute(v, [0, 2, 1]) with grid (2, 2) lanes (a, b, c, d): lanes (a, c, b, d)."""
     return _permute(interp, node, list(node.args[1]))
 
@@ -636,7 +647,8 @@ def _slice_picks(size: int, start, end, step) -> list:
 @lane_rule(aten.slice.Tensor)
 def rule_slice(interp, node):
     """The picked lanes of a lane dim (a leading dim only when sliced whole, or a size-2 pair dim).
-    slice(x, -1, 1, 4, 2): lanes (x1, x3). Symbolic bounds on a leading dim are unsupported."""
+    slice(x, -1, 1, 4, 2): lanes (x1, x3). Symbolic bounds on a leading dim are unsupported. Rows picked along a
+    leading dim keep their lanes: a new source, related lanes sharing atoms (`_regrouped_rows`)."""
     src = node.args[0]
     dim = node.args[1] if len(node.args) > 1 else 0
     start = node.args[2] if len(node.args) > 2 else None
@@ -656,7 +668,10 @@ def rule_slice(interp, node):
         if (start in (0, None)) and step == 1 and (end is None or (isinstance(size, int) and end >= size)
                                                     or end >= 2**62):
             return rule_identity(interp, node)
-        value = interp.ensure_dim_in_grid(value, pos)
+        try:
+            value = interp.ensure_dim_in_grid(value, pos)
+        except Unsupported:  # rows picked along a sequence or batch dim: each row's lanes kept
+            return _regrouped_rows(interp, node, value)
     axis = pos - (ndim - value.k)
     picks = _slice_picks(value.grid[axis], start, end, step)
     entries = _take(value, axis, picks, True)
@@ -667,13 +682,18 @@ def rule_slice(interp, node):
 @lane_rule(aten.select.int)
 def rule_select(interp, node):
     """One index of a lane dim (or of a size-2 pair dim next to the lanes); that grid dim goes.
-    select(x, -1, 3): k = 0, the one lane x3; select(v [3, 2, 4], -2, 1): the 4 lanes of pair half 1."""
+    select(x, -1, 3): k = 0, the one lane x3; select(v [3, 2, 4], -2, 1): the 4 lanes of pair half 1. One row of
+    another leading dim keeps its lanes: a new source, related lanes sharing atoms (`_regrouped_rows`)."""
     value = interp.value(node.args[0])
     if value.is_complex:
         raise Unsupported("complex select")
     ndim = len(value.shape)
     pos = norm_dim(node.args[1], ndim)
-    value = interp.ensure_dim_in_grid(value, pos)  # first: an index along a leading dim is never read
+    if pos < ndim - value.k:  # first: an index along a leading dim is never read
+        try:
+            value = interp.ensure_dim_in_grid(value, pos)
+        except Unsupported:  # one row of a sequence or batch dim: its lanes kept
+            return _regrouped_rows(interp, node, value)
     index = _lane_int(node.args[2])
     if not isinstance(index, int):
         raise Unsupported("symbolic index")
@@ -753,8 +773,23 @@ def rule_getitem(interp, node):
     src, index = node.args
     values = interp.values.get(src)
     if not isinstance(values, list) or not isinstance(index, int):
+        if isinstance(index, int) and _splits_rows(interp, src):  # a piece of a split along a leading dim
+            return _regrouped_rows(interp, node, interp.value(src.args[0]))
         raise Unsupported("getitem of an opaque node")
     return values[index]
+
+
+def _splits_rows(interp, node) -> bool:
+    """Whether `node` splits (or unbinds) its input along a leading dim: each piece holds rows of the input."""
+    if not isinstance(node, fx.Node) or node.target not in (aten.split.Tensor, aten.split_with_sizes.default,
+                                                            aten.unbind.int):
+        return False
+    at = 1 if node.target is aten.unbind.int else 2
+    dim = node.args[at] if len(node.args) > at else node.kwargs.get("dim", 0)
+    value = interp.values.get(node.args[0])
+    if not isinstance(value, LaneValue) or value.is_complex:
+        return False
+    return norm_dim(dim, len(value.shape)) < len(value.shape) - value.k
 
 
 # Integer ops that a constant lane index is computed with (`torch.roll` decomposes to
@@ -879,7 +914,11 @@ def rule_cat(interp, node):
         value = interp.value(tensor)
         if value.is_complex:
             raise Unsupported("complex cat")
-        values.append(interp.ensure_dim_in_grid(value, pos))
+        values.append(value)
+    try:
+        values = [interp.ensure_dim_in_grid(value, pos) for value in values]
+    except Unsupported:  # rows joined along a sequence or batch dim: each row a row of one operand
+        return _joined_rows(interp, node, values)
     k = max(value.k for value in values)
     values = [interp.promote(value, k) for value in values]
     axis = pos - (ndim - k)
@@ -894,6 +933,18 @@ def rule_cat(interp, node):
     if math.prod(new_grid) != len(entries):
         raise Unsupported("cat operands disagree")
     return LaneValue(shape[: ndim - k] + tuple(new_grid), k, entries, False, any(value.wide for value in values))
+
+
+def _joined_rows(interp, node, values: list) -> LaneValue:
+    """A cat of rows (along a leading dim) whose operands relate their lanes alike (`lanes.lane_relations`: the
+    same lanes equal or negated, the same constants): every row of the result obeys it, as after a regrouping of
+    one value's rows (`_regrouped_rows`). Rotation matrices of two token ranges joined, say; else a new source."""
+    if not values or any(tuple(v.grid) != tuple(values[0].grid) or v.k != values[0].k for v in values):
+        raise Unsupported("a cat of rows of other lane grids: the result is a new source")
+    relations = [lane_relations(v) for v in values]
+    if relations[0] is None or any(r != relations[0] for r in relations):
+        raise Unsupported("a cat of rows whose lanes relate differently: the result is a new source")
+    return _regrouped_rows(interp, node, values[0])
 
 
 def _scatter(interp, node, base_value, src_value, pos, picks):

@@ -324,7 +324,7 @@ class LaneInterpreter:
                 continue
             rule = RULES.get(node.target)
             if rule is None or node in skip:
-                if rule is None and _op_name(node) in ("bmm", "mm"):
+                if rule is None and _op_name(node) == "bmm":
                     self._note_matrix_2x2(node)
                 continue
             try:
@@ -377,8 +377,10 @@ class LaneInterpreter:
         return False
 
     def _note_matrix_2x2(self, node: fx.Node) -> None:
-        """Record a matmul that applies a 2x2 matrix to pairs ([.., M, 2] @ [.., 2, 2] or [.., 2, 2] @ [.., 2, P]),
-        the post-grad form of `einsum("...ij,...j->...i", R, x.reshape(..., -1, 2))`."""
+        """Record a batched matmul that applies a 2x2 matrix to pairs ([B, M, 2] @ [B, 2, 2] or [B, 2, 2] @
+        [B, 2, P]), the post-grad form of `einsum("...ij,...j->...i", R, x.reshape(..., -1, 2))`: the pairs are in
+        its batch dim. A plain `mm` of that shape is a linear layer of 2 features (a tiny model's time embedding
+        and its gradient), which this recorded as a rotation applied with einsum."""
         vals = [meta(a) for a in node.args[:2]]
         if not all(isinstance(v, torch.Tensor) and v.dim() >= 2 and v.dtype.is_floating_point for v in vals):
             return
@@ -459,31 +461,11 @@ class LaneInterpreter:
         if is_complex or value.is_complex or grid_rank != value.k or tuple(shape[len(shape) - grid_rank:]) != \
                 tuple(value.grid):
             return None
-        name = self.structure.canonical(node).name
-        entries = value.entries
-        # lanes with a positive leading coefficient first: `s` is the representative and `-s` its negation
-        order = sorted(range(len(entries)), key=lambda i: not (entries[i] and entries[i][min(entries[i])] > 0))
-        reps: dict = {}
-        out: list = [None] * len(entries)
-        related = False
-        for i in order:
-            e = entries[i]
-            if e is not None and all(not mono for mono in e):
-                out[i] = e  # a constant reads the same at every leading index
-                continue
-            if e is not None:
-                for sign, probe in ((1.0, e), (-1.0, poly.scale(e, -1.0))):
-                    hit = reps.get(frozenset(probe.items()))
-                    if hit is not None:
-                        out[i] = {((name, grid_rank, False, hit),): sign}
-                        related = True
-                        break
-                else:
-                    reps[frozenset(e.items())] = i
-            if out[i] is None:
-                out[i] = {((name, grid_rank, False, i),): 1.0}
-        if not related:
+        relations = lane_relations(value)
+        if relations is None:
             return None
+        name = self.structure.canonical(node).name
+        out = [rel[1] if rel[0] == "const" else {((name, grid_rank, False, rel[0]),): rel[1]} for rel in relations]
         self.identified[name] = value
         return LaneValue(shape, grid_rank, out, False, value.wide)
 
@@ -547,6 +529,35 @@ class LaneInterpreter:
         if need > value.k + 1 or as_int(value.shape[pos]) != 2:
             raise Unsupported("lane op on a leading dim")
         return self.promote(value, need)
+
+
+def lane_relations(value: LaneValue) -> list | None:
+    """Which lanes of `value` are equal or negated: per lane, (the first lane of its class, its sign), or ("const",
+    the entry) for a constant; None when no two lanes are related. Lanes with a positive leading coefficient are
+    taken first: `s` is the representative and `-s` its negation. Such relations between the lanes of one tensor
+    hold at every leading index (`LaneInterpreter.identified_source`)."""
+    entries = value.entries
+    order = sorted(range(len(entries)), key=lambda i: not (entries[i] and entries[i][min(entries[i])] > 0))
+    reps: dict = {}
+    out: list = [None] * len(entries)
+    related = False
+    for i in order:
+        e = entries[i]
+        if e is not None and all(not mono for mono in e):
+            out[i] = ("const", e)  # a constant reads the same at every leading index
+            continue
+        if e is not None:
+            for sign, probe in ((1.0, e), (-1.0, poly.scale(e, -1.0))):
+                hit = reps.get(frozenset(probe.items()))
+                if hit is not None:
+                    out[i] = (hit, sign)
+                    related = True
+                    break
+            else:
+                reps[frozenset(e.items())] = i
+        if out[i] is None:
+            out[i] = (i, 1.0)
+    return out if related else None
 
 
 def _reaches(node: fx.Node, names: tuple, limit: int) -> bool:

@@ -318,14 +318,23 @@ class Acceptor:
         for f in factors:
             hit = self._computed_table_lane(f, x_names)
             if hit is None:
-                self.split_note = (f"its factor {_describe(f)} is a table computed in the graph, but no node holds "
-                                   "it (x is multiplied by its parts one at a time): compute the table first, "
-                                   "then multiply x by it")
+                if not self._reads_x(f, x_names):
+                    self.split_note = (f"its factor {_describe(f)} is a table computed in the graph, but no node "
+                                       "holds it (x is multiplied by its parts one at a time): compute the table "
+                                       "first, then multiply x by it")
+                # else a norm's scale (`rsqrt(mean(x^2))`) is part of it: no table, and no note; the candidate x
+                # after the norm says why the value is no rotation (the note outranked it, and was untrue)
                 return None
             found.append(hit)
         if found[0][0] == found[1][0]:
             return None
         return found[0], found[1]
+
+    def _reads_x(self, factor: dict, x_names: set) -> bool:
+        """Whether an atom of a factor is computed from x (a statistic of x, as a norm's scale is)."""
+        nodes = self.interp.nodes
+        xs = [nodes[n] for n in x_names if n in nodes]
+        return any(self.depends_on(nodes[a[0]], x) for a in poly.atoms_of(factor) if a[0] in nodes for x in xs)
 
     def _computed_table_lane(self, f: dict, x_names: set):
         """(atom of a node whose lane is r * ... == f, r) for the computed factor f, or None. The nodes tried are

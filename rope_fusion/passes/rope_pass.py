@@ -31,6 +31,7 @@ from .emission import Emitter, GraphTransaction
 from .fx_util import hint_reads
 from .grouping import pair_up
 from .kernel_scan import claim_kernel_sites
+from .padded_sums import merge_padded_sums
 from .pass_identity import PassBase, source_hash
 from .provenance import dtype_name, role, rotation_source, source_line
 from .report import FROM_CACHE, GraphError, GraphRecord, Kernel, Miss, Report, Site, fused_text, plain_params
@@ -265,6 +266,7 @@ class RopeFusionPass(PassBase):
 
     def _fuse(self, graph: fx.Graph, index: int) -> list:
         self._choices.clear()
+        merge_padded_sums(graph)  # a rotation's backward padded with zero rows becomes one node (padded_sums.py)
         matches, misses, acc = find_sites(graph)
         kernel_sites, kernel_misses = claim_kernel_sites(graph)
         if kernel_sites:
