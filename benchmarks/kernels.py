@@ -41,6 +41,9 @@ row, so a time limit still leaves the rows done so far.
     python -m benchmarks.kernels --out $OUT/kernels.json                    # every group (GPU)
     python -m benchmarks.kernels --groups norm,vllm --rows llama            # a subset
     python -m benchmarks.kernels --quick                                    # tiny shapes on the CPU (smoke test)
+
+Without a GPU it stops with one line unless --quick asks for the CPU smoke test, which checks the plumbing and
+prints no times (benchmarks/device_check.py).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
+from benchmarks import device_check  # noqa: E402
 from benchmarks import spellings as sp  # noqa: E402
 from benchmarks.spellings import SPELLINGS, Spelling, fused_call  # noqa: E402
 
@@ -435,6 +439,7 @@ def auto_rule(records: list[dict]) -> dict:
 
 def run_spellings(args: argparse.Namespace, device: str, result: dict, t_start: float) -> None:
     shapes = QUICK_SHAPES if device == "cpu" else SHAPES
+    smoke = device_check.is_smoke(device)
     if args.shapes:
         shapes = {n: s for n, s in shapes.items() if n in args.shapes}
     spellings = [SPELLINGS[c] for c in (args.spellings or SPELLINGS)]
@@ -454,15 +459,16 @@ def run_spellings(args: argparse.Namespace, device: str, result: dict, t_start: 
             mine.append(r)
             write_json(args.out, result, quiet=True)  # partial results survive a time limit
             print(f"[{time.perf_counter() - t_start:6.1f}s] {sname} {spl.code}: " + ", ".join(
-                f"{v} {r['x_floor'].get(v) or 0:.2f}x" for v in r["ms"]), flush=True)
+                f"{v} ran" if smoke else f"{v} {r['x_floor'].get(v) or 0:.2f}x" for v in r["ms"]), flush=True)
     if not mine:
         return
     cols = [v for v in variants if any(v in r["ms"] for r in mine)]
     header = ["shape", "spelling"] + cols
-    print_table("spellings: ms per call (median), q and k, bf16", [[r["shape"], f"{r['spelling']} {r['name']}"]
-                + [r["ms"].get(v) for v in cols] for r in mine], header)
-    print_table("spellings: x copy floor (do_bench)", [[r["shape"], r["spelling"]]
-                                                       + [r["x_floor"].get(v) for v in cols] for r in mine], header)
+    if not smoke:
+        print_table("spellings: ms per call (median), q and k, bf16", [[r["shape"], f"{r['spelling']} {r['name']}"]
+                    + [r["ms"].get(v) for v in cols] for r in mine], header)
+        print_table("spellings: x copy floor (do_bench)", [[r["shape"], r["spelling"]]
+                    + [r["x_floor"].get(v) for v in cols] for r in mine], header)
     print_table("spellings: max abs error against eager", [[r["shape"], r["spelling"]]
                 + [r["err"].get(v) for v in cols] for r in mine], header)
     pcols = [v for v in cols if v.startswith("pass-")]
@@ -472,6 +478,8 @@ def run_spellings(args: argparse.Namespace, device: str, result: dict, t_start: 
     if dec:
         print_table("spellings: kernel launches per call, decode shape", [[r["shape"], r["spelling"]]
                     + [r["launches"].get(v) for v in cols] for r in dec], header)
+    if smoke:
+        return
     spreads = [r["compile_spread"] for r in mine if r["compile_spread"] is not None]
     if spreads:
         print(f"\nplain torch.compile timed twice: run-to-run spread median {statistics.median(spreads):.1%}, "
@@ -949,16 +957,23 @@ def run_group(group: str, args: argparse.Namespace, device: str, result: dict, t
         result["records"].append(rec)
         mine.append(rec)
         write_json(args.out, result, quiet=True)
-        print(f"[{time.perf_counter() - t_start:6.1f}s] {group} {row.name} {row.shape}: " + ", ".join(
-            f"{v} {x:.2f}x" for v, x in rec.get("x_floor_step", rec["x_floor"]).items() if x)
+        timed = {} if device_check.is_smoke(device) else rec.get("x_floor_step", rec["x_floor"])
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {group} {row.name} {row.shape}: " + (", ".join(
+            f"{v} {x:.2f}x" for v, x in timed.items() if x) or "ran " + ", ".join(rec["ms"]))
             + ("  graph: " + ", ".join(f"{v} {x:.2f}x" for v, x in rec["x_floor_graph"].items() if x)
-               if rec["x_floor_graph"] else "")
+               if rec["x_floor_graph"] and timed else "")
             + (f"  ERRORS {rec['errors']}" if rec["errors"] else ""), flush=True)
     if mine:
-        print_rows(group, mine)
+        print_rows(group, mine, device_check.is_smoke(device))
 
 
-def print_rows(group: str, recs: list[dict]) -> None:
+def print_rows(group: str, recs: list[dict], smoke: bool = False) -> None:
+    """The group's tables; a smoke run's without its times (benchmarks/device_check.py)."""
+    if group == "backward" and smoke:
+        print_table("backward: gradient errors and what the pass did", [
+            [r["shape"], r["name"], v, r["err"].get(f"{v}:grad"), short_summary(r["pass"].get(v))]
+            for r in recs for v in r.get("bwd", {})], ["shape", "row", "variant", "grad err", "pass"])
+        return
     if group == "backward":
         rows = []
         for r in recs:
@@ -974,9 +989,10 @@ def print_rows(group: str, recs: list[dict]) -> None:
         return
     cols = [v for v in ROW_VARIANTS if any(v in r["ms"] for r in recs)]
     header = ["shape", "row", "floor ms"] + cols
-    print_table(f"{group}: x copy floor, do_bench (L2 flushed)", [[r["shape"], r["name"], r["ms"].get("floor")]
-                + [r["x_floor"].get(v) for v in cols] for r in recs], header)
-    if any(r["graph_ms"] for r in recs):
+    if not smoke:
+        print_table(f"{group}: x copy floor, do_bench (L2 flushed)", [[r["shape"], r["name"], r["ms"].get("floor")]
+                    + [r["x_floor"].get(v) for v in cols] for r in recs], header)
+    if any(r["graph_ms"] for r in recs) and not smoke:
         print_table(f"{group}: x copy floor, CUDA-graph replay", [[r["shape"], r["name"], r["graph_ms"].get("floor")]
                     + [r["x_floor_graph"].get(v) for v in cols] for r in recs], header)
     if any(n is not None for r in recs for n in r["launches"].values()):
@@ -1114,7 +1130,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown groups {unknown}, of {GROUPS}")
 
-    device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
+    if not args.quick and not device_check.gpu_present():
+        return device_check.no_gpu("benchmarks.kernels", "python -m benchmarks.kernels --quick")
+    device = "cpu" if args.quick else "cuda"
     raise_recompile_limits()
     no_graph_caches()  # a cache hit skips the pass, and its report (Triton's kernel cache stays on)
     print("environment:", json.dumps(environment()), "device:", device, flush=True)
@@ -1123,6 +1141,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"warm-up {warm_up(device):.1f} s", flush=True)
     result: dict = {"environment": environment(), "device": device, "dtype": "torch.bfloat16",
                     "argv": sys.argv[1:] if argv is None else argv, "records": []}
+    device_check.announce(device, result)
     if (args.sweep or args.sweep_only) and device == "cuda":
         cases = [c for c in SWEEP_CASES if not args.sweep_cases
                  or f"{c[0]}:{c[1]}" in args.sweep_cases or ":".join([c[0], c[1], *c[3:]]) in args.sweep_cases]
