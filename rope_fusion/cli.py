@@ -14,6 +14,11 @@
     rope-fusion calibrate [--tokens N] [--rows SUBSTRINGS] [--dry]
         time the kernel rows on this GPU and write its factor table (next to `auto`'s decision cache), which
         `auto`'s table fallback then reads; exit 2 without a GPU.
+    rope-fusion --version
+        the package's version and those of torch and Triton it runs with.
+
+`--help` works for every subcommand anywhere: one that runs a file of a source checkout says so where there is
+none. Importing this module loads no compiler (the package is lazy), so the help answers at once.
 
 Subcommands are registered with `@command(name, help, configure)` on a function `(args) -> int`;
 `configure(parser)` adds its arguments. A `passthrough` command gets the raw rest of the command line as
@@ -42,8 +47,25 @@ def command(name: str, help: str, configure: Callable[[argparse.ArgumentParser],
     return register
 
 
+def version_text() -> str:
+    """"rope-fusion 0.1.0 (torch 2.13.0, triton 3.9.0)": read from the installed distributions, so that it imports
+    neither torch nor Triton."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"rope-fusion {__version__} (torch {installed('torch')}, triton {installed('triton')})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rope-fusion", description="RoPE fusion for torch.compile: tools.")
+    ap.add_argument("--version", action="version", version=version_text())
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (help_, configure, _, _) in _COMMANDS.items():
@@ -245,10 +267,19 @@ def _rest_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed through")
 
 
-def _run_checkout_module(relpath: str, rest: list[str]) -> int:
-    """`python -m` the module at relpath with the checkout root as working directory."""
+def wants_help(rest: list[str]) -> bool:
+    return "-h" in rest or "--help" in rest
+
+
+def _run_checkout_module(relpath: str, rest: list[str], usage: str) -> int:
+    """`python -m` the module at relpath with the checkout root as working directory. Outside a checkout,
+    `--help` prints `usage` (what the command does and that it needs one) and anything else exits 2."""
     path = find_checkout_file(relpath)
     if path is None:
+        if wants_help(rest):
+            print(f"{usage}\n\n{relpath} is part of a source checkout of rope_fusion, not of the installed package: "
+                  "run this from a checkout (or with one as the current directory).")
+            return 0
         print(f"rope-fusion: {relpath} not found: run from a source checkout of rope_fusion", file=sys.stderr)
         return 2
     root = path[: -len(relpath)].rstrip(os.sep) or os.sep
@@ -260,24 +291,24 @@ def _run_checkout_module(relpath: str, rest: list[str]) -> int:
          "arguments pass through", _rest_options, passthrough=True)
 def bench(args: Any) -> int:
     rest = list(args.args)
-    if "-h" in rest or "--help" in rest:
-        if find_benchmark() is None:
-            print("usage: rope-fusion bench [ARGS...]: runs benchmarks/kernels.py of a source checkout with "
-                  "ARGS on a GPU (CUDA/ROCm).")
-            return 0
-        return _run_checkout_module(os.path.join("benchmarks", "kernels.py"), rest)
-    if not gpu_present():
-        print("rope-fusion bench: no GPU here (torch.cuda.is_available() is False); the kernel benchmark "
-              "times CUDA/ROCm kernels. For a CPU smoke test run: python -m benchmarks.kernels --quick",
-              file=sys.stderr)
+    relpath, usage = os.path.join("benchmarks", "kernels.py"), BENCH_USAGE
+    if not wants_help(rest) and not gpu_present():
+        print("rope-fusion bench: no GPU here (torch.cuda.is_available() is False), and the kernel benchmark times "
+              "CUDA/ROCm kernels. Its CPU smoke test (plumbing, not speed), from a checkout: "
+              "python -m benchmarks.kernels --quick", file=sys.stderr)
         return 2
-    return _run_checkout_module(os.path.join("benchmarks", "kernels.py"), rest)
+    return _run_checkout_module(relpath, rest, usage)
+
+
+BENCH_USAGE = "usage: rope-fusion bench [ARGS...]: runs benchmarks/kernels.py of a source checkout with ARGS on a GPU"
+COVERAGE_USAGE = ("usage: rope-fusion coverage [ARGS...]: runs tests/zoo/coverage.py of a source checkout with ARGS "
+                  "(the model-zoo coverage table; needs diffusers and transformers)")
 
 
 @command("coverage", "print the model-zoo coverage table (tests/zoo/coverage.py of a source checkout)",
          _rest_options, passthrough=True)
 def coverage(args: Any) -> int:
-    return _run_checkout_module(os.path.join("tests", "zoo", "coverage.py"), list(args.args))
+    return _run_checkout_module(os.path.join("tests", "zoo", "coverage.py"), list(args.args), COVERAGE_USAGE)
 
 
 # -- calibrate ----------------------------------------------------------------------------------------
