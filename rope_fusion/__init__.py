@@ -16,7 +16,7 @@ Triton, no vLLM, no depyf. A command line tool or a script that only calls the o
 compiler it does not use, and vLLM must not be imported behind its back (it changes process settings). The
 public names below load their modules on first use (`RopeFusionPass` brings Inductor, the pass's base class);
 the op's Inductor lowering registers when Inductor loads (ops/__init__.py), and `vllm_pass` becomes vLLM's type
-when vLLM loads (docs/design.md section 6).
+when vLLM loads (import_hooks.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The `rope-fusion` console script.
 
-    rope-fusion explain MODULE:CALLABLE [--backend B] [--no-qk] [--dynamic] [--plain]
+    rope-fusion explain MODULE:CALLABLE [--backend B] [--no-qk] [--dynamic] [--plain] [--verbose]
         import MODULE (from the current directory too), call CALLABLE() -> (model, example_inputs),
-        compile the model with a RopeFusionPass, run it once and print the report as tables.
+        compile the model with a RopeFusionPass, run it once and print the report as tables (--verbose: as
+        text, with every detail).
         example_inputs: a tuple/list of positional args, a dict of keyword args, or (args, kwargs).
         Exit 0 when it ran (whatever fused), 2 when the callable could not be loaded, 1 when it failed.
     rope-fusion bench [ARGS...]
@@ -131,85 +132,78 @@ def run_explain(target: Callable[[], Any], backend: str = "auto", fuse_qk: bool 
     return p, out
 
 
-_SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
-
-
-def short_source(source: str) -> str:
-    """file:line relative to site-packages or to the current directory, for narrow tables."""
-    marker = "site-packages" + os.sep
-    if marker in source:
-        return source.split(marker, 1)[1]
-    cwd = os.getcwd() + os.sep
-    return source[len(cwd):] if source.startswith(cwd) else source
-
-
-def _dt(name: str) -> str:
-    return _SHORT_DTYPES.get(name, name)
-
-
-def print_report(report: Any, title: str, plain: bool = False, file: Any = None) -> None:
-    """The report as rich tables (sites, kernels, near misses, errors), or report.table() without rich."""
+def print_report(report: Any, title: str, plain: bool = False, file: Any = None, verbose: bool = False) -> None:
+    """The report as rich tables (sites, kernels, near misses, errors), or report.table() as text: without rich,
+    with --plain, and with --verbose (every detail, passes/report_text.py)."""
     file = file or sys.stdout
     try:
-        if plain:
+        if plain or verbose:
             raise ImportError
         from rich.console import Console
-        from rich.table import Table
     except ImportError:
         print(title, file=file)
-        print(report.table(), file=file)
+        print(report.table(verbose=verbose), file=file)
         return
     from rich.markup import escape
 
-    from .passes.report import FROM_CACHE, counted
+    from .passes import report_text
 
     console = Console(file=file, width=max(140, Console(file=file).width))
-    console.print(f"[bold]{escape(title)}[/bold]: {counted(report.graphs, 'graph')}, {escape(report.summary())} "
-                  "(counted per compiled graph)")
-
-    def cached(graph: int) -> str:
-        return FROM_CACHE.strip() if report.from_cache(graph) else ""
-
-    def row(table: Any, *cells: Any) -> None:  # model names and reasons hold brackets: never markup
-        table.add_row(*(escape(str(c)) for c in cells))
-
-    if report.sites:
-        t = Table(title="fused sites")
-        for col in ("#", "graph", "role", "style", "R/D", "tables", "dtypes x/tables/out", "norm", "kernel",
-                    "source"):
-            t.add_column(col, overflow="fold")
-        for i, s in enumerate(report.sites):
-            k = report.kernels[s.kernel] if 0 <= s.kernel < len(report.kernels) else None
-            row(t, i, f"{s.graph}{' [backward]' if s.graph_kind == 'backward' else ''}", s.role, s.style_label(),
-                f"{s.rotated_lanes()}/{s.head_dim}", s.table_form + (" angles" if s.angle_tables else ""),
-                f"{_dt(s.x_dtype)}/{_dt(s.table_dtype)}/{_dt(s.out_dtype)}", s.norm or "-",
-                f"{s.kernel} {k.op.split('.')[-1]} [{k.backend}]" if k else "?",
-                " ".join(filter(None, (short_source(s.source), cached(s.graph)))))
-        console.print(t)
-    if report.kernels:
-        t = Table(title="kernels")
-        for col in ("#", "graph", "op", "backend", "sites", "fallback"):
-            t.add_column(col, overflow="fold")
-        for i, k in enumerate(report.kernels):
-            row(t, i, k.graph, k.op, k.backend, ", ".join(map(str, k.sites)), k.fallback)
-        console.print(t)
-    if report.misses:
-        t = Table(title="near misses (left unchanged)")
-        for col in ("graph", "node", "reason", "source"):
-            t.add_column(col, overflow="fold")
-        for m in report.misses:
-            row(t, m.graph, m.node, m.reason, " ".join(filter(None, (short_source(m.source), cached(m.graph)))))
-        console.print(t)
+    head, *notes = report_text.header(report)
+    console.print(f"[bold]{escape(title)}[/bold]: {escape(head.split(': ', 1)[1])}")
+    for line in notes:
+        console.print(escape(line))
+    if report.sites or report.misses:
+        console.print(escape(f"  {report_text.DETAILS_HINT.replace('table(verbose=True)', '--verbose')}"))
+    for table in _report_tables(report):
+        console.print(table)
     if report.host_tables:
         console.print("host tables copied to the device once (not per call): " + escape(", ".join(report.host_tables)))
+
+
+def _report_tables(report: Any) -> list:
+    """The rich tables of a report: one row per site, kernel note, near miss and error, at a glance."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .passes.report_text import kernel_label, norm_glance, short_dtype, short_path
+
+    def table(title: str, rows: list, columns: tuple) -> Table:
+        t = Table(title=title)
+        for col in columns:
+            t.add_column(col, overflow="fold")
+        for cells in rows:  # model names and reasons hold brackets: never markup
+            t.add_row(*(escape(str(c)) for c in cells))
+        return t
+
+    def kernel_of(s: Any) -> Any:
+        return report.kernels[s.kernel] if 0 <= s.kernel < len(report.kernels) else None
+
+    def graph(g: int) -> str:
+        kind = [r.kind for r in report.graph_records if r.index == g]
+        return f"{g}{' [backward]' if kind == ['backward'] else ''}{' [cache]' if report.from_cache(g) else ''}"
+
+    out = []
+    if report.sites:
+        out.append(table("fused sites", [
+            (i, graph(s.graph), s.role, s.style_label(), f"{s.rotated_lanes()}/{s.head_dim}",
+             s.table_form + (" angles" if s.angle_tables else ""),
+             "/".join(short_dtype(d) for d in (s.x_dtype, s.table_dtype, s.out_dtype)),
+             norm_glance(s.norm).removeprefix(", norm ") or "-", f"{s.kernel} {kernel_label(kernel_of(s))}",
+             short_path(s.source)) for i, s in enumerate(report.sites)],
+            ("#", "graph", "role", "style", "R/D", "tables", "dtypes x/tables/out", "norm", "kernel", "source")))
+    if report.kernels:
+        out.append(table("kernels", [(i, graph(k.graph), kernel_label(k), ", ".join(map(str, k.sites)),
+                                      k.fallback or "-") for i, k in enumerate(report.kernels)],
+                         ("#", "graph", "op[backend]", "sites", "fell back")))
+    if report.misses:
+        out.append(table("near misses (left unchanged)", [
+            (graph(m.graph), m.tensor or "-", m.plain_reason(), short_path(m.source)) for m in report.misses],
+            ("graph", "tensor", "reason", "source")))
     if report.errors:
-        t = Table(title="internal errors")
-        t.add_column("graph")
-        t.add_column("error", overflow="fold")
-        t.add_column("what it left", overflow="fold")
-        for e in report.errors:
-            row(t, e.graph, e.error, e.outcome)
-        console.print(t)
+        out.append(table("internal errors", [(graph(e.graph), e.error, e.outcome) for e in report.errors],
+                         ("graph", "error", "what it left")))
+    return out
 
 
 def _explain_options(p: argparse.ArgumentParser) -> None:
@@ -221,6 +215,8 @@ def _explain_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-qk", dest="fuse_qk", action="store_false", help="do not pair q and k")
     p.add_argument("--dynamic", action="store_true", default=None, help="torch.compile(dynamic=True)")
     p.add_argument("--plain", action="store_true", help="plain text instead of rich tables")
+    p.add_argument("--verbose", action="store_true",
+                   help="every detail: why a norm stayed, auto's choices, folds, FX nodes, full paths")
 
 
 @command("explain", "compile MODULE:CALLABLE with the pass and print what fused, and what did not",
@@ -236,7 +232,7 @@ def explain(args: Any) -> int:
     except Exception as e:
         print(f"rope-fusion explain: {args.target} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print_report(p.report, f"rope_fusion explain {args.target}", plain=args.plain)
+    print_report(p.report, f"rope_fusion explain {args.target}", plain=args.plain, verbose=args.verbose)
     return 0
 
 
