@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ..ops import library
+from .arguments import caller_names
 
 
 def _heads(t: torch.Tensor, num_tokens: int, head_size: int) -> torch.Tensor:
@@ -35,6 +36,7 @@ def _rotate(query: torch.Tensor, key: torch.Tensor | None, head_size: int, cos: 
     return library.apply_rotary_qk(q, _heads(key, num_tokens, head_size), *table, positions=pos, **rot)
 
 
+@caller_names(x="query", q="query", k="key", cos="cos_sin_cache", sin="cos_sin_cache")
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, head_size: int,
                      cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
     """vLLM's `_C.rotary_embedding`: rotates query and key in place; key may be None (cross-layer KV sharing).
@@ -79,6 +81,7 @@ def _mrope_tables(cache: torch.Tensor, positions: torch.Tensor, mrope_section: S
     return cos, sin
 
 
+@caller_names(x="query", q="query", k="key", cos="cos_sin_cache", sin="cos_sin_cache")
 def mrope_rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_size: int,
                            cos_sin_cache: torch.Tensor, is_neox: bool, mrope_section: Sequence[int] | None = None,
                            mrope_interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
