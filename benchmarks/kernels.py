@@ -13,7 +13,8 @@ Row groups (`--groups`, default all; they run in the order norm, flux, vllm, bac
 - `vllm`: vLLM's `RotaryEmbedding.forward_native` (cos_sin_cache gathered by positions, flat [T, H*D] q/k):
   Llama-3-8B (32/8 heads x 128, NeoX) at T = 1, 8, 64, 256, 8192, GPT-J-style partial (64 of 128,
   interleaved) and Qwen3 (per-head RMSNorm first) at T = 8192, Qwen2.5-7B (28/4 heads x 128, NeoX) at
-  T = 1, 64, 8192; static compiles, `-dyn` compiles whose
+  T = 1, 64, 8192, and vLLM's MRotaryEmbedding (Qwen2-VL: three position streams, mrope_section [16, 24, 24], 28/4
+  heads x 128) at T = 64 and 8192, static compiles only; static compiles, `-dyn` compiles whose
   token count is dynamic as vLLM compiles (`mark_dynamic` on the token dim, static otherwise), and `-dynall`
   ones (`torch.compile(dynamic=True)`: every size symbolic, head counts and widths too); each dynamic
   variant compiled once per form and reused for every T; kernel launches per call.
@@ -609,6 +610,33 @@ def vllm_rows(quick: bool) -> list[Row]:
             variants = VLLM_VARIANTS + (DYNALL if form.startswith("llama") else ())
             rows.append(Row("vllm", form, f"T={T} {hq}/{hk}x{head} R={rot}", fn, make, lambda a: a[1:3],
                             variants, form=form, dyn=(0, 1, 2), norm=norm, launches=True))
+    return rows + mrope_rows(quick)
+
+
+# MRoPE (vLLM's MRotaryEmbedding, Qwen2-VL's and Qwen2.5-VL's text model): (head size, rotary dim, q heads, k heads,
+# max positions, base, mrope_section), its token counts. Positions are [3, T], the token count their dim 1, so the
+# -dyn variants (which mark dim 0 of the token arguments) are not run.
+MROPE_FORM = ((128, 128, 28, 4, 32768, 1000000.0, (16, 24, 24)), (64, 8192))
+QUICK_MROPE_FORM = ((32, 32, 4, 2, 256, 1000000.0, (4, 6, 6)), (8,))
+MROPE_VARIANTS = ("compile", "pass", "pass-cg", "pass-triton")
+
+
+def mrope_rows(quick: bool) -> list[Row]:
+    """vLLM's MRotaryEmbedding.forward_native with [3, T] positions: three position streams, each pair's table row
+    from the stream whose section holds it (Qwen2-VL, Qwen2.5-VL text)."""
+    (head, rot, hq, hk, max_pos, base, section), tokens = QUICK_MROPE_FORM if quick else MROPE_FORM
+    fn = sp.vllm_mrope(head, rot, True, section)
+    rows = []
+    for T in tokens:
+        def make(device, T=T):
+            pos = torch.stack([torch.arange(T, device=device) % max_pos,  # text tokens: the three streams agree
+                               torch.randint(0, max_pos, (T,), device=device),
+                               torch.randint(0, max_pos, (T,), device=device)])
+            return (pos, _randn(T, hq * head, device=device), _randn(T, hk * head, device=device),
+                    sp.vllm_cos_sin_cache(max_pos, rot, base, device))
+
+        rows.append(Row("vllm", "qwen2-vl-mrope", f"T={T} {hq}/{hk}x{head} R={rot} mrope {list(section)}", fn, make,
+                        lambda a: a[1:3], MROPE_VARIANTS, form="qwen2-vl-mrope", launches=True))
     return rows
 
 
