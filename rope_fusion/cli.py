@@ -179,9 +179,9 @@ def _report_tables(report: Any) -> list:
     def kernel_of(s: Any) -> Any:
         return report.kernels[s.kernel] if 0 <= s.kernel < len(report.kernels) else None
 
-    def graph(g: int) -> str:
+    def graph(g: int) -> str:  # which graphs a compile cache served: said once, in the header
         kind = [r.kind for r in report.graph_records if r.index == g]
-        return f"{g}{' [backward]' if kind == ['backward'] else ''}{' [cache]' if report.from_cache(g) else ''}"
+        return f"{g}{' [backward]' if kind == ['backward'] else ''}"
 
     out = []
     if report.sites:

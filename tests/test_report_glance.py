@@ -105,6 +105,13 @@ def test_the_header_says_what_the_counts_count():
     text = r.table()
     assert text.splitlines()[0] == "rope_fusion: 1 compiled graph, fused 0 sites in 0 kernels, 0 near misses"
     assert "counted per compiled graph, not per run" in text and "torch.profiler" in text and "rotary" in text
+    assert "compile cache" not in text
+    for i in (1, 2, 3):  # graphs 1 and 3 served by a compile cache: said once, naming them
+        r.graph_records.append(GraphRecord(i, "inference", "fused", from_cache=i % 2 == 1))
+    r.graphs = 4
+    cache = [ln for ln in r.table().splitlines() if "compile cache" in ln]
+    assert len(cache) == 1 and cache[0].startswith("  2 of 4 graphs (1, 3) came from the compile cache: "), cache
+    assert all(len(ln) <= report_text.LINE_LIMIT for ln in r.table().splitlines())
 
 
 def test_long_paths_and_reasons_stay_within_the_line():

@@ -129,12 +129,12 @@ def header(report: Any) -> list[str]:
     cached = [g for g in records if g.from_cache]
     if cached:
         which = f"all {counted(len(records), 'compiled graph')}" if len(cached) == len(records) else \
-            f"{len(cached)} of {counted(len(records), 'compiled graph')}"
+            f"{len(cached)} of {len(records)} graphs ({', '.join(str(g.index) for g in cached)})"
         if len(records) == 1:
             which = "the compiled graph"
-        lines.append(f"  {which} came from the compile cache: the pass did not run on "
-                     f"{'it' if len(cached) == 1 else 'them'} in this process, and these are the records "
-                     "stored with the cached code")
+        them = "it" if len(cached) == 1 else "them"
+        lines.append(clipped(f"  {which} came from the compile cache: the pass did not run on {them} here, and these "
+                             f"are the records stored with {them}"))
     if report.graphs:
         lines.append(f"  {RUNS_NOTE}")
     return lines
