@@ -33,12 +33,9 @@ def cast_as_loaded(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modul
     diffusers' `from_pretrained(torch_dtype=dtype)` loads them. `model.to(dtype)` would cast those too, and
     diffusers warns that it can give inconsistent results."""
     keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    for name, module in model.named_modules():
-        if keep & set(name.split(".")):
-            continue
-        for _, t in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)):
-            if t.is_floating_point() and t.dtype != dtype:
-                t.data = t.data.to(dtype)
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if t.is_floating_point() and t.dtype != dtype and not keep & set(name.split(".")):
+            t.data = t.data.to(dtype)
     return model
 
 
