@@ -76,7 +76,8 @@ def test_public_names_load_on_first_use():
     assert out["in_dir"] and out["same"] and out["dict"] and out["passes"]
 
 
-@pytest.mark.parametrize("inductor_first", [False, True], ids=["package_first", "inductor_first"])
+@pytest.mark.parametrize("inductor_first", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["package_first", "inductor_first"])  # a cold compile in a fresh process each
 def test_a_compiled_call_of_the_op_uses_its_lowering(inductor_first):
     """Model code that calls the op, compiled without the pass: the op's lowering (C++ code with the rotation
     inlined), not a fallback call of its eager kernel, and the reference's numbers."""
