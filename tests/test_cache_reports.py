@@ -1,5 +1,5 @@
 """A warm compile cache reports what the cold compile did: the same sites, kernels, near misses, table and log
-lines, marked as served by the compile cache (issue 34).
+lines, marked as served by the compile cache.
 
 On a cache hit Inductor runs no post-grad pass; the pass stores each graph's records with the compiled graph and
 a hit hands them to the pass that asked for the compile. Checked as a user meets it: the same script run twice
