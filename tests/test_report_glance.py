@@ -61,6 +61,7 @@ def test_a_near_miss_reads_by_source_line_and_tensor():
     assert "site 0 q neox R=16 D=16 fp32->fp32, tables per-lane fp32: rotary[" in site, site
 
 
+@pytest.mark.slow  # a real transformers model's compile: about 20 s on 2 cores
 def test_every_glance_line_fits_and_the_details_come_on_request():
     """OLMo2's norm across heads stays in the graph for q and k (its heads sit in dim -3): the glance says so in
     two words per site; verbose says why, once per kernel."""
