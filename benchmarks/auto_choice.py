@@ -39,10 +39,12 @@ from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
 import rope_fusion  # noqa: E402
+from benchmarks import device_check  # noqa: E402
 from rope_fusion.passes import auto_clock, auto_timing, calibration, fusion_check  # noqa: E402
 
 VISION = calibration.Row("vision D=80 fp32 math (32768x16x80)", "neox", "none", 80, 16, 16,
@@ -213,9 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         wanted = [w for w in args.rows.split(",") if w]
         model_names = [m for m in args.models.split(",") if m][:1] if args.models else []
     else:
-        if not torch.cuda.is_available():
-            print("benchmarks.auto_choice: no CUDA device; use --dry for a CPU smoke test", file=sys.stderr)
-            return 2
+        if not device_check.gpu_present():
+            return device_check.no_gpu("benchmarks.auto_choice", "python -m benchmarks.auto_choice --dry")
         device, dtype, tokens, quick = "cuda", torch.bfloat16, args.tokens, False
         modes = [m == "graphs" for m in args.modes.split(",") if m]
         wanted = [w for w in args.rows.split(",") if w]
@@ -224,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry:
         rows = rows[:1]
     result: dict = {"rows": [], "models": [], "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    device_check.announce(device, result)
     for graphs in modes:
         for row in rows:
             n = tokens if args.dry else ROW_TOKENS.get(row.name, tokens)

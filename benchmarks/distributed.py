@@ -12,6 +12,9 @@ prints a Markdown table.
     torchrun --nproc-per-node 2 benchmarks/distributed.py --out $OUT/distributed.json      # 2 GPUs, bf16
     torchrun --nproc-per-node 2 benchmarks/distributed.py --device cpu --quick              # CPU smoke test
 
+Without a GPU it stops with one line unless `--device cpu` asks for the CPU: a smoke run, which checks the
+plumbing and prints no times or speedups (benchmarks/device_check.py).
+
 Shapes: Wan 1.3B self-attention (diffusers config: dim 1536, 12 heads x 128; 32760 tokens, the 81-frame 480p
 video) and Flux (dim 3072, 24 heads x 128; 4608 tokens = 512 text + 4096 image). Wan's own RoPE helper is a
 closure inside WanAttnProcessor that a parallel forward cannot call, so the Wan shape runs the Flux block (the
@@ -37,7 +40,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks import timing  # noqa: E402
+from benchmarks import device_check, timing  # noqa: E402
 from benchmarks.kernels import bench_ms, environment, num, write_json  # noqa: E402
 from examples.distributed_attention import Case, Sizes, build, compile_and_run, gather_output, init  # noqa: E402
 
@@ -126,15 +129,15 @@ def bench_case(shape: str, sizes: Sizes, mode: str, model: str, dtype: str, devi
     return rec
 
 
-def markdown(records: list[dict]) -> str:
-    """One row per shape, mode and rank."""
-    head = ("| shape | mode | rank | sites/kernels | step ms plain | step ms fused | speedup | rotary us | "
-            "copy floor us | x floor | rel. err vs whole eager |")
+def markdown(records: list[dict], smoke: bool = False) -> str:
+    """One row per shape, mode and rank; a smoke run's without its times (benchmarks/device_check.py)."""
+    timed_head = "" if smoke else "step ms plain | step ms fused | speedup | rotary us | copy floor us | x floor | "
+    head = f"| shape | mode | rank | sites/kernels | {timed_head}rel. err vs whole eager |"
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
-        rows.append(f"| {r['shape']} | {r['mode']} | {r['rank']} | {r['sites']}/{len(r['kernels'])} | "
-                    f"{r['step_ms_plain']:.3f} | {r['step_ms_fused']:.3f} | {r['speedup']:.3f} | "
-                    f"{num(r['rotary_us'], 1)} | {r['floor_us']:.1f} | {num(r['x_floor'], 2)} | "
+        timed = "" if smoke else (f"{r['step_ms_plain']:.3f} | {r['step_ms_fused']:.3f} | {r['speedup']:.3f} | "
+                                  f"{num(r['rotary_us'], 1)} | {r['floor_us']:.1f} | {num(r['x_floor'], 2)} | ")
+        rows.append(f"| {r['shape']} | {r['mode']} | {r['rank']} | {r['sites']}/{len(r['kernels'])} | {timed}"
                     f"{num(r.get('rel_err_vs_whole_eager'), 3, 'g')} |")
     return "\n".join(rows)
 
@@ -154,6 +157,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.device == "cuda" and not device_check.gpu_present():
+        return device_check.no_gpu("benchmarks/distributed.py", "torchrun --nproc-per-node 2 benchmarks/distributed.py "
+                                   "--device cpu --quick")
     device = init(args.device)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     table = QUICK_SHAPES if args.quick else SHAPES
@@ -163,10 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     dist.all_gather_object(everyone, records)
     flat = sorted((r for recs in everyone for r in recs), key=lambda r: (r["shape"], r["mode"], r["rank"]))
     if dist.get_rank() == 0:
+        result = dict(environment=environment(), world=dist.get_world_size(), device=args.device, dtype=dtype,
+                      model=args.model, results=flat)
+        device_check.announce(device, result)
         print(f"\n{dist.get_world_size()} ranks, {device.split(':')[0]}, {dtype}, model {args.model}\n")
-        print(markdown(flat))
-        write_json(args.out, dict(environment=environment(), world=dist.get_world_size(), device=args.device,
-                                  dtype=dtype, model=args.model, results=flat))
+        print(markdown(flat, device_check.is_smoke(device)))
+        write_json(args.out, result)
     unfused = [f"{r['shape']} {r['mode']} rank {r['rank']}" for r in flat if not r["sites"] or r["errors"]]
     dist.destroy_process_group()
     if unfused:

@@ -11,6 +11,9 @@ compile comes with the spread of that difference over the repeats.
     python -m benchmarks.host --out $OUT/host.json                      # GPU
     python -m benchmarks.host --tokens 1 8 64 256 8192 --repeats 5      # decode and prefill, 5 repeats
     python -m benchmarks.host --quick                                   # CPU smoke test
+
+Without a GPU it stops with one line unless --quick asks for the CPU smoke test, which checks the plumbing and
+prints no times (benchmarks/device_check.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import torch  # noqa: E402
 
 import rope_fusion  # noqa: E402
+from benchmarks import device_check  # noqa: E402
 from benchmarks import spellings as sp  # noqa: E402
 from benchmarks.kernels import own_code, raise_recompile_limits  # noqa: E402
 
@@ -56,7 +60,7 @@ def _spread(xs: list[float]) -> dict:
     return {"median": round(statistics.median(xs), 2), "min": round(min(xs), 2), "max": round(max(xs), 2)}
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out")
@@ -64,7 +68,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--calls", type=int, default=200, help="calls per repeat (GPU; the CPU smoke test takes 20)")
     args = ap.parse_args()
-    device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    if not args.quick and not device_check.gpu_present():
+        return device_check.no_gpu("benchmarks.host", "python -m benchmarks.host --quick")
+    device = "cpu" if args.quick else "cuda"
+    device_check.announce(device)
+    smoke = device_check.is_smoke(device)
     heads, kv, d = (4, 2, 32) if args.quick else (32, 8, 128)
     calls = args.calls if device == "cuda" else 20
     raise_recompile_limits()
@@ -115,17 +123,19 @@ def main() -> None:
             extra = "" if name == "compile" else \
                 f"; minus compile {rec['host_minus_compile_us']['median']:+.1f} " \
                 f"[{rec['host_minus_compile_us']['min']:+.1f}, {rec['host_minus_compile_us']['max']:+.1f}]"
-            print(f"T={t} {name}: host {rec['host_us']['median']:.1f} us/call "
+            print(f"T={t} {name}: ran" if smoke else
+                  f"T={t} {name}: host {rec['host_us']['median']:.1f} us/call "
                   f"[{rec['host_us']['min']:.1f}, {rec['host_us']['max']:.1f}], wall {rec['wall_us']['median']:.1f}"
                   f"{extra}", flush=True)
     for r in results:
-        if "profile" in r:
+        if "profile" in r and not smoke:
             print(f"--- T={r['T']} {r['variant']}: cProfile of 50 calls, by own time\n{r['profile']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                        "torch": torch.__version__, "results": results}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,7 +13,8 @@ Row groups (`--groups`, default all; they run in the order norm, flux, vllm, bac
 - `vllm`: vLLM's `RotaryEmbedding.forward_native` (cos_sin_cache gathered by positions, flat [T, H*D] q/k):
   Llama-3-8B (32/8 heads x 128, NeoX) at T = 1, 8, 64, 256, 8192, GPT-J-style partial (64 of 128,
   interleaved) and Qwen3 (per-head RMSNorm first) at T = 8192, Qwen2.5-7B (28/4 heads x 128, NeoX) at
-  T = 1, 64, 8192; static compiles, `-dyn` compiles whose
+  T = 1, 64, 8192, and vLLM's MRotaryEmbedding (Qwen2-VL: three position streams, mrope_section [16, 24, 24], 28/4
+  heads x 128) at T = 64 and 8192, static compiles only; static compiles, `-dyn` compiles whose
   token count is dynamic as vLLM compiles (`mark_dynamic` on the token dim, static otherwise), and `-dynall`
   ones (`torch.compile(dynamic=True)`: every size symbolic, head counts and widths too); each dynamic
   variant compiled once per form and reused for every T; kernel launches per call.
@@ -41,6 +42,9 @@ row, so a time limit still leaves the rows done so far.
     python -m benchmarks.kernels --out $OUT/kernels.json                    # every group (GPU)
     python -m benchmarks.kernels --groups norm,vllm --rows llama            # a subset
     python -m benchmarks.kernels --quick                                    # tiny shapes on the CPU (smoke test)
+
+Without a GPU it stops with one line unless --quick asks for the CPU smoke test, which checks the plumbing and
+prints no times (benchmarks/device_check.py).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
+from benchmarks import device_check  # noqa: E402
 from benchmarks import spellings as sp  # noqa: E402
 from benchmarks.spellings import SPELLINGS, Spelling, fused_call  # noqa: E402
 
@@ -435,6 +440,7 @@ def auto_rule(records: list[dict]) -> dict:
 
 def run_spellings(args: argparse.Namespace, device: str, result: dict, t_start: float) -> None:
     shapes = QUICK_SHAPES if device == "cpu" else SHAPES
+    smoke = device_check.is_smoke(device)
     if args.shapes:
         shapes = {n: s for n, s in shapes.items() if n in args.shapes}
     spellings = [SPELLINGS[c] for c in (args.spellings or SPELLINGS)]
@@ -454,15 +460,16 @@ def run_spellings(args: argparse.Namespace, device: str, result: dict, t_start: 
             mine.append(r)
             write_json(args.out, result, quiet=True)  # partial results survive a time limit
             print(f"[{time.perf_counter() - t_start:6.1f}s] {sname} {spl.code}: " + ", ".join(
-                f"{v} {r['x_floor'].get(v) or 0:.2f}x" for v in r["ms"]), flush=True)
+                f"{v} ran" if smoke else f"{v} {r['x_floor'].get(v) or 0:.2f}x" for v in r["ms"]), flush=True)
     if not mine:
         return
     cols = [v for v in variants if any(v in r["ms"] for r in mine)]
     header = ["shape", "spelling"] + cols
-    print_table("spellings: ms per call (median), q and k, bf16", [[r["shape"], f"{r['spelling']} {r['name']}"]
-                + [r["ms"].get(v) for v in cols] for r in mine], header)
-    print_table("spellings: x copy floor (do_bench)", [[r["shape"], r["spelling"]]
-                                                       + [r["x_floor"].get(v) for v in cols] for r in mine], header)
+    if not smoke:
+        print_table("spellings: ms per call (median), q and k, bf16", [[r["shape"], f"{r['spelling']} {r['name']}"]
+                    + [r["ms"].get(v) for v in cols] for r in mine], header)
+        print_table("spellings: x copy floor (do_bench)", [[r["shape"], r["spelling"]]
+                    + [r["x_floor"].get(v) for v in cols] for r in mine], header)
     print_table("spellings: max abs error against eager", [[r["shape"], r["spelling"]]
                 + [r["err"].get(v) for v in cols] for r in mine], header)
     pcols = [v for v in cols if v.startswith("pass-")]
@@ -472,6 +479,8 @@ def run_spellings(args: argparse.Namespace, device: str, result: dict, t_start: 
     if dec:
         print_table("spellings: kernel launches per call, decode shape", [[r["shape"], r["spelling"]]
                     + [r["launches"].get(v) for v in cols] for r in dec], header)
+    if smoke:
+        return
     spreads = [r["compile_spread"] for r in mine if r["compile_spread"] is not None]
     if spreads:
         print(f"\nplain torch.compile timed twice: run-to-run spread median {statistics.median(spreads):.1%}, "
@@ -601,6 +610,33 @@ def vllm_rows(quick: bool) -> list[Row]:
             variants = VLLM_VARIANTS + (DYNALL if form.startswith("llama") else ())
             rows.append(Row("vllm", form, f"T={T} {hq}/{hk}x{head} R={rot}", fn, make, lambda a: a[1:3],
                             variants, form=form, dyn=(0, 1, 2), norm=norm, launches=True))
+    return rows + mrope_rows(quick)
+
+
+# MRoPE (vLLM's MRotaryEmbedding, Qwen2-VL's and Qwen2.5-VL's text model): (head size, rotary dim, q heads, k heads,
+# max positions, base, mrope_section), its token counts. Positions are [3, T], the token count their dim 1, so the
+# -dyn variants (which mark dim 0 of the token arguments) are not run.
+MROPE_FORM = ((128, 128, 28, 4, 32768, 1000000.0, (16, 24, 24)), (64, 8192))
+QUICK_MROPE_FORM = ((32, 32, 4, 2, 256, 1000000.0, (4, 6, 6)), (8,))
+MROPE_VARIANTS = ("compile", "pass", "pass-cg", "pass-triton")
+
+
+def mrope_rows(quick: bool) -> list[Row]:
+    """vLLM's MRotaryEmbedding.forward_native with [3, T] positions: three position streams, each pair's table row
+    from the stream whose section holds it (Qwen2-VL, Qwen2.5-VL text)."""
+    (head, rot, hq, hk, max_pos, base, section), tokens = QUICK_MROPE_FORM if quick else MROPE_FORM
+    fn = sp.vllm_mrope(head, rot, True, section)
+    rows = []
+    for T in tokens:
+        def make(device, T=T):
+            pos = torch.stack([torch.arange(T, device=device) % max_pos,  # text tokens: the three streams agree
+                               torch.randint(0, max_pos, (T,), device=device),
+                               torch.randint(0, max_pos, (T,), device=device)])
+            return (pos, _randn(T, hq * head, device=device), _randn(T, hk * head, device=device),
+                    sp.vllm_cos_sin_cache(max_pos, rot, base, device))
+
+        rows.append(Row("vllm", "qwen2-vl-mrope", f"T={T} {hq}/{hk}x{head} R={rot} mrope {list(section)}", fn, make,
+                        lambda a: a[1:3], MROPE_VARIANTS, form="qwen2-vl-mrope", launches=True))
     return rows
 
 
@@ -949,16 +985,23 @@ def run_group(group: str, args: argparse.Namespace, device: str, result: dict, t
         result["records"].append(rec)
         mine.append(rec)
         write_json(args.out, result, quiet=True)
-        print(f"[{time.perf_counter() - t_start:6.1f}s] {group} {row.name} {row.shape}: " + ", ".join(
-            f"{v} {x:.2f}x" for v, x in rec.get("x_floor_step", rec["x_floor"]).items() if x)
+        timed = {} if device_check.is_smoke(device) else rec.get("x_floor_step", rec["x_floor"])
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {group} {row.name} {row.shape}: " + (", ".join(
+            f"{v} {x:.2f}x" for v, x in timed.items() if x) or "ran " + ", ".join(rec["ms"]))
             + ("  graph: " + ", ".join(f"{v} {x:.2f}x" for v, x in rec["x_floor_graph"].items() if x)
-               if rec["x_floor_graph"] else "")
+               if rec["x_floor_graph"] and timed else "")
             + (f"  ERRORS {rec['errors']}" if rec["errors"] else ""), flush=True)
     if mine:
-        print_rows(group, mine)
+        print_rows(group, mine, device_check.is_smoke(device))
 
 
-def print_rows(group: str, recs: list[dict]) -> None:
+def print_rows(group: str, recs: list[dict], smoke: bool = False) -> None:
+    """The group's tables; a smoke run's without its times (benchmarks/device_check.py)."""
+    if group == "backward" and smoke:
+        print_table("backward: gradient errors and what the pass did", [
+            [r["shape"], r["name"], v, r["err"].get(f"{v}:grad"), short_summary(r["pass"].get(v))]
+            for r in recs for v in r.get("bwd", {})], ["shape", "row", "variant", "grad err", "pass"])
+        return
     if group == "backward":
         rows = []
         for r in recs:
@@ -974,9 +1017,10 @@ def print_rows(group: str, recs: list[dict]) -> None:
         return
     cols = [v for v in ROW_VARIANTS if any(v in r["ms"] for r in recs)]
     header = ["shape", "row", "floor ms"] + cols
-    print_table(f"{group}: x copy floor, do_bench (L2 flushed)", [[r["shape"], r["name"], r["ms"].get("floor")]
-                + [r["x_floor"].get(v) for v in cols] for r in recs], header)
-    if any(r["graph_ms"] for r in recs):
+    if not smoke:
+        print_table(f"{group}: x copy floor, do_bench (L2 flushed)", [[r["shape"], r["name"], r["ms"].get("floor")]
+                    + [r["x_floor"].get(v) for v in cols] for r in recs], header)
+    if any(r["graph_ms"] for r in recs) and not smoke:
         print_table(f"{group}: x copy floor, CUDA-graph replay", [[r["shape"], r["name"], r["graph_ms"].get("floor")]
                     + [r["x_floor_graph"].get(v) for v in cols] for r in recs], header)
     if any(n is not None for r in recs for n in r["launches"].values()):
@@ -1114,7 +1158,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown groups {unknown}, of {GROUPS}")
 
-    device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
+    if not args.quick and not device_check.gpu_present():
+        return device_check.no_gpu("benchmarks.kernels", "python -m benchmarks.kernels --quick")
+    device = "cpu" if args.quick else "cuda"
     raise_recompile_limits()
     no_graph_caches()  # a cache hit skips the pass, and its report (Triton's kernel cache stays on)
     print("environment:", json.dumps(environment()), "device:", device, flush=True)
@@ -1123,6 +1169,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"warm-up {warm_up(device):.1f} s", flush=True)
     result: dict = {"environment": environment(), "device": device, "dtype": "torch.bfloat16",
                     "argv": sys.argv[1:] if argv is None else argv, "records": []}
+    device_check.announce(device, result)
     if (args.sweep or args.sweep_only) and device == "cuda":
         cases = [c for c in SWEEP_CASES if not args.sweep_cases
                  or f"{c[0]}:{c[1]}" in args.sweep_cases or ":".join([c[0], c[1], *c[3:]]) in args.sweep_cases]

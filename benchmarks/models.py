@@ -32,7 +32,8 @@ on; the JSON is rewritten after every model, so a time limit still leaves the mo
     python -m benchmarks.models --models ltx-video --cudagraphs               # both variants under CUDA graphs
     python -m benchmarks.models --quick                                       # tiny configs on the CPU (smoke test)
 
-Without a CUDA device it exits 2 with one line, unless --quick or `--device cpu` says to run on the CPU.
+Without a CUDA device it exits 2 with one line, unless --quick or `--device cpu` says to run on the CPU: a smoke
+run, which checks the plumbing and prints no times (benchmarks/device_check.py).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
+from benchmarks import device_check  # noqa: E402
 from benchmarks.kernels import (  # noqa: E402
     environment,
     kernel_times,
@@ -520,21 +522,24 @@ def _cell(r: dict, key: str) -> Any:
     return f"{x['median']:.3f} [{x['min']:.3f}, {x['max']:.3f}]" if x else None
 
 
-def print_summary(records: list[dict], backend: str, dtype: torch.dtype) -> None:
+def print_summary(records: list[dict], backend: str, dtype: torch.dtype, smoke: bool = False) -> None:
+    """The tables of the run; a smoke run's without its times (benchmarks/device_check.py)."""
     rows = []
     for r in records:
         s = r.get("pass") or {}
-        rows.append([r["model"], (r["ms"].get("plain") or {}).get("median"), (r["ms"].get("pass") or {}).get("median"),
-                     _cell(r, "speedup"), _cell(r, "self_spread"), r["compile_s"].get("plain"),
+        timed = [] if smoke else [(r["ms"].get("plain") or {}).get("median"), (r["ms"].get("pass") or {}).get("median"),
+                                  _cell(r, "speedup"), _cell(r, "self_spread")]
+        rows.append([r["model"], *timed, r["compile_s"].get("plain"),
                      r["compile_s"].get("pass"), s.get("pass_s"), s.get("sites"), s.get("kernels"),
                      s.get("norms_folded"),
                      s.get("left_to_inductor"), s.get("misses"), s.get("host_tables"), len(s.get("errors", [])) or None,
                      r.get("agree"), "; ".join(f"{k}: {v[:50]}" for k, v in r["errors"].items()) or None])
-    print_table(f"models, {dtype}, pass backend {backend}: forward ms (median over repeats), speedup of the pass and "
-                "plain#2/plain (median [min, max] over repeats), compile s (first call, caches off) and the pass's own "
-                "s in it", rows,
-                ["model", "plain ms", "pass ms", "speedup", "plain#2/plain", "compile s", "with pass s", "pass s",
-                 "sites",
+    timed_title = "" if smoke else ("forward ms (median over repeats), speedup of the pass and plain#2/plain "
+                                    "(median [min, max] over repeats), ")
+    print_table(f"models, {dtype}, pass backend {backend}: {timed_title}compile s (first call, caches off) and the "
+                "pass's own s in it", rows,
+                ["model", *([] if smoke else ["plain ms", "pass ms", "speedup", "plain#2/plain"]), "compile s",
+                 "with pass s", "pass s", "sites",
                  "kernels", "norms folded", "left to Inductor", "misses", "host tables", "pass errors", "agree",
                  "errors"])
     rows = [[r["model"], *((r["err"].get(v) or {}).get(x) for v in ("plain", "pass", "pass-vs-plain")
@@ -585,10 +590,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown models {unknown}, of {list(MODELS)}")
     device = args.device or ("cpu" if args.quick else "cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        print("benchmarks.models times real-size bf16 models on a GPU and there is no CUDA device here: "
-              "--quick runs tiny configs on the CPU (a smoke test), --device cpu the real sizes there", file=sys.stderr)
-        return 2
+    if device == "cuda" and not device_check.gpu_present():
+        return device_check.no_gpu("benchmarks.models", "python -m benchmarks.models --quick (tiny configs; "
+                                   "--device cpu runs the real sizes there)")
+    smoke = device_check.is_smoke(device)
     dtype = torch.bfloat16
     raise_recompile_limits()
     env = environment()
@@ -597,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"warm-up (compile workers, Triton, CUDA) {warm_up(device):.1f} s", flush=True)
     result: dict = {"environment": env, "device": device, "argv": sys.argv[1:] if argv is None else argv,
                     "repeats": args.repeats, "backend": args.backend, "cudagraphs": args.cudagraphs, "records": []}
+    device_check.announce(device, result)
     for name in names:
         print(f"[{time.perf_counter() - t_start:6.1f}s] {name} ...", flush=True)
         rec = run_model(name, args.quick, device, dtype, args.backend, args.repeats, not args.no_spread,
@@ -604,15 +610,16 @@ def main(argv: list[str] | None = None) -> int:
         result["records"].append(rec)
         write_json(args.out, result, quiet=True)
         sp, ms = rec.get("speedup") or {}, rec.get("ms") or {}
-        print(f"[{time.perf_counter() - t_start:6.1f}s] {name}: plain {(ms.get('plain') or {}).get('median')} ms, "
-              f"pass {(ms.get('pass') or {}).get('median')} ms, speedup {sp.get('median')} "
-              f"[{sp.get('min')}, {sp.get('max')}], compile {rec['compile_s']}, agree {rec.get('agree')}, "
-              f"errors {rec['errors']}" + (f", CUDA-graph skips {rec['cudagraph_skips']}" if rec.get("cudagraph_skips")
-                                            else ""), flush=True)
+        timed = "" if smoke else (f"plain {(ms.get('plain') or {}).get('median')} ms, pass "
+                                  f"{(ms.get('pass') or {}).get('median')} ms, speedup {sp.get('median')} "
+                                  f"[{sp.get('min')}, {sp.get('max')}], ")
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {name}: {timed}compile {rec['compile_s']}, "
+              f"agree {rec.get('agree')}, errors {rec['errors']}"
+              + (f", CUDA-graph skips {rec['cudagraph_skips']}" if rec.get("cudagraph_skips") else ""), flush=True)
         if rec.get("pass_table"):
             print("  " + rec["pass_table"].replace("\n", "\n  "), flush=True)
     print_summary(result["records"], args.backend + (", CUDA graphs" if args.cudagraphs and device == "cuda" else ""),
-                  dtype)
+                  dtype, smoke)
     result["seconds"] = time.perf_counter() - t_start
     print(f"\nmodels: {len(result['records'])} models, {result['seconds']:.0f} s", flush=True)
     write_json(args.out, result)

@@ -14,6 +14,9 @@ others still run; --out keeps the results as JSON.
     python -m benchmarks.profile --spelling C2 --shape gqa8192x32/8x128
     python -m benchmarks.profile --row rms+flux-il --backend triton --code-dir $OUT/code   # a kernel row
     python -m benchmarks.profile --quick --model flux --spelling N1     # the CPU smoke test: CPU ops, tiny configs
+
+Without a GPU it stops with one line unless --quick asks for the CPU smoke test, whose CPU op times check the
+plumbing, not speed (benchmarks/device_check.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
+from benchmarks import device_check  # noqa: E402
 from benchmarks.kernels import (  # noqa: E402
     QUICK_SHAPES,
     SHAPES,
@@ -121,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the results as JSON here (rewritten after every target)")
     args = ap.parse_args(argv)
     device = "cpu" if args.quick else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("benchmarks.profile needs a CUDA GPU (or --quick for the CPU smoke test)")
-        return 1
+    if device == "cuda" and not device_check.gpu_present():
+        return device_check.no_gpu("benchmarks.profile", "python -m benchmarks.profile --quick --model flux "
+                                   "--spelling N1")
     from benchmarks.models import DEFAULT_MODELS, MODELS, build
 
     models = [x for v in args.model for x in v.split(",") if x]
@@ -138,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = QUICK_SHAPES if args.quick else SHAPES
     shape = args.shape or (next(iter(QUICK_SHAPES)) if args.quick else "1x32760x40x128")
     result: dict = {"environment": environment(), "device": device, "targets": {}, "errors": {}}
+    device_check.announce(device, result)
 
     def run(name: str, make: Callable[[], tuple]) -> None:
         try:

@@ -285,6 +285,36 @@ def vllm_forward_native(positions, query, key, cos_sin_cache, head_size: int, ro
     return query, key
 
 
+def vllm_mrope_forward_native(positions, query, key, cos_sin_cache, head_size: int, rotary_dim: int,
+                              is_neox_style: bool, mrope_section: tuple):
+    """vLLM MRotaryEmbedding.forward_native with [3, T] positions (Qwen2-VL's chunked layout): the cache rows of
+    the T, H and W position streams gathered, pair j's table taken from the stream whose section holds j, then the
+    rotation of RotaryEmbedding.forward_native."""
+    num_tokens = positions.shape[-1]
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos = torch.cat([m[i] for i, m in enumerate(cos.split(list(mrope_section), dim=-1))], dim=-1)
+    sin = torch.cat([m[i] for i, m in enumerate(sin.split(list(mrope_section), dim=-1))], dim=-1)
+    query_shape = query.shape
+    query = query.view(num_tokens, -1, head_size)
+    query_rot = vllm_apply_rotary(query[..., :rotary_dim], cos, sin, is_neox_style)
+    query = torch.cat((query_rot, query[..., rotary_dim:]), dim=-1).reshape(query_shape)
+    key_shape = key.shape
+    key = key.view(num_tokens, -1, head_size)
+    key_rot = vllm_apply_rotary(key[..., :rotary_dim], cos, sin, is_neox_style)
+    key = torch.cat((key_rot, key[..., rotary_dim:]), dim=-1).reshape(key_shape)
+    return query, key
+
+
+def vllm_mrope(head_size: int, rotary_dim: int, is_neox_style: bool, mrope_section: tuple) -> Callable:
+    """(positions [3, T], q, k, cos_sin_cache) -> (q, k): one vLLM MRotaryEmbedding layer's forward_native."""
+    def forward(positions, query, key, cos_sin_cache):
+        return vllm_mrope_forward_native(positions, query, key, cos_sin_cache, head_size, rotary_dim, is_neox_style,
+                                         mrope_section)
+
+    forward.__name__ = f"vllm_mrope_{rotary_dim}of{head_size}_{'_'.join(map(str, mrope_section))}"
+    return forward
+
+
 def vllm_rope(head_size: int, rotary_dim: int, is_neox_style: bool) -> Callable:
     """(positions, q, k, cos_sin_cache) -> (q, k): one vLLM RotaryEmbedding layer's forward_native."""
     def forward(positions, query, key, cos_sin_cache):

@@ -17,7 +17,8 @@ and its range over the repeats, compile seconds, and what fused.
     python -m benchmarks.stacks --device cpu --quick                     # tiny configs on the CPU (smoke test)
 
 Without a CUDA device it exits 2 with one line, unless --quick or `--device cpu` says to run on the CPU (where
-"cudagraphs" is skipped: CUDA graphs need CUDA).
+"cudagraphs" is skipped: CUDA graphs need CUDA): a smoke run, which checks the plumbing and prints no times or
+speedups (benchmarks/device_check.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
+from benchmarks import device_check  # noqa: E402
 from benchmarks.kernels import environment, pass_summary, print_table, raise_recompile_limits, write_json  # noqa: E402
 from benchmarks.models import _caller, build, compare, time_calls  # noqa: E402
 
@@ -114,13 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                     help="default: bfloat16 on CUDA, float32 on the CPU")
     args = ap.parse_args(argv)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        print("benchmarks.stacks: no CUDA device (use --device cpu --quick for the smoke test)")
-        return 2
-    if device == "cpu" and not (args.quick or args.device == "cpu"):
-        print("benchmarks.stacks: no CUDA device; pass --device cpu (and --quick) to run on the CPU")
-        return 2
+    device = args.device or ("cuda" if device_check.gpu_present() or not args.quick else "cpu")
+    if device == "cuda" and not device_check.gpu_present():
+        return device_check.no_gpu("benchmarks.stacks", "python -m benchmarks.stacks --device cpu --quick")
+    smoke = device_check.is_smoke(device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
     inners = [i for i in args.inners.split(",") if i]
     if device != "cuda" and "cudagraphs" in inners:
@@ -129,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     raise_recompile_limits()
     result = {"environment": environment(), "device": device, "dtype": str(dtype), "quick": args.quick,
               "records": []}
+    device_check.announce(device, result)
     for name in [m for m in args.models.split(",") if m]:
         for inner in inners:
             print(f"{name} / {inner} ...", flush=True)
@@ -143,13 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for r in result["records"]:
         ms, sp, p = r.get("ms", {}), r.get("speedup", {}), r.get("pass", {})
-        rows.append([r["model"], r["inner"], ms.get("plain", {}).get("median"), ms.get("pass", {}).get("median"),
-                     sp.get("median"), f"{sp.get('min', 0):.3f}-{sp.get('max', 0):.3f}" if sp else "",
-                     p.get("sites"), p.get("kernels"), r.get("err", {}).get("pass", {}).get("rel"),
+        timed = [] if smoke else [ms.get("plain", {}).get("median"), ms.get("pass", {}).get("median"),
+                                  sp.get("median"), f"{sp.get('min', 0):.3f}-{sp.get('max', 0):.3f}" if sp else ""]
+        rows.append([r["model"], r["inner"], *timed, p.get("sites"), p.get("kernels"),
+                     r.get("err", {}).get("pass", {}).get("rel"),
                      "; ".join(f"{k}: {v}" for k, v in r.get("errors", {}).items())[:80]])
     print_table(f"rope_fusion.backend(inner) against inner alone ({device}, {dtype}, {args.repeats} repeats)", rows,
-                ["model", "inner", "plain ms", "pass ms", "speedup", "range", "sites", "kernels", "rel err",
-                 "errors"])
+                ["model", "inner", *([] if smoke else ["plain ms", "pass ms", "speedup", "range"]), "sites",
+                 "kernels", "rel err", "errors"])
     write_json(args.out, result)
     return 0
 

@@ -23,7 +23,8 @@ a step is recorded. A model whose build or a variant that fails is reported and 
     python -m benchmarks.training --out $OUT/training.json          # GPU (H200), bf16
     python benchmarks/training.py --quick                           # tiny configs on the CPU (smoke test)
 
-Without a CUDA device it exits 2 with one line, unless --quick or `--device cpu` says to run on the CPU.
+Without a CUDA device it exits 2 with one line, unless --quick or `--device cpu` says to run on the CPU: a smoke
+run, which checks the plumbing and prints no times or ratios (benchmarks/device_check.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
+from benchmarks import device_check  # noqa: E402
 from benchmarks.kernels import bench_ms, environment, num, write_json  # noqa: E402
 from benchmarks.models import flux  # noqa: E402  (the same Flux as the inference benchmark)
 from benchmarks.timing import step_ms, sync  # noqa: E402
@@ -311,7 +313,16 @@ def bench_model(name: str, quick: bool, device: str, dtype: torch.dtype, backend
 
 
 # ------------------------------------------------------------------------------------------------ output
-def _row(r: dict) -> str:
+HEADER = ["model", "plain ms", "pass ms", "pass/plain", "spread plain / pass", "fwd sites/kernels",
+          "bwd sites/kernels", "fwd GPU us plain / pass", "bwd GPU us plain / pass", "fwd rotary us (x floor)",
+          "bwd rotary us (x floor)", "grad diff pass vs plain", "pass-triton/plain", "errors"]
+# What a smoke run leaves out (benchmarks/device_check.py): its times and ratios of them.
+TIMED = {"plain ms", "pass ms", "pass/plain", "spread plain / pass", "fwd GPU us plain / pass",
+         "bwd GPU us plain / pass", "fwd rotary us (x floor)", "bwd rotary us (x floor)", "pass-triton/plain"}
+
+
+def _cells(r: dict) -> list[str]:
+    """The cells of one model, in HEADER's order."""
     ms, sp, ph, fu = r.get("ms", {}), r.get("spread", {}), r.get("phases", {}), r.get("fused", {})
     tot = {kind: " / ".join(num(ph.get(v, {}).get(kind, {}).get("total_us"), 0) for v in VARIANTS)
            for kind in ("forward", "backward")}
@@ -325,15 +336,17 @@ def _row(r: dict) -> str:
              tot["forward"], tot["backward"], rot["forward"], rot["backward"],
              num(r.get("grad_rel_diff", {}).get("pass vs plain"), 2, "e"), num(r.get("ratio_triton"), 3),
              errors]
-    return "| " + " | ".join(cells) + " |"
+    return cells
 
 
-def markdown(records: list[dict]) -> str:
-    header = ["model", "plain ms", "pass ms", "pass/plain", "spread plain / pass", "fwd sites/kernels",
-              "bwd sites/kernels", "fwd GPU us plain / pass", "bwd GPU us plain / pass", "fwd rotary us (x floor)",
-              "bwd rotary us (x floor)", "grad diff pass vs plain", "pass-triton/plain", "errors"]
+def markdown(records: list[dict], smoke: bool = False) -> str:
+    """One row per model; a smoke run's without its times."""
+    header = [h for h in HEADER if not (smoke and h in TIMED)]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(rows + [_row(r) for r in records])
+    for r in records:
+        cells = dict(zip(HEADER, _cells(r)))
+        rows.append("| " + " | ".join(cells[h] for h in header) + " |")
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,10 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     args.variants = tuple(x for v in args.variants for x in v.split(",") if x)
     if args.device is None:  # the GPU where there is one; --quick alone falls back to the CPU
         args.device = "cuda" if torch.cuda.is_available() or not args.quick else "cpu"
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("benchmarks.training times real-size bf16 training steps on a GPU and there is no CUDA device here: "
-              "--quick runs tiny configs on the CPU (a smoke test), --device cpu the real sizes there", file=sys.stderr)
-        return 2
+    if args.device.startswith("cuda") and not device_check.gpu_present():
+        return device_check.no_gpu("benchmarks.training", "python -m benchmarks.training --quick (tiny configs; "
+                                   "--device cpu trains the real sizes there)")
+    smoke = device_check.is_smoke(args.device)
     if args.device.startswith("cuda") and not args.cudnn_attention:
         # Plain torch.compile of the Flux step fails in cuDNN's SDPA backward on the H200 with torch 2.11 /
         # CUDA 13 ("mha_graph.execute(...).is_good()", then an illegal memory access that kills the context),
@@ -370,15 +383,16 @@ def main(argv: list[str] | None = None) -> int:
     print("environment:", env, "device:", args.device, flush=True)
     result: dict = {"environment": env, "device": args.device, "dtype": args.dtype, "quick": args.quick,
                     "repeats": REPEATS, "records": []}
+    device_check.announce(args.device, result)
     t_start = time.perf_counter()
     for name in args.models:
         rec = bench_model(name, args.quick, args.device, dtype, args.backend, args.variants)
         result["records"].append(rec)
         write_json(args.out, result, quiet=True)
-        print(f"[{time.perf_counter() - t_start:6.1f}s] {name}: ms {rec['ms']} ratio {rec.get('ratio')} "
-              f"ratio_triton {rec.get('ratio_triton')} grad {rec.get('grad_rel_diff')} "
+        timed = "" if smoke else (f"ms {rec['ms']} ratio {rec.get('ratio')} ratio_triton {rec.get('ratio_triton')} ")
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {name}: {timed}grad {rec.get('grad_rel_diff')} "
               f"fused {rec.get('report', {}).get('graphs')} errors {rec['errors']}", flush=True)
-    table = markdown(result["records"])
+    table = markdown(result["records"], smoke)
     print(f"\ntraining step (forward + backward), {args.dtype}, {args.device}, median of {REPEATS} repeats, "
           f"pass backend {args.backend}\n")
     print(table)

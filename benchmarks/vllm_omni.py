@@ -22,7 +22,9 @@ Without vLLM (or with a vLLM whose `vllm.vllm_flash_attn` package cannot load) t
 `--rotary-file` under its real module name `vllm.vllm_flash_attn.ops.triton.rotary`, which is what the pass
 identifies (examples/vllm_omni_block.py `load_rotary`). On the CPU the compile uses the tests' tracing recipe
 (`cpu_triton_tracing`), "kernel" is the two calls run eagerly with the kernel in Triton's interpreter (Inductor's CPU
-code generation cannot compile a Triton kernel), times are wall clock, and CUDA graphs and launch counts are absent.
+code generation cannot compile a Triton kernel), and CUDA graphs and launch counts are absent: a smoke run, which
+checks the plumbing and prints no times or ratios (benchmarks/device_check.py). Without a GPU and without
+`--device cpu` it stops with one line.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import torch  # noqa: E402
 
 import rope_fusion  # noqa: E402
+from benchmarks import device_check  # noqa: E402
 from benchmarks.kernels import bench_ms, count_launches, environment, num, write_json  # noqa: E402
 from examples.vllm_omni_block import KERNELS, cpu_triton_tracing, interpreted, load_rotary, rope_tables  # noqa: E402
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
@@ -164,20 +167,24 @@ def run_case(name: str, shape: tuple, style: str, backend: str, rotary, device: 
 
 
 def markdown(records: list[dict], device: str) -> str:
-    unit = "ms, do_bench median" if device == "cuda" else "ms, wall clock (CPU; kernel = eager, interpreted)"
-    head = (f"| shape | tokens x heads (q/k) x D | style | backend | kernel {unit} | fused | floor | "
-            "kernel x floor | fused x floor | speedup | cudagraph kernel x floor | cudagraph fused x floor | "
+    """One row per shape, style and backend; a smoke run's without its times (benchmarks/device_check.py)."""
+    smoke = device_check.is_smoke(device)
+    timed_head = "" if smoke else ("kernel ms, do_bench median | fused | floor | kernel x floor | fused x floor | "
+                                   "speedup | cudagraph kernel x floor | cudagraph fused x floor | ")
+    head = (f"| shape | tokens x heads (q/k) x D | style | backend | {timed_head}"
             "launches kernel/fused/floor | sites / kernels | max abs diff kernel vs fused (vs fp32: kernel, fused) |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         d = r["dims"]
         ms, xf, cg, la = r["ms"], r["x_floor"], r["cudagraph_x_floor"], r["launches"]
         speed = ms["kernel"] / ms["fused"] if ms.get("kernel") and ms.get("fused") else None
+        timed = "" if smoke else (
+            f"{num(ms.get('kernel'), 4)} | {num(ms.get('fused'), 4)} | {num(ms.get('floor'), 4)} | "
+            f"{num(xf.get('kernel'), 2)} | {num(xf.get('fused'), 2)} | {num(speed, 2)} | {num(cg.get('kernel'), 2)} | "
+            f"{num(cg.get('fused'), 2)} | ")
         rows.append(
             f"| {r['shape']} | {d['tokens']} x {d['q_heads']}/{d['k_heads']} x {d['head_dim']} | {r['style']} | "
-            f"{r['backend']} | {num(ms.get('kernel'), 4)} | {num(ms.get('fused'), 4)} | {num(ms.get('floor'), 4)} | "
-            f"{num(xf.get('kernel'), 2)} | {num(xf.get('fused'), 2)} | {num(speed, 2)} | {num(cg.get('kernel'), 2)} | "
-            f"{num(cg.get('fused'), 2)} | "
+            f"{r['backend']} | {timed}"
             f"{la.get('kernel') or '-'}/{la.get('fused') or '-'}/{la.get('floor') or '-'} | "
             f"{r['sites']} / {', '.join(r['kernels']) or '-'} | {num(r.get('max_diff_kernel_vs_fused'), 3, 'g')} "
             f"({num(r.get('max_diff_kernel_vs_fp32'), 3, 'g')}, {num(r.get('max_diff_fused_vs_fp32'), 3, 'g')}) |")
@@ -202,9 +209,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no GPU: use --device cpu (with --quick for a smoke test)", file=sys.stderr)
-        return 2
+    if args.device == "cuda" and not device_check.gpu_present():
+        return device_check.no_gpu("benchmarks.vllm_omni", "python -m benchmarks.vllm_omni --device cpu --quick")
     table = QUICK_SHAPES if args.quick else SHAPES
     unknown = [s for s in args.shapes or [] if s not in table]
     if unknown:
@@ -216,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kernel: {rotary.__name__} from {rotary.__file__}; {args.device}, {args.dtype}", flush=True)
     result: dict = dict(environment=environment(), device=args.device, dtype=args.dtype, kernel=rotary.__name__,
                         kernel_file=rotary.__file__, records=[])
+    device_check.announce(args.device, result)
     t0 = time.perf_counter()
     for name in args.shapes or list(table):
         for style in args.styles:
@@ -223,9 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_case(name, table[name], style, backend, rotary, args.device, dtype)
                 result["records"].append(r)
                 write_json(args.out, result, quiet=True)  # partial results survive a time limit
+                timed = "" if device_check.is_smoke(args.device) else ", x floor " + ", ".join(
+                    f"{v} {num(x)}" for v, x in r["x_floor"].items())
                 print(f"[{time.perf_counter() - t0:6.1f}s] {name} {style} {backend}: sites {r['sites']} "
-                      f"{r['kernels']}, x floor " + ", ".join(f"{v} {num(x)}" for v, x in r["x_floor"].items()),
-                      flush=True)
+                      f"{r['kernels']}{timed}", flush=True)
     print()
     print(markdown(result["records"], args.device))
     write_json(args.out, result)

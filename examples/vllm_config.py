@@ -39,11 +39,23 @@ import sys
 import rope_fusion
 
 CLI_FLAG = "-cc.inductor_passes.post_grad_custom_post_pass=rope_fusion.vllm_pass"
+# The Python form as a user pastes it; `python_form()` is the same dict, and a test runs these lines.
+PYTHON_LINES = (
+    "import rope_fusion",
+    'compilation_config = {"inductor_compile_config": {"post_grad_custom_post_pass": rope_fusion.vllm_pass}}',
+    'llm = vllm.LLM("MODEL", compilation_config=compilation_config)',
+)
 
 
 def python_form() -> dict:
     """The compilation_config argument of vllm.LLM."""
     return {"inductor_compile_config": {"post_grad_custom_post_pass": rope_fusion.vllm_pass}}
+
+
+def forms() -> str:
+    """Both forms, as a user pastes them (MODEL: the model's name)."""
+    python = "\n".join(f"    {line}" for line in ("import vllm", *PYTHON_LINES))
+    return f"Python:\n{python}\nCLI:\n    vllm serve MODEL {CLI_FLAG}"
 
 
 NEEDS_CHECK = ("--check needs vLLM's config module: pip install --no-deps vllm==0.33.0 && "
@@ -109,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args.model, args.prompt)
     if args.check:
         return check()
-    print(f"Python: LLM(model, compilation_config={python_form()!r})")
-    print(f"CLI:    vllm serve MODEL {CLI_FLAG}")
+    print(forms())
     return 0
 
 

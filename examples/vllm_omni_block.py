@@ -43,6 +43,8 @@ import sys
 import types
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton 3.9 warns on every process that runs a kernel unless this is set; "1" is the default it would take.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -261,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     p = rope_fusion.install()
     tracing = cpu_triton_tracing() if cpu else contextlib.nullcontext()
     try:
-        # a cache hit would skip the pass (and its report) on a second run of this script
-        with torch.no_grad(), tracing, torch._inductor.config.patch(force_disable_caches=True):
+        # a cache hit would skip the pass (and its report) on a second run of this script; the compile caches are
+        # turned off one by one (`force_disable_caches` would also turn off Dynamo's profile-guided sizes, and say so)
+        with torch.no_grad(), tracing, torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
             torch._dynamo.reset()
             fused = torch.compile(block)(x, cos, sin)
         with torch.no_grad(), (interpreted(rotary) if cpu else contextlib.nullcontext()):

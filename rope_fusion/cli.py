@@ -1,8 +1,9 @@
 """The `rope-fusion` console script.
 
-    rope-fusion explain MODULE:CALLABLE [--backend B] [--no-qk] [--dynamic] [--plain]
+    rope-fusion explain MODULE:CALLABLE [--backend B] [--no-qk] [--dynamic] [--plain] [--verbose]
         import MODULE (from the current directory too), call CALLABLE() -> (model, example_inputs),
-        compile the model with a RopeFusionPass, run it once and print the report as tables.
+        compile the model with a RopeFusionPass, run it once and print the report as tables (--verbose: as
+        text, with every detail).
         example_inputs: a tuple/list of positional args, a dict of keyword args, or (args, kwargs).
         Exit 0 when it ran (whatever fused), 2 when the callable could not be loaded, 1 when it failed.
     rope-fusion bench [ARGS...]
@@ -14,6 +15,11 @@
     rope-fusion calibrate [--tokens N] [--rows SUBSTRINGS] [--dry]
         time the kernel rows on this GPU and write its factor table (next to `auto`'s decision cache), which
         `auto`'s table fallback then reads; exit 2 without a GPU.
+    rope-fusion --version
+        the package's version and those of torch and Triton it runs with.
+
+`--help` works for every subcommand anywhere: one that runs a file of a source checkout says so where there is
+none. Importing this module loads no compiler (the package is lazy), so the help answers at once.
 
 Subcommands are registered with `@command(name, help, configure)` on a function `(args) -> int`;
 `configure(parser)` adds its arguments. A `passthrough` command gets the raw rest of the command line as
@@ -42,8 +48,25 @@ def command(name: str, help: str, configure: Callable[[argparse.ArgumentParser],
     return register
 
 
+def version_text() -> str:
+    """"rope-fusion 0.1.0 (torch 2.13.0, triton 3.9.0)": read from the installed distributions, so that it imports
+    neither torch nor Triton."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"rope-fusion {__version__} (torch {installed('torch')}, triton {installed('triton')})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="rope-fusion", description="RoPE fusion for torch.compile: tools.")
+    ap.add_argument("--version", action="version", version=version_text())
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (help_, configure, _, _) in _COMMANDS.items():
@@ -109,85 +132,78 @@ def run_explain(target: Callable[[], Any], backend: str = "auto", fuse_qk: bool 
     return p, out
 
 
-_SHORT_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
-
-
-def short_source(source: str) -> str:
-    """file:line relative to site-packages or to the current directory, for narrow tables."""
-    marker = "site-packages" + os.sep
-    if marker in source:
-        return source.split(marker, 1)[1]
-    cwd = os.getcwd() + os.sep
-    return source[len(cwd):] if source.startswith(cwd) else source
-
-
-def _dt(name: str) -> str:
-    return _SHORT_DTYPES.get(name, name)
-
-
-def print_report(report: Any, title: str, plain: bool = False, file: Any = None) -> None:
-    """The report as rich tables (sites, kernels, near misses, errors), or report.table() without rich."""
+def print_report(report: Any, title: str, plain: bool = False, file: Any = None, verbose: bool = False) -> None:
+    """The report as rich tables (sites, kernels, near misses, errors), or report.table() as text: without rich,
+    with --plain, and with --verbose (every detail, passes/report_text.py)."""
     file = file or sys.stdout
     try:
-        if plain:
+        if plain or verbose:
             raise ImportError
         from rich.console import Console
-        from rich.table import Table
     except ImportError:
         print(title, file=file)
-        print(report.table(), file=file)
+        print(report.table(verbose=verbose), file=file)
         return
     from rich.markup import escape
 
-    from .passes.report import FROM_CACHE, counted
+    from .passes import report_text
 
     console = Console(file=file, width=max(140, Console(file=file).width))
-    console.print(f"[bold]{escape(title)}[/bold]: {counted(report.graphs, 'graph')}, {escape(report.summary())} "
-                  "(counted per compiled graph)")
-
-    def cached(graph: int) -> str:
-        return FROM_CACHE.strip() if report.from_cache(graph) else ""
-
-    def row(table: Any, *cells: Any) -> None:  # model names and reasons hold brackets: never markup
-        table.add_row(*(escape(str(c)) for c in cells))
-
-    if report.sites:
-        t = Table(title="fused sites")
-        for col in ("#", "graph", "role", "style", "R/D", "tables", "dtypes x/tables/out", "norm", "kernel",
-                    "source"):
-            t.add_column(col, overflow="fold")
-        for i, s in enumerate(report.sites):
-            k = report.kernels[s.kernel] if 0 <= s.kernel < len(report.kernels) else None
-            row(t, i, f"{s.graph}{' [backward]' if s.graph_kind == 'backward' else ''}", s.role, s.style_label(),
-                f"{s.rotated_lanes()}/{s.head_dim}", s.table_form + (" angles" if s.angle_tables else ""),
-                f"{_dt(s.x_dtype)}/{_dt(s.table_dtype)}/{_dt(s.out_dtype)}", s.norm or "-",
-                f"{s.kernel} {k.op.split('.')[-1]} [{k.backend}]" if k else "?",
-                " ".join(filter(None, (short_source(s.source), cached(s.graph)))))
-        console.print(t)
-    if report.kernels:
-        t = Table(title="kernels")
-        for col in ("#", "graph", "op", "backend", "sites", "fallback"):
-            t.add_column(col, overflow="fold")
-        for i, k in enumerate(report.kernels):
-            row(t, i, k.graph, k.op, k.backend, ", ".join(map(str, k.sites)), k.fallback)
-        console.print(t)
-    if report.misses:
-        t = Table(title="near misses (left unchanged)")
-        for col in ("graph", "node", "reason", "source"):
-            t.add_column(col, overflow="fold")
-        for m in report.misses:
-            row(t, m.graph, m.node, m.reason, " ".join(filter(None, (short_source(m.source), cached(m.graph)))))
-        console.print(t)
+    head, *notes = report_text.header(report)
+    console.print(f"[bold]{escape(title)}[/bold]: {escape(head.split(': ', 1)[1])}")
+    for line in notes:
+        console.print(escape(line))
+    if report.sites or report.misses:
+        console.print(escape(f"  {report_text.DETAILS_HINT.replace('table(verbose=True)', '--verbose')}"))
+    for table in _report_tables(report):
+        console.print(table)
     if report.host_tables:
         console.print("host tables copied to the device once (not per call): " + escape(", ".join(report.host_tables)))
+
+
+def _report_tables(report: Any) -> list:
+    """The rich tables of a report: one row per site, kernel note, near miss and error, at a glance."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .passes.report_text import kernel_label, norm_glance, short_dtype, short_path
+
+    def table(title: str, rows: list, columns: tuple) -> Table:
+        t = Table(title=title)
+        for col in columns:
+            t.add_column(col, overflow="fold")
+        for cells in rows:  # model names and reasons hold brackets: never markup
+            t.add_row(*(escape(str(c)) for c in cells))
+        return t
+
+    def kernel_of(s: Any) -> Any:
+        return report.kernels[s.kernel] if 0 <= s.kernel < len(report.kernels) else None
+
+    def graph(g: int) -> str:  # which graphs a compile cache served: said once, in the header
+        kind = [r.kind for r in report.graph_records if r.index == g]
+        return f"{g}{' [backward]' if kind == ['backward'] else ''}"
+
+    out = []
+    if report.sites:
+        out.append(table("fused sites", [
+            (i, graph(s.graph), s.role, s.style_label(), f"{s.rotated_lanes()}/{s.head_dim}",
+             s.table_form + (" angles" if s.angle_tables else ""),
+             "/".join(short_dtype(d) for d in (s.x_dtype, s.table_dtype, s.out_dtype)),
+             norm_glance(s.norm).removeprefix(", norm ") or "-", f"{s.kernel} {kernel_label(kernel_of(s))}",
+             short_path(s.source)) for i, s in enumerate(report.sites)],
+            ("#", "graph", "role", "style", "R/D", "tables", "dtypes x/tables/out", "norm", "kernel", "source")))
+    if report.kernels:
+        out.append(table("kernels", [(i, graph(k.graph), kernel_label(k), ", ".join(map(str, k.sites)),
+                                      k.fallback or "-") for i, k in enumerate(report.kernels)],
+                         ("#", "graph", "op[backend]", "sites", "fell back")))
+    if report.misses:
+        out.append(table("near misses (left unchanged)", [
+            (graph(m.graph), m.tensor or "-", m.plain_reason(), short_path(m.source)) for m in report.misses],
+            ("graph", "tensor", "reason", "source")))
     if report.errors:
-        t = Table(title="internal errors")
-        t.add_column("graph")
-        t.add_column("error", overflow="fold")
-        t.add_column("what it left", overflow="fold")
-        for e in report.errors:
-            row(t, e.graph, e.error, e.outcome)
-        console.print(t)
+        out.append(table("internal errors", [(graph(e.graph), e.error, e.outcome) for e in report.errors],
+                         ("graph", "error", "what it left")))
+    return out
 
 
 def _explain_options(p: argparse.ArgumentParser) -> None:
@@ -199,6 +215,8 @@ def _explain_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-qk", dest="fuse_qk", action="store_false", help="do not pair q and k")
     p.add_argument("--dynamic", action="store_true", default=None, help="torch.compile(dynamic=True)")
     p.add_argument("--plain", action="store_true", help="plain text instead of rich tables")
+    p.add_argument("--verbose", action="store_true",
+                   help="every detail: why a norm stayed, auto's choices, folds, FX nodes, full paths")
 
 
 @command("explain", "compile MODULE:CALLABLE with the pass and print what fused, and what did not",
@@ -214,7 +232,7 @@ def explain(args: Any) -> int:
     except Exception as e:
         print(f"rope-fusion explain: {args.target} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print_report(p.report, f"rope_fusion explain {args.target}", plain=args.plain)
+    print_report(p.report, f"rope_fusion explain {args.target}", plain=args.plain, verbose=args.verbose)
     return 0
 
 
@@ -245,10 +263,19 @@ def _rest_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed through")
 
 
-def _run_checkout_module(relpath: str, rest: list[str]) -> int:
-    """`python -m` the module at relpath with the checkout root as working directory."""
+def wants_help(rest: list[str]) -> bool:
+    return "-h" in rest or "--help" in rest
+
+
+def _run_checkout_module(relpath: str, rest: list[str], usage: str) -> int:
+    """`python -m` the module at relpath with the checkout root as working directory. Outside a checkout,
+    `--help` prints `usage` (what the command does and that it needs one) and anything else exits 2."""
     path = find_checkout_file(relpath)
     if path is None:
+        if wants_help(rest):
+            print(f"{usage}\n\n{relpath} is part of a source checkout of rope_fusion, not of the installed package: "
+                  "run this from a checkout (or with one as the current directory).")
+            return 0
         print(f"rope-fusion: {relpath} not found: run from a source checkout of rope_fusion", file=sys.stderr)
         return 2
     root = path[: -len(relpath)].rstrip(os.sep) or os.sep
@@ -260,24 +287,24 @@ def _run_checkout_module(relpath: str, rest: list[str]) -> int:
          "arguments pass through", _rest_options, passthrough=True)
 def bench(args: Any) -> int:
     rest = list(args.args)
-    if "-h" in rest or "--help" in rest:
-        if find_benchmark() is None:
-            print("usage: rope-fusion bench [ARGS...]: runs benchmarks/kernels.py of a source checkout with "
-                  "ARGS on a GPU (CUDA/ROCm).")
-            return 0
-        return _run_checkout_module(os.path.join("benchmarks", "kernels.py"), rest)
-    if not gpu_present():
-        print("rope-fusion bench: no GPU here (torch.cuda.is_available() is False); the kernel benchmark "
-              "times CUDA/ROCm kernels. For a CPU smoke test run: python -m benchmarks.kernels --quick",
-              file=sys.stderr)
+    relpath, usage = os.path.join("benchmarks", "kernels.py"), BENCH_USAGE
+    if not wants_help(rest) and not gpu_present():
+        print("rope-fusion bench: no GPU here (torch.cuda.is_available() is False), and the kernel benchmark times "
+              "CUDA/ROCm kernels. Its CPU smoke test (plumbing, not speed), from a checkout: "
+              "python -m benchmarks.kernels --quick", file=sys.stderr)
         return 2
-    return _run_checkout_module(os.path.join("benchmarks", "kernels.py"), rest)
+    return _run_checkout_module(relpath, rest, usage)
+
+
+BENCH_USAGE = "usage: rope-fusion bench [ARGS...]: runs benchmarks/kernels.py of a source checkout with ARGS on a GPU"
+COVERAGE_USAGE = ("usage: rope-fusion coverage [ARGS...]: runs tests/zoo/coverage.py of a source checkout with ARGS "
+                  "(the model-zoo coverage table; needs diffusers and transformers)")
 
 
 @command("coverage", "print the model-zoo coverage table (tests/zoo/coverage.py of a source checkout)",
          _rest_options, passthrough=True)
 def coverage(args: Any) -> int:
-    return _run_checkout_module(os.path.join("tests", "zoo", "coverage.py"), list(args.args))
+    return _run_checkout_module(os.path.join("tests", "zoo", "coverage.py"), list(args.args), COVERAGE_USAGE)
 
 
 # -- calibrate ----------------------------------------------------------------------------------------

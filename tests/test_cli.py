@@ -1,15 +1,17 @@
-"""The `rope-fusion` console script: `explain MODULE:CALLABLE` and `bench`."""
+"""The `rope-fusion` console script: `explain MODULE:CALLABLE`, `bench`, `coverage`, `--version`, every `--help`."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
+import rope_fusion
 from rope_fusion import cli
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,7 +67,7 @@ def test_explain_prints_the_report(capsys, monkeypatch):
     assert cli.main(["explain", "test_cli:tiny_rope", "--plain"]) == 0
     out = capsys.readouterr().out
     assert "fused 2 sites in 1 kernel, 0 near misses" in out
-    assert "rope_fusion.rotary_qk" in out and _rope_line() in out
+    assert "rotary_qk[inductor]" in out and _rope_line() in out
 
 
 def test_explain_rich_table_and_kwargs(capsys, monkeypatch):
@@ -74,7 +76,7 @@ def test_explain_rich_table_and_kwargs(capsys, monkeypatch):
     assert cli.main(["explain", "test_cli:tiny_rope_kwargs"]) == 0
     out = capsys.readouterr().out
     assert "fused sites" in out and "kernels" in out and "rotary_qk" in out and "neox" in out
-    assert "fused 2 sites in 1 kernel," in out and "1 graph," in out
+    assert "fused 2 sites in 1 kernel," in out and "1 compiled graph," in out
     assert "┃" in out or "|" in out  # a table, not the plain listing
 
 
@@ -125,7 +127,7 @@ def test_explain_wan_demo(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert cli.main(["explain", "examples.wan_demo:tiny_wan", "--plain"]) == 0
     out = capsys.readouterr().out
-    assert "transformer_wan.py" in out and "rope_fusion.rotary_qk" in out
+    assert "transformer_wan.py" in out and "rotary_qk[" in out
 
 
 def test_bench_without_gpu(capsys, monkeypatch):
@@ -158,6 +160,38 @@ def test_coverage_runs_from_the_checkout():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--markdown" in out.stdout
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"rope-fusion {rope_fusion.__version__} (torch ") and "triton" in out
+
+
+def _outside_a_checkout(tmp_path) -> tuple[str, dict]:
+    """A copy of the package alone (what a wheel installs) on the path, and a working directory with nothing else."""
+    site = tmp_path / "site"
+    shutil.copytree(os.path.join(ROOT, "rope_fusion"), site / "rope_fusion",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    work = tmp_path / "work"
+    work.mkdir()
+    return str(work), dict(os.environ, PYTHONPATH=str(site))
+
+
+@pytest.mark.parametrize("command", [[], ["explain"], ["bench"], ["coverage"], ["calibrate"]],
+                         ids=["top", "explain", "bench", "coverage", "calibrate"])
+def test_every_help_works_outside_a_checkout(tmp_path, command):
+    cwd, env = _outside_a_checkout(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "rope_fusion.cli", *command, "--help"], cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("usage: rope-fusion") and "not found" not in r.stdout + r.stderr, r.stdout
+    if command in (["bench"], ["coverage"]):  # runs a file of a checkout: says so, and what it would run
+        assert "source checkout" in r.stdout and ".py" in r.stdout
+    if command == []:
+        assert all(name in r.stdout for name in ("explain", "bench", "coverage", "calibrate", "--version"))
 
 
 def test_subcommands_are_a_registry():

@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 
 from ..ops import library
+from .arguments import caller_names
 
 
+@caller_names(cos="freqs_cis", sin="freqs_cis")
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                      use_real: bool = True, use_real_unbind_dim: int = -1, sequence_dim: int = 2) -> torch.Tensor:
     """Rotate x ([B, H, S, D] for sequence_dim=2, [B, S, H, D] for 1) as diffusers' function does.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import library
+from .arguments import caller_names
 
 
 def _tables(cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +44,7 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
                                    out_dtype=_out_dtype(q, cos))
 
 
+@caller_names(cos="cos", sin="sin")
 def apply_rotary_pos_emb_glm(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                              unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """GLM's form: interleaved pairs over the first cos.shape[-1] lanes, the rest passes through."""
@@ -52,6 +54,7 @@ def apply_rotary_pos_emb_glm(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor
                                    rotary_dim=width, out_dtype=_out_dtype(q, cos))
 
 
+@caller_names(cos="cos", sin="sin")
 def apply_rotary_pos_emb_interleave(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                                     position_ids: torch.Tensor | None = None,
                                     unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +65,7 @@ def apply_rotary_pos_emb_interleave(q: torch.Tensor, k: torch.Tensor, cos: torch
                                    deinterleave=True, rotary_dim=width, out_dtype=_out_dtype(q, cos))
 
 
+@caller_names(x="tensor", cos="cos", sin="sin")
 def apply_rotary_pos_emb_gptj(tensor: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
     """GPT-J / CodeGen: x [B, S, H, R] by half tables [B, S, R/2] (sin first), interleaved pairs."""
     cos_, sin_ = cos[:, :, None, :], sin[:, :, None, :]

@@ -18,6 +18,7 @@ from ..ops import library, slice_write
 from ..ops.kv_cache_api import apply_rotary_qk_kv_cache
 from ..ops.optional_backends import load_backends
 from ..ops.schema import RotaryCall, RotaryParams, check_call
+from .arguments import caller_names
 from .direct import Plans, call_key
 
 
@@ -95,6 +96,7 @@ def _copied_in(head_size: int, params: RotaryParams) -> Callable[..., None]:
     return run
 
 
+@caller_names(x="query", q="query", k="key", cos="cos_sin_cache", sin="cos_sin_cache")
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, head_size: int,
                      cos_sin_cache: torch.Tensor, is_neox: bool, rope_dim_offset: int = 0,
                      inverse: bool = False, *, value: torch.Tensor | None = None,
@@ -191,6 +193,7 @@ def _mrope_tables(cache: torch.Tensor, positions: torch.Tensor, mrope_section: S
     return cos, sin
 
 
+@caller_names(x="query", q="query", k="key", cos="cos_sin_cache", sin="cos_sin_cache")
 def mrope_rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_size: int,
                            cos_sin_cache: torch.Tensor, is_neox: bool, mrope_section: Sequence[int] | None = None,
                            mrope_interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,21 +19,25 @@ from __future__ import annotations
 import torch
 
 from ..ops import library
+from .arguments import caller_names
 from .diffusers import apply_rotary_emb as _diffusers_apply_rotary_emb
 from .qk_norm_rope import fused_joint_qkv_norm_rope, fused_qk_norm_rope  # noqa: F401  (vllm-omni's own names)
 
 
+@caller_names(x="hidden_states", cos="freqs_cos", sin="freqs_sin")
 def apply_rotary_emb_wan(hidden_states: torch.Tensor, freqs_cos: torch.Tensor,
                          freqs_sin: torch.Tensor) -> torch.Tensor:
     return library.apply_rotary(hidden_states, freqs_cos[..., 0::2], freqs_sin[..., 1::2], interleaved=True,
                                 rotary_dim=hidden_states.shape[-1])
 
 
+@caller_names(x="hidden_states", cos="freqs_cis", sin="freqs_cis")
 def apply_rotary_emb_helios(hidden_states: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     cos, sin = freqs_cis.unsqueeze(-2).chunk(2, dim=-1)
     return apply_rotary_emb_wan(hidden_states, cos, sin)
 
 
+@caller_names(cos="freqs_cis", sin="freqs_cis")
 def apply_rotary_emb_qwen(x: torch.Tensor, freqs_cis: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                           use_real: bool = True, use_real_unbind_dim: int = -1) -> torch.Tensor:
     if use_real:
@@ -45,6 +49,7 @@ def apply_rotary_emb_qwen(x: torch.Tensor, freqs_cis: torch.Tensor | tuple[torch
     return library.apply_rotary(x, freqs.real, freqs.imag, interleaved=True, rotary_dim=x.shape[-1])
 
 
+@caller_names(cos="cos", sin="sin")
 def apply_rotary_emb_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            interleaved: bool = False) -> torch.Tensor:
     rotary_dim = 2 * cos.shape[-1]

@@ -156,7 +156,7 @@ def debug(dump_dir: str, pass_: RopeFusionPass | None = None, *, clean_wild_fx_c
     """depyf.prepare_debug(dump_dir) plus the pass's before/after graphs and report per compiled graph.
 
     `pass_` (or a new `RopeFusionPass(**pass_kwargs)`) is installed for the duration unless a RopeFusionPass
-    is already configured globally. Requires depyf (`pip install rope_fusion[debug]`).
+    is already configured globally. Requires depyf (the `debug` extra: `pip install -e ".[debug]"` from a checkout).
     """
     try:
         import depyf

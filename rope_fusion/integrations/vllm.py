@@ -17,8 +17,10 @@ rope_fusion` does not do it. Instead:
 - the moment anything imports vLLM's inductor_pass module (vLLM does, before it reads its config), an import
   hook rebinds `rope_fusion.vllm_pass` to an instance of a class derived from both RopeFusionPass and
   vLLM's InductorPass, with the same options; if vLLM was imported before rope_fusion, that happens at once.
-So both forms find vLLM's type whichever of the two packages is imported first. The hook is one entry in
-`sys.meta_path` that reacts to that one module name and otherwise defers to the other finders.
+So both forms find vLLM's type whichever of the two packages is imported first. The hook is
+rope_fusion/import_hooks.py's, registered by the package's `__init__`, which imports this module only when
+`rope_fusion.vllm_pass` is first read or vLLM imports that module (this module imports the pass, and with it
+Inductor).
 
 The uuid is RopeFusionPass's (hash of the package sources + options), a plain string, because vLLM's
 `PostGradPassManager.uuid()` JSON-encodes the uuids of its passes. vLLM deep-copies and pickles its config
@@ -28,14 +30,12 @@ so read what fused from the `rope_fusion` logger (one INFO line per graph), not 
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.util
 import sys
 from typing import Any
 
+from ..import_hooks import VLLM_PASS_MODULE
 from ..passes.rope_pass import RopeFusionPass
-
-VLLM_PASS_MODULE = "vllm.compilation.passes.inductor_pass"
 
 
 class VllmRopeFusionPass(RopeFusionPass):
@@ -101,51 +101,14 @@ vllm_pass: VllmRopeFusionPass = pass_class(vllm_inductor_pass())()
 """The instance that vLLM's config names (`rope_fusion.vllm_pass`)."""
 
 
-def _rebind(module: Any) -> None:
-    """vLLM's inductor_pass module was just imported: the pass becomes an instance of its InductorPass."""
+def rebind(module: Any) -> VllmRopeFusionPass:
+    """vLLM's inductor_pass module was just imported: the pass becomes an instance of its InductorPass, with the
+    same options. Returns the pass (the package binds it as `rope_fusion.vllm_pass`)."""
     global vllm_pass
     base = getattr(module, "InductorPass", None)
-    if base is None or isinstance(vllm_pass, base):
-        return
-    vllm_pass = pass_class(base)(**vllm_pass.__getstate__())
-    package = sys.modules.get(__name__.split(".")[0])
-    if package is not None:
-        package.vllm_pass = vllm_pass
-
-
-class _AfterVllmImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the loader of vLLM's inductor_pass module to call `_rebind` after it runs."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != VLLM_PASS_MODULE:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _RebindingLoader(spec.loader)
-                return spec
-        return None
-
-
-class _RebindingLoader(importlib.abc.Loader):
-    def __init__(self, inner: Any):
-        self.inner = inner
-
-    def create_module(self, spec: Any) -> Any:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self.inner.exec_module(module)
-        _rebind(module)
-
-    def __getattr__(self, name: str) -> Any:  # resource readers, get_source, ... of the real loader
-        return getattr(self.inner, name)
-
-
-if not any(isinstance(f, _AfterVllmImport) for f in sys.meta_path):
-    sys.meta_path.insert(0, _AfterVllmImport())
+    if base is not None and not isinstance(vllm_pass, base):
+        vllm_pass = pass_class(base)(**vllm_pass.__getstate__())
+    return vllm_pass
 
 
 def vllm_installed() -> bool:
@@ -156,5 +119,5 @@ def vllm_installed() -> bool:
         return False
 
 
-__all__ = ["VLLM_PASS_MODULE", "VllmRopeFusionPass", "pass_class", "vllm_inductor_pass", "vllm_installed",
+__all__ = ["VLLM_PASS_MODULE", "VllmRopeFusionPass", "pass_class", "rebind", "vllm_inductor_pass", "vllm_installed",
            "vllm_pass"]

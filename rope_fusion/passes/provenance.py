@@ -58,17 +58,59 @@ def rotation_source(node: fx.Node) -> str:
     return source_line(arithmetic_node(node))
 
 
-def role(node: fx.Node) -> str:
-    """"q" or "k" when the assignment that produced the rotation names a query or a key, else "x"."""
-    for _, code in reversed(_frames(arithmetic_node(node))):
+def _assigned_names(node: fx.Node) -> list[str]:
+    """The names the model assigned the value to, innermost frame first (`q_embed = q * cos + ...` gives
+    "q_embed"); a tuple target or a subscripted buffer says nothing about one tensor and is skipped."""
+    out = []
+    for _, code in reversed(_frames(node)):
         target = code.split("=", 1)[0] if re.search(r"[^=!<>]=[^=]", code) else ""
         names = _IDENT.findall(target.split("[", 1)[0])
-        if len(names) != 1:
-            continue  # a tuple target or a subscripted buffer says nothing about this tensor
+        if len(names) == 1:
+            out.append(names[0])
+    return out
+
+
+def role(node: fx.Node) -> str:
+    """"q" or "k" when the assignment that produced the rotation names a query or a key, else "x"."""
+    for assigned in _assigned_names(arithmetic_node(node)):
         for name, rx in _ROLES:
-            if rx.match(names[0].lower()):
+            if rx.match(assigned.lower()):
                 return name
     return "x"
+
+
+def tensor_name(node: fx.Node) -> str:
+    """What a person calls the value: the name the model assigned it to, else its shape and dtype
+    ("[2, 8, 16, 64] bfloat16"), for a near miss's line in the report."""
+    names = _assigned_names(node) or _assigned_names(arithmetic_node(node))
+    if names:
+        return names[0]
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return f"[{', '.join(map(str, val.shape))}] {dtype_name(val.dtype)}"
+    return ""
+
+
+# What an FX node's name looks like in a reason's text: "arg1_1", "add_25", "rsqrt_1" (a name without a digit,
+# "add", is also an English word, and is left as it is).
+FX_NAME = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\d\b")
+
+
+def value_description(node: fx.Node) -> str:
+    """A graph value as a person can place it: an input by its shape and dtype, a computed value by the name the
+    model assigned it to (else its shape)."""
+    val = node.meta.get("val")
+    shape = f"[{', '.join(map(str, val.shape))}] {dtype_name(val.dtype)}" if isinstance(val, torch.Tensor) else ""
+    if node.op == "placeholder":
+        return f"the input {shape}".rstrip()
+    names = _assigned_names(node)
+    return names[0] if names else f"a {shape} value" if shape else "a value"
+
+
+def named_values(text: str, nodes: dict) -> dict:
+    """{FX name: description} of the graph's nodes (`nodes`: name -> node) that `text` names, so that the report
+    can say them in a person's words and keep the FX names for its verbose form."""
+    return {name: value_description(nodes[name]) for name in dict.fromkeys(FX_NAME.findall(text)) if name in nodes}
 
 
 def dtype_name(dt: torch.dtype) -> str:

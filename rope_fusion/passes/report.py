@@ -16,22 +16,11 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from . import report_text
+from .report_text import FROM_CACHE, counted, fused_text  # noqa: F401  (the report's words, one place)
+
 # Table forms as the report names them: one entry per rotated pair, or one per lane.
 PER_PAIR, PER_LANE = "per-pair", "per-lane"
-# What marks the records of a graph that a compile cache served (the pass did not run on it in this process).
-FROM_CACHE = " (from the compile cache)"
-
-_PLURALS = {"near miss": "near misses"}
-
-
-def counted(n: int, noun: str) -> str:
-    """A count and its noun, singular for one: "1 kernel", "2 sites", "0 near misses"."""
-    return f"{n} {noun if n == 1 else _PLURALS.get(noun, noun + 's')}"
-
-
-def fused_text(sites: int, kernels: int, misses: int) -> str:
-    """What a graph (or a report) fused, as every line of the report says it."""
-    return f"fused {counted(sites, 'site')} in {counted(kernels, 'kernel')}, {counted(misses, 'near miss')}"
 
 
 @dataclasses.dataclass
@@ -109,9 +98,15 @@ class Miss:
     """RoPE-looking arithmetic that was left alone, and why."""
 
     graph: int
-    node: str
+    node: str  # the FX node (verbose only: a person knows the source line and the tensor)
     reason: str
     source: str
+    tensor: str = ""  # what the model calls the value (the name it assigned), else its shape and dtype
+    names: dict = dataclasses.field(default_factory=dict)  # FX names in `reason` -> a person's words for them
+
+    def plain_reason(self) -> str:
+        """The reason with the FX names it mentions said as a person can place them (`names`)."""
+        return report_text.with_names(self.reason, self.names)
 
 
 @dataclasses.dataclass
@@ -199,38 +194,12 @@ class Report:
                      f"{counted(c.misses, 'near miss')} of {counted(c.graphs, 'graph')} from the compile cache)")
         return text
 
-    def table(self) -> str:
-        """A plain-text table of sites, kernels and misses (rich renders the same rows in the CLI)."""
-        lines = [self.summary() + " (counted per compiled graph; a graph run for several layers counts once)"]
-
-        def mark(graph: int) -> str:
-            return FROM_CACHE if self.from_cache(graph) else ""
-
-        for i, s in enumerate(self.sites):
-            k = self.kernels[s.kernel] if 0 <= s.kernel < len(self.kernels) else None
-            style = s.style_label()
-            lines.append(
-                f"  site {i:3d} {s.role:1s} {style:21s} R={s.rotated_lanes():<4s} D={s.head_dim:<4d} "
-                f"{'[backward] ' if s.graph_kind == 'backward' else ''}"
-                f"tables {s.table_form} {s.table_dtype}{' angles' if s.angle_tables else ''}, "
-                f"x {s.x_dtype} -> {s.out_dtype} "
-                f"{k.op if k else '?'}[{k.backend if k else '?'}]{' norm ' + s.norm if s.norm else ''} at {s.source}"
-                f"{mark(s.graph)}"
-            )
-        for k in self.kernels:
-            if k.fallback:
-                lines.append(f"  kernel {k.op}[{k.backend}] fell back: {k.fallback}{mark(k.graph)}")
-            if k.choice:
-                lines.append(f"  kernel {k.op}[{k.backend}] auto: {k.choice}{mark(k.graph)}")
-            if k.fold:
-                lines.append(f"  kernel {k.op}[{k.backend}] {k.fold}{mark(k.graph)}")
-        for m in self.misses:
-            lines.append(f"  miss {m.node}: {m.reason} at {m.source}{mark(m.graph)}")
-        if self.host_tables:
-            lines.append(f"  host tables copied to the device once: {', '.join(self.host_tables)}")
-        for e in self.errors:
-            lines.append(f"  error in graph {e.graph} ({e.outcome}): {e.error}{mark(e.graph)}")
-        return "\n".join(lines)
+    def table(self, verbose: bool = False) -> str:
+        """The report as text (passes/report_text.py): a header, then per graph one line per site, near miss and
+        error, each under 160 characters; `verbose=True` adds why a norm stayed, how `auto` chose, what a
+        kernel folded, the FX nodes and full paths."""
+        self._refresh()
+        return report_text.table(self, verbose)
 
     # -- what travels with a cached graph ---------------------------------------------------------------
     def graph_payload(self, graph: int) -> str:

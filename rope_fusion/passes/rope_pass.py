@@ -33,7 +33,7 @@ from .grouping import pair_up
 from .kernel_scan import claim_kernel_sites
 from .padded_sums import merge_padded_sums
 from .pass_identity import PassBase, source_hash
-from .provenance import dtype_name, role, rotation_source, source_line
+from .provenance import dtype_name, named_values, role, rotation_source, source_line, tensor_name
 from .report import FROM_CACHE, GraphError, GraphRecord, Kernel, Miss, Report, Site, fused_text, plain_params
 from .site_costs import graph_host_bound
 from .sites import find_sites
@@ -271,8 +271,10 @@ class RopeFusionPass(PassBase):
         kernel_sites, kernel_misses = claim_kernel_sites(graph)
         if kernel_sites:
             matches = sorted(matches + kernel_sites, key=lambda m: acc.order[m.node])
+        named = {n.name: n for n in graph.nodes} if misses or kernel_misses else {}
         for node, reason in misses + kernel_misses:
-            self.report.misses.append(Miss(index, node.name, str(reason), source_line(node)))
+            self.report.misses.append(Miss(index, node.name, str(reason), source_line(node), tensor_name(node),
+                                           named_values(str(reason), named)))
         if not matches:
             return []
         try:  # only graphs with sites to cost: the scan of the graph's inputs is not paid by the others
@@ -303,7 +305,8 @@ class RopeFusionPass(PassBase):
                 em.joins.update(joins)  # a refused group's writes into a join are not there
                 reason = str(e) if isinstance(e, fusion_check.FusionDisagreed) else f"left to Inductor: {e}"
                 for m in group:
-                    self.report.misses.append(Miss(index, m.node.name, reason, rotation_source(m.node)))
+                    self.report.misses.append(Miss(index, m.node.name, reason, rotation_source(m.node),
+                                                   tensor_name(m.node)))
             except Exception as e:  # this group stays as it was; the others still fuse
                 emission.erase_between(graph, start, anchor)
                 self.report.errors.append(GraphError(index, f"{group[0].node.name}: {type(e).__name__}: {e}",
