@@ -14,7 +14,9 @@ Why it looks the way it does (docs/design.md section 3, measured on the H200):
   once and reused across all heads of both tensors, and q and k take one launch whatever their head counts.
 - Tables are arbitrary strided views that broadcast against x (a slice of a packed table, the real part of
   complex freqs): they are never copied; their broadcast strides (0 on broadcast dims) come as arguments.
-- Head dims that are not powers of two (80, 96, ...) are padded to one with masks.
+- Head dims that are not powers of two (80, 96, ...) are padded to one with masks. A NeoX row whose pass-through
+  tail fits the padding of its two halves (96 of 128 lanes rotated) is loaded whole, the tail in the padding
+  (ROW_TAIL): one load of 128 lanes, where the halves and a tail tile hold 160.
 - A norm across heads, or a per-head norm over padded rows, holds the token's head rows in registers between its
   statistics and the rotation (HELD), with a pass-through tail after the rotated lanes where there is one; a
   tensor of one head takes several tokens a program (TOKS); a pass-through head gives every head block a program
@@ -236,7 +238,7 @@ def rotary_kernel(
     off_ptr=None, batch=None, PACKED: tl.constexpr = False, OFFSET_Q_ONLY: tl.constexpr = False,
     CAT: tl.constexpr = False, CAT_SLOT: tl.constexpr = 0, cat_split=None, q2_ptr=None, k2_ptr=None,
     wq2_ptr=None, wk2_ptr=None, q2_stride_t0=None, q2_stride_t1=None, q2_stride_t2=None, q2_stride_head=None,
-    k2_stride_t0=None, k2_stride_t1=None, k2_stride_t2=None, k2_stride_head=None,
+    k2_stride_t0=None, k2_stride_t1=None, k2_stride_t2=None, k2_stride_head=None, ROW_TAIL: tl.constexpr = False,
 ):
     """Rotate the rows of one token of q (and k, and v): grid = (tokens, nsplit).
 
@@ -259,7 +261,9 @@ def rotary_kernel(
     CAT_SLOT (0, 1, 2: t0, t1, t2), as `cat([x, x2], dim)` would write it: the tokens from index cat_split on
     read the second piece (q2_ptr, k2_ptr at index - cat_split, strides q2_stride_*, its norm weight wq2_ptr,
     wk2_ptr), the others the first; the output is the joined tensor (ops/cat_rotary.py, docs/design.md 4.4).
-    Off by default, compiling to the code before it existed; one token a program (TOKS 1) under it."""
+    Off by default, compiling to the code before it existed; one token a program (TOKS 1) under it. With ROW_TAIL
+    (NEOX_ROW, OFFSET 0, TAIL_PAD 0), the lanes past ROT, no more than the halves' padding holds, are loaded into
+    that padding and pass through the rotation; off, the code before it existed."""
     HALF: tl.constexpr = ROT // 2
     PASS: tl.constexpr = HEAD_DIM - ROT
     ROWS_FORM: tl.constexpr = NEOX_ROW or INTERLEAVED  # a block is one tile, split into pairs in registers
@@ -298,8 +302,19 @@ def rotary_kernel(
         # so the (2, HALF_PAD) reshape of the tile is the two halves, split in registers like interleaved
         # pairs. Each half is one affine run of addresses, so the load stays vectorized.
         tl_half = lanes >= HALF_PAD
-        row_off = tl.where(tl_half, lanes - HALF_PAD + HALF, lanes)
-        row_mask = tl.where(tl_half, lanes - HALF_PAD, lanes) < HALF
+        if ROW_TAIL:
+            # A pass-through tail that fits the halves' padding is loaded into it: tile lane HALF + m of the first
+            # half holds x lane ROT + m, of the second half x lane ROT + HALF_PAD - HALF + m. The whole row is one
+            # load with no lane wasted where the tail fills the padding (MiniMax-H3's 96 of 128 lanes: 128 register
+            # lanes, not two padded halves and a tail tile, 160); its pairs (l, HALF_PAD + l) with l >= HALF are
+            # tail lanes, which the tables pass through (cos 1, sin 0, below).
+            l_half = tl.where(tl_half, lanes - HALF_PAD, lanes)
+            tail_off = ROT + tl.where(tl_half, HALF_PAD - HALF, 0) + (l_half - HALF)
+            row_off = tl.where(l_half < HALF, tl.where(tl_half, l_half + HALF, l_half), tail_off)
+            row_mask = row_off < HEAD_DIM
+        else:
+            row_off = tl.where(tl_half, lanes - HALF_PAD + HALF, lanes)
+            row_mask = tl.where(tl_half, lanes - HALF_PAD, lanes) < HALF
     else:
         row_off = lanes  # unused: stand-ins for the helpers' arguments
         row_mask = lanes
@@ -334,6 +349,12 @@ def rotary_kernel(
         c_row = cos_ptr + i0 * cos_stride_t0 + i1 * cos_stride_t1 + i2 * cos_stride_t2
         s_row = sin_ptr + i0 * sin_stride_t0 + i1 * sin_stride_t1 + i2 * sin_stride_t2
     ca, sa, cb, sb = _load_tables(c_row, s_row, ia, ib, tmask, SCD, SSD, TOKS, FULL_TABLES, ANGLES, CONJ, cdt)
+    if ROW_TAIL:  # the pairs past HALF are tail lanes in the padding: rotated by cos 1, sin 0, they pass through
+        pair = tmask[None, :]
+        ca = tl.where(pair, ca, 1.0)
+        cb = tl.where(pair, cb, 1.0)
+        sa = tl.where(pair, sa, 0.0)
+        sb = tl.where(pair, sb, 0.0)
 
     hoffs = tl.arange(0, BLOCK_H)
     j = tl.arange(0, HALF_PAD)[None, :]

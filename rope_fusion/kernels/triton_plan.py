@@ -223,6 +223,41 @@ def default_neox_row(interleaved: bool, rotary_dim: int, head_dim: int) -> bool:
     return not interleaved and rotary_dim == head_dim
 
 
+def row_tail_fits(params: RotaryParams, head_dim: int) -> bool:
+    """Whether a NeoX row's pass-through tail fits the padding of its two halves (HALF_PAD - R/2 lanes each), so
+    the kernel can load the row whole with the tail there (ROW_TAIL): R/2 not a power of two and the tail no
+    wider than that padding, as where R > D/2 for a power-of-two D (MiniMax-H3's 96 of 128 lanes)."""
+    half = params.rotary_dim // 2
+    pad = triton.next_power_of_2(max(1, half)) - half
+    return (not params.interleaved and params.rotary_blocks == 1 and not params.rotary_offset
+            and not params.deinterleave and 0 < head_dim - params.rotary_dim <= 2 * pad)
+
+
+# Whether the planner takes the row-with-tail form (ROW_TAIL) where it fits, under a per-head norm: one load of the
+# whole row, the norm's statistics over it, 128 register lanes for MiniMax-H3's 128 where the halves and a tail tile
+# took 160 (1.21-1.27x the floor at >= 4096 tokens; benchmarks/norm_tiles.py times both). The one line that decides
+# the default.
+ROW_TAIL_UNDER_NORM = True
+
+
+def default_row_tail(params: RotaryParams, head_dim: int) -> bool:
+    """The row-with-tail form where it fits (`row_tail_fits`) under a per-head norm (`ROW_TAIL_UNDER_NORM`), whose
+    statistics read the whole row; without a norm the halves and the tail tile stay (a tile sweep found the
+    remapped row and the halves even there)."""
+    return ROW_TAIL_UNDER_NORM and params.norm == "rms" and row_tail_fits(params, head_dim)
+
+
+def row_lanes(params: RotaryParams, head_dim: int, row_tail: bool | None) -> tuple[int, int, bool]:
+    """(HALF_PAD, TAIL_PAD, ROW_TAIL) of a row: each half padded to a power of two, and the pass-through tile's
+    lanes, none where the tail is loaded into the halves' padding (`row_tail`, None: `default_row_tail`)."""
+    rotary_dim = params.rotary_dim
+    half_pad = triton.next_power_of_2(max(1, rotary_dim // 2))
+    row_tail = (default_row_tail(params, head_dim) if row_tail is None else bool(row_tail)) \
+        and row_tail_fits(params, head_dim)
+    tail_pad = triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim and not row_tail else 0
+    return half_pad, tail_pad, row_tail
+
+
 def default_held(params: RotaryParams, head_dim: int, heads: Sequence[Any]) -> bool:
     """Hold a side's head rows in registers (HELD) under a norm across heads (read once, not twice), and under a
     per-head norm whose rows are padded (D=80 in 128 lanes), where the head loop left too few bytes in flight:
@@ -341,16 +376,17 @@ def heads_fit_int32(p: Plan, block_h: int, weight_strides: Sequence) -> bool:
 
 def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, params: RotaryParams, *,
                  block_h: int | None = None, num_warps: int | None = None, nsplit: int | None = None,
-                 neox_row: bool | None = None, stream: bool | None = None, held: bool | None = None) -> tuple:
+                 neox_row: bool | None = None, stream: bool | None = None, held: bool | None = None,
+                 row_tail: bool | None = None) -> tuple:
     """(grid, scalar arguments, compile-time constants with num_warps) of one launch of plan p: the tile rules
-    above, where the tuning options (`launch`'s) do not set them."""
+    above, where the tuning options (`launch`'s) do not set them. `row_tail` asks for the row-with-tail form where
+    it fits (`row_tail_fits`; it is the remapped NeoX row, whatever `neox_row` says)."""
     if params.offset_q_only and params.norm != "none":
         raise ValueError("offset_q_only with a norm: the kernel's norm takes one head dim for every side; "
                          "make_launches gives each tensor a launch of its own")
     interleaved, rotary_dim = params.interleaved, params.rotary_dim
     head_dim = xs[0].shape[-1]
-    half_pad = triton.next_power_of_2(max(1, rotary_dim // 2))
-    tail_pad = triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
+    half_pad, tail_pad, row_tail = row_lanes(params, head_dim, row_tail)
     lanes_pad = 2 * half_pad + tail_pad  # registers per head row, the pass-through tail included
     ntok = p.tokens[0] * p.tokens[1] * p.tokens[2]
     if held is None:
@@ -362,7 +398,7 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
             and max(p.heads) * lanes_pad <= HELD_ELEMENTS)
     if neox_row is None:  # held under a per-head norm, NeoX reads its halves apart (no split in registers)
         neox_row = default_neox_row(interleaved, rotary_dim, head_dim) and not (held and params.norm == "rms")
-    neox_row = bool(neox_row) and not interleaved and params.rotary_blocks == 1
+    neox_row = bool(neox_row) and not interleaved and params.rotary_blocks == 1 or row_tail
     tile = NORM_TILE_ELEMENTS if params.norm == "rms" else \
         HEAD_PASS_TILE_ELEMENTS if params.rotary_offset else TILE_ELEMENTS
     if held and (params.norm == "rms_across_heads" or not (interleaved or neox_row)):
@@ -430,6 +466,7 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
                 # here, since the user-kernel node of torch 2.11 takes none of a kernel's defaults ("Incorrect
                 # number of arguments passed to kernel") and the compiled launcher's check wants them all
                 **CAT_OFF,
+                ROW_TAIL=row_tail,  # the pass-through tail in the NeoX row's padding
                 num_warps=num_warps or warps_for(bh * lanes_pad, "head_pass" if params.rotary_offset else
                                                   "rows" if interleaved or neox_row else "halves"))
     return (ntok // toks if toks > 1 else ntok, nsplit), scalars, meta
