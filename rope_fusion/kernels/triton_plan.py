@@ -37,6 +37,12 @@ HEAD_PAD_WASTE = 1.25  # at most this many padded heads per real head across q a
 # elements each; NeoX read as two half tiles wants four times the warps (BENCHMARKS.md, tile sweep).
 ELEMENTS_PER_WARP = {"rows": 2048, "halves": 512, "head_pass": 384, "held": 2560, "held_heads": 1024}
 MIN_PROGRAMS = 1024  # below this many tokens, head blocks are also spread over the grid
+# The same under a per-head norm, whose tile is a quarter of the others' (NORM_TILE_ELEMENTS, one warp): one program
+# per token left 1024 warps on the chip at 1024 tokens, and the rows of 256-2048 tokens ran at 1.1-2.4x the floor
+# where those of 4096 and more ran at 1.03-1.27x (vllm-omni's kernel, a program per token and head group, 1.5-1.9x).
+# Held rows are never split (the held form takes every block of a token). MIN_PROGRAMS here is the rule before it
+# (benchmarks/norm_tiles.py times both); the one line that decides the default.
+NORM_SPLIT_PROGRAMS = 4096
 # A held side (HELD: a norm across heads, or a per-head norm over padded rows) keeps every head row in registers up
 # to this many elements (64 heads of 128 lanes). Across heads: blocks of up to HELD_TILE_ELEMENTS, a warp per
 # ELEMENTS_PER_WARP["held"] of the side: 12 heads 4 a block, one warp, 1.10x the floor (1.05x on contiguous
@@ -221,6 +227,12 @@ def default_neox_row(interleaved: bool, rotary_dim: int, head_dim: int) -> bool:
     against 1.17x the floor at D=128, 1.39x against 1.41x at D=80); with a pass-through tail the two half loads
     stay (tile sweeps, BENCHMARKS.md)."""
     return not interleaved and rotary_dim == head_dim
+
+
+def split_programs(params: RotaryParams, held: bool) -> int:
+    """The programs a launch of few tokens fills by spreading each token's head blocks over the grid: at least
+    NORM_SPLIT_PROGRAMS under a per-head norm (its small tile), MIN_PROGRAMS otherwise; held rows are not split."""
+    return NORM_SPLIT_PROGRAMS if params.norm == "rms" and not held else MIN_PROGRAMS
 
 
 def row_tail_fits(params: RotaryParams, head_dim: int) -> bool:
@@ -413,10 +425,10 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
         if params.rotary_offset:  # every head block a program of its own (HEAD_PASS_TILE_ELEMENTS)
             nsplit = nblocks
         elif isinstance(ntok, int):
-            if ntok < MIN_PROGRAMS:
-                nsplit = max(1, min(nblocks, -(-MIN_PROGRAMS // max(ntok, 1))))
+            if ntok < split_programs(params, held):
+                nsplit = max(1, min(nblocks, -(-split_programs(params, held) // max(ntok, 1))))
         elif nblocks > 1:  # a symbolic token count (vLLM: decode and prefill run one graph): the same rule
-            nsplit = torch.sym_max(1, torch.sym_min(nblocks, (ntok + MIN_PROGRAMS - 1) // ntok))
+            nsplit = torch.sym_max(1, torch.sym_min(nblocks, (ntok + split_programs(params, held) - 1) // ntok))
     toks = 1
     if (isinstance(ntok, int) and nsplit == 1 and all(isinstance(h, int) and h == 1 for h in p.heads)
             and params.norm != "rms_across_heads" and ntok % ROW_TOKENS == 0 and ntok // ROW_TOKENS >= MIN_PROGRAMS):
