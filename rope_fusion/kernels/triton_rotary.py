@@ -17,7 +17,7 @@ import torch
 from ..ops.backends import Backend, SiteSpec, emit_op_call, register_backend
 from ..ops.library import define_rotary_ops, register_device_kernel
 from ..ops.schema import RotaryCall
-from . import triton_cat, triton_launch, triton_slice  # noqa: F401  (the slice and cat ops' CUDA kernels register)
+from . import triton_cat, triton_join, triton_launch, triton_slice  # noqa: F401  (their CUDA kernels register)
 from .triton_graph import emit_triton
 from .triton_launch import launch, launch_call, plan_eager
 from .triton_plan import KERNEL_FIELDS, MAX_HEAD_DIM
