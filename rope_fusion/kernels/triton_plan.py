@@ -259,14 +259,19 @@ def default_row_tail(params: RotaryParams, head_dim: int) -> bool:
     return ROW_TAIL_UNDER_NORM and params.norm == "rms" and row_tail_fits(params, head_dim)
 
 
-def row_lanes(params: RotaryParams, head_dim: int, row_tail: bool | None) -> tuple[int, int, bool]:
+def row_lanes(params: RotaryParams, head_dim: int, row_tail: bool | None,
+              in_place: bool = False) -> tuple[int, int, bool]:
     """(HALF_PAD, TAIL_PAD, ROW_TAIL) of a row: each half padded to a power of two, and the pass-through tile's
-    lanes, none where the tail is loaded into the halves' padding (`row_tail`, None: `default_row_tail`)."""
+    lanes, none where the tail is loaded into the halves' padding (`row_tail`, None: `default_row_tail`) and none
+    where the launch writes x in place without a norm: the lanes outside the rotation are then x's own already, and
+    are neither read nor written (vLLM's in-place rotary_embedding at partial rotary, or after DeepSeek's nope
+    lanes, moves only the rotated lanes)."""
     rotary_dim = params.rotary_dim
     half_pad = triton.next_power_of_2(max(1, rotary_dim // 2))
     row_tail = (default_row_tail(params, head_dim) if row_tail is None else bool(row_tail)) \
         and row_tail_fits(params, head_dim)
-    tail_pad = triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim and not row_tail else 0
+    passes = head_dim > rotary_dim and not row_tail and not (in_place and params.norm == "none")
+    tail_pad = triton.next_power_of_2(head_dim - rotary_dim) if passes else 0
     return half_pad, tail_pad, row_tail
 
 
@@ -389,16 +394,17 @@ def heads_fit_int32(p: Plan, block_h: int, weight_strides: Sequence) -> bool:
 def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, params: RotaryParams, *,
                  block_h: int | None = None, num_warps: int | None = None, nsplit: int | None = None,
                  neox_row: bool | None = None, stream: bool | None = None, held: bool | None = None,
-                 row_tail: bool | None = None) -> tuple:
+                 row_tail: bool | None = None, in_place: bool = False) -> tuple:
     """(grid, scalar arguments, compile-time constants with num_warps) of one launch of plan p: the tile rules
     above, where the tuning options (`launch`'s) do not set them. `row_tail` asks for the row-with-tail form where
-    it fits (`row_tail_fits`; it is the remapped NeoX row, whatever `neox_row` says)."""
+    it fits (`row_tail_fits`; it is the remapped NeoX row, whatever `neox_row` says). `in_place`: the outputs are
+    the xs themselves (`row_lanes`)."""
     if params.offset_q_only and params.norm != "none":
         raise ValueError("offset_q_only with a norm: the kernel's norm takes one head dim for every side; "
                          "make_launches gives each tensor a launch of its own")
     interleaved, rotary_dim = params.interleaved, params.rotary_dim
     head_dim = xs[0].shape[-1]
-    half_pad, tail_pad, row_tail = row_lanes(params, head_dim, row_tail)
+    half_pad, tail_pad, row_tail = row_lanes(params, head_dim, row_tail, in_place)
     lanes_pad = 2 * half_pad + tail_pad  # registers per head row, the pass-through tail included
     ntok = p.tokens[0] * p.tokens[1] * p.tokens[2]
     if held is None:
