@@ -14,8 +14,8 @@ clone of q and k), and checks each variant's result against the planner's:
 - `new`: the planner as it is;
 - `old`: the planner before (the halves and the tail tile where the new form fits, `row_tail=False`; the split
   of the rule before, `nsplit` as MIN_PROGRAMS gives it);
-- at MiniMax-H3 also `new form, old split` and `old form, new split`, which take the two changes apart, and
-  `new, 2 warps`.
+- at MiniMax-H3 also `new form, old split` and `old form, new split`, which take the two changes apart, and the
+  new form with two warps and with streaming cache hints (the rule gives it one warp and none).
 The verdict lines at the end say, per change, whether its rows favour the new default: the figure that decides
 `ROW_TAIL_UNDER_NORM` is MiniMax-H3's `new form, old split` against `old` at 4096 and 16384 tokens; the one that
 decides `NORM_SPLIT_PROGRAMS` is `new` against `new form, old split` (MiniMax-H3) and `new` against `old` (the two
@@ -128,6 +128,7 @@ def compare_variants(geometry: tuple, q: torch.Tensor, k: torch.Tensor, weights:
         out["new form, old split"] = call(nsplit=old_nsplit(geometry, tokens, True))
         out["old form, new split"] = call(row_tail=False)
         out["new, 2 warps"] = call(num_warps=2)
+        out["new, streaming hints"] = call(stream=True)
     return out
 
 

@@ -133,3 +133,26 @@ def test_which_rows_take_the_form():
     assert default_row_tail(p(96), 128)
     assert not default_row_tail(p(96, norm="none"), 128)
     assert not default_row_tail(p(96, norm="rms_across_heads"), 128)
+
+
+def test_row_tail_loads_and_stores_are_vectors():
+    """Compiled for sm_90 (no GPU needed), the form's loads and stores of x are 16-byte vectors, as the remapped
+    NeoX row's are: a remap that Triton cannot see as runs of consecutive lanes turns them into 2-byte scalars, 8x
+    the memory instructions."""
+    import re
+
+    from benchmarks import ptx_identity
+
+    t, table = 64, torch.empty(64, 96)
+    params = RotaryParams(interleaved=False, rotary_dim=96, full_tables=False, conjugate=False,
+                          out_dtype=torch.bfloat16, norm="rms")
+    case = dict(xs=[torch.empty(t, 24, 128, dtype=torch.bfloat16)] * 2, cos=table[:, None, :48],
+                sin=table[:, None, 48:], params=params, weights=[torch.empty(128, dtype=torch.bfloat16)] * 2)
+    (launch,) = ptx_identity.record_launches({"minimax": case})
+    assert launch.kwargs["ROW_TAIL"]
+    job, _ = ptx_identity.specialise(tk.rotary_kernel, launch)
+    ptx = ptx_identity.compile_ptx(job)
+    loads, stores = (re.findall(rf"{op}\.global[\w.:]*", ptx) for op in ("ld", "st"))
+    assert not [op for op in loads + stores if op.endswith((".b16", ".u16"))], sorted(set(loads + stores))
+    assert stores and all(op.endswith("v4.b32") for op in stores), sorted(set(stores))
+    assert sum(op.endswith("v4.b32") for op in loads) >= 4  # x's rows (twice: q, k) and the weight tiles

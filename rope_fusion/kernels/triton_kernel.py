@@ -308,9 +308,11 @@ def rotary_kernel(
             # load with no lane wasted where the tail fills the padding (MiniMax-H3's 96 of 128 lanes: 128 register
             # lanes, not two padded halves and a tail tile, 160); its pairs (l, HALF_PAD + l) with l >= HALF are
             # tail lanes, which the tables pass through (cos 1, sin 0, below).
-            l_half = tl.where(tl_half, lanes - HALF_PAD, lanes)
-            tail_off = ROT + tl.where(tl_half, HALF_PAD - HALF, 0) + (l_half - HALF)
-            row_off = tl.where(l_half < HALF, tl.where(tl_half, l_half + HALF, l_half), tail_off)
+            # Each of the four runs is tile lane l plus a constant (the last run's is 0), spelled as a choice among
+            # runs of consecutive addresses: Triton then keeps the loads and stores vectorised (as l plus a chosen
+            # constant, or through each half's lane index, the loads were 2-byte scalars in the PTX for sm_90).
+            second = tl.where(lanes < HALF_PAD + HALF, lanes + (HALF - HALF_PAD), lanes)
+            row_off = tl.where(lanes < HALF, lanes, tl.where(lanes < HALF_PAD, lanes + (ROT - HALF), second))
             row_mask = row_off < HEAD_DIM
         else:
             row_off = tl.where(tl_half, lanes - HALF_PAD + HALF, lanes)

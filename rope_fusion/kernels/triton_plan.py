@@ -470,7 +470,9 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
                 # scalars that Triton does not specialize, and a lane stride only known at run time turns the
                 # vector loads into gathers (the in-graph kernel ran at twice the time of a direct launch)
                 SCD=p.c_strides[3], SSD=p.s_strides[3], BH=rotary_dim // 2 // params.rotary_blocks,
-                STREAM=default_stream(params) and not (held and params.norm == "rms_across_heads")
+                # (rows whole with the tail in their padding take none: whole D=128 rows under a per-head norm
+                # measured slower with them)
+                STREAM=default_stream(params) and not (held and params.norm == "rms_across_heads") and not row_tail
                 if stream is None else bool(stream),
                 HELD=max(side_blocks) if held else 0,  # head blocks held per side (a constexpr: unrolled)
                 TOKS=toks,
