@@ -92,7 +92,7 @@ def kernel_on_cpu(monkeypatch):
     monkeypatch.setitem(library.DEVICE_KERNELS, "cpu", library.DEVICE_KERNELS["cuda"])
     monkeypatch.setattr(library, "_EAGER_PLANS", {})
     for registry in (slice_write.IN_PLACE, slice_write.PLANNERS, cat_rotary.DEVICE_IMPLS, cat_rotary.DEVICE_CHECKS,
-                     joins.JOIN_PLANNERS):
+                     cat_rotary.DEVICE_PLANNERS, joins.JOIN_PLANNERS):
         monkeypatch.setitem(registry, "cpu", registry["cuda"])
     if not isinstance(triton.language.sum, InterpretedFunction):  # a norm's reduction runs interpreted too
         monkeypatch.setattr(triton.language, "sum", InterpretedFunction(triton.language.sum.fn))
