@@ -9,7 +9,8 @@ Why it looks the way it does (docs/design.md section 3, measured on the H200):
   dim is not a power of two, as at D=80), and splits them in registers: 1.07x the floor at D=80 where two
   half loads were 1.19x. With a pass-through tail the two half loads stay (the tile sweep was even).
 - q's and k's head blocks form one list of work items; NSPLIT programs per token share it (only for few
-  tokens, as in decode: splitting large launches was always slower in the tile sweep).
+  tokens, as in decode: splitting large launches was always slower in the tile sweep; under a per-head norm,
+  whose tile is small, up to 4096 tokens: the planner's NORM_SPLIT_PROGRAMS).
 - The program loads its table row once and loops over the head blocks of q and then of k, so tables are read
   once and reused across all heads of both tensors, and q and k take one launch whatever their head counts.
 - Tables are arbitrary strided views that broadcast against x (a slice of a packed table, the real part of
