@@ -9,22 +9,34 @@ Sections (`--sections`):
   this geometry) and GQA (32/8 x 128, rotary 64, interleaved), 64 to 32768 tokens, bf16, an fp32 table.
 - joint: `fused_joint_qkv_norm_rope` at Flux's double-stream blocks (512 text + 4096 image tokens, 24 x 128, q, k,
   v views of each stream's chunked QKV) against vllm-omni's joint op (`--joint-kernel-file`, its dual-stream PRs'
-  file) and that file's eager chain.
+  file) and that file's eager chain; `before` is the drop-in as it was (v by torch.cat), and the parts alone:
+  q and k's launch, v by torch.cat, v by the join kernel.
 - vision: `compat.vllm_vision.ApplyRotaryEmb` on the Qwen2.5-VL tower's q/k view (32768 and 49152 tokens x 16 x 80)
   against vLLM's path, the view made contiguous and then rotated by flash-attn's kernel (`--rotary-file`, vLLM's
-  CUDA path) or by the torch form (vLLM's `forward_native`); bf16 tables, as the tower computes them.
+  CUDA path) or by the torch form (vLLM's `forward_native`); bf16 tables, as the tower computes them. `before`:
+  the view rotated as one tensor (the drop-in as it was); `apart_contiguous`: q and k contiguous, apart.
 - serving: `compat.vllm.rotary_embedding` in place (Llama-3-8B 32/8 x 128 at 64, 1024 and 8192 tokens; fp32 and
-  bf16 caches; whole and partial rotary, 64 of 128) against the op out of place with positions, and the previous
-  path (the op, then a copy into query and key).
+  bf16 caches; whole and partial rotary, 64 of 128) against the op out of place with positions, `before` (in
+  place with every lane read and written, as it was) and the path before that (the op, then a copy into query
+  and key); `floor_mul` and `floor_mul_in_place` are torch's own multiply by 1 out of place and in place, so the
+  in-place call can be read against an in-place floor.
 
 Per column: GPU us a call in CUDA-graph replay and as a multiple of the floor (the tensors read and written once:
 clones); host us a call (back-to-back calls while a sleep kernel keeps the GPU busy); end-to-end us a call
 (back-to-back calls, then a synchronize: what an eager caller waits for); launches a call; the largest error
-against an fp64 evaluation of the contract, relative to the largest magnitude. The targets are checked at the end.
+against an fp64 evaluation of the contract, relative to the largest magnitude. The targets are checked at the end,
+then each change against the drop-in before it (`comparisons`).
 
     python -m benchmarks.dropins --kernel-file .kernels/qk_norm_rope.py \\
         --joint-kernel-file .kernels/fused_qk_norm_rope.py --rotary-file .kernels/rotary.py --out $OUT/dropins.json
     python -m benchmarks.dropins --device cpu --quick ...        # CPU smoke test (tiny shapes, nothing measured)
+
+Old against new in about two minutes (with benchmarks/norm_tiles.py, about a minute, for the planner's forms):
+
+    python -m benchmarks.dropins --kernel-file .kernels/qk_norm_rope.py \
+        --joint-kernel-file .kernels/fused_qk_norm_rope.py --rotary-file .kernels/rotary.py \
+        --tokens 64 256 1024 4096 16384 --serving-tokens 1024 8192 --calls 100 --no-launches \
+        --skip-columns omni_eager rms_norm_rope_qk copy_torch copied_in --out $OUT/dropins.json
 """
 
 from __future__ import annotations
@@ -62,6 +74,7 @@ QK_TOKENS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 VISION_TOKENS = (32768, 49152)
 SERVING = {"tokens": (64, 1024, 8192), "caches": ("fp32", "bf16"), "rotary": (128, 64)}
 Column = tuple  # (call or None, note)
+NOT_THE_RESULT = ("floor", "v_")  # columns that compute something else than the row's result (floors, v alone)
 
 
 def e2e_us(fn: Callable[[], Any], device: str, calls: int) -> float:
@@ -77,6 +90,8 @@ def e2e_us(fn: Callable[[], Any], device: str, calls: int) -> float:
 
 
 def rel_error(got: Any, want: Any) -> float:
+    if isinstance(want, torch.Tensor) and not isinstance(got, torch.Tensor):  # the rows of the result apart
+        want = tuple(want.unbind(0))
     got, want = (got,) if isinstance(got, torch.Tensor) else got, (want,) if isinstance(want, torch.Tensor) else want
     return max(float((g.double() - w).abs().max() / w.abs().max().clamp_min(1e-30)) for g, w in zip(got, want))
 
@@ -91,7 +106,8 @@ def measure(columns: dict[str, Column], reference: Any, device: str, calls: int,
             continue
         try:
             got = fn()
-            entry["rel_err"] = None if name == "floor" or reference is None else rel_error(got, reference)
+            entry["rel_err"] = None if name.startswith(NOT_THE_RESULT) or reference is None else \
+                rel_error(got, reference)
             ms = graph_ms(fn, device)
             entry["graph_us"] = None if ms is None else 1e3 * ms
             entry["host_us"] = host_us(fn, device, calls)
@@ -170,9 +186,15 @@ def joint_columns(text: int, image: int, heads: int, d: int, device: str, joint:
     table = packed_table(text + image, d, device)
     args = (*streams, *weights, table, EPS)
     joined = [torch.cat((streams[i], streams[i + 3]), 1).contiguous() for i in range(3)]
+    qk_only, v_cat, v_join = joint_parts(streams, weights, table)
     cols: dict[str, Column] = {
         "floor": (lambda: tuple(t.clone() for t in joined), "q, k, v cloned at the joint size"),
-        "rope_fusion": (lambda: vllm_omni.fused_joint_qkv_norm_rope(*args), "q and k one launch, v one cat"),
+        "rope_fusion": (lambda: vllm_omni.fused_joint_qkv_norm_rope(*args),
+                        "q and k one launch, v one launch of the join kernel"),
+        "before": (lambda: (*qk_only(), v_cat()), "q and k one launch, v by torch.cat (the drop-in before)"),
+        "q_k_alone": (qk_only, "the cat op's launch alone"),
+        "v_torch_cat": (v_cat, "torch.cat of the streams' v views alone"),
+        "v_join_kernel": (v_join, "the join kernel alone"),
     }
     why = "no --joint-kernel-file"
     cols["omni"] = (lambda: joint.fused_joint_qkv_norm_rope(*args), "") if joint else (None, why)
@@ -190,6 +212,23 @@ def joint_columns(text: int, image: int, heads: int, d: int, device: str, joint:
     return cols, tuple(ref)
 
 
+def joint_parts(streams: list, weights: list, table: torch.Tensor) -> tuple[Callable, Callable, Callable]:
+    """The joint call's parts: q and k through the cat op (one launch), v by torch.cat, v by the join kernel."""
+    from rope_fusion.ops import joins
+
+    q0, k0, v0, q1, k1, v1 = streams
+    b, s0, s1, d = q0.shape[0], q0.shape[1], q1.shape[1], q0.shape[-1]
+    cos, sin = table.view(b, s0 + s1, 1, 2, d // 2).unbind(-2)
+    join = joins.plan_join(v0, v1, 1)
+
+    def qk() -> tuple:
+        return torch.ops.rope_fusion.rotary_qk_cat(
+            q0, k0, cos, sin, None, weights[0], weights[1], second_pieces=[q1, k1],
+            second_norm_weights=[weights[2], weights[3]], cat_dims=[1, 1], interleaved=True, rotary_dim=d,
+            full_tables=False, conjugate=False, out_dtype=q0.dtype, norm="rms", norm_eps=EPS)
+    return qk, lambda: torch.cat((v0, v1), 1), lambda: join(v0, v1)
+
+
 def vision_columns(tokens: int, heads: int, d: int, device: str, rotary: Any) -> tuple[dict, Any]:
     """The tower's q/k: a `(two b) s h d` view of the qkv projection `[s, 1, 3 * h * d]` (b = 1)."""
     qkv = torch.randn(tokens, 1, 3 * heads * d, device=device, dtype=BF16)
@@ -205,9 +244,14 @@ def vision_columns(tokens: int, heads: int, d: int, device: str, rotary: Any) ->
         c, s = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
         x1, x2 = torch.chunk(x, 2, dim=-1)
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    c1, s1 = cos[:, None], sin[:, None]
     cols: dict[str, Column] = {
         "floor": (lambda: dense.clone(), "q and k cloned"),
-        "rope_fusion": (lambda: module(qk, cos, sin), "the view as it comes"),
+        "rope_fusion": (lambda: module(qk, cos, sin), "the view as it comes: q's and k's rows two tensors"),
+        "before": (lambda: rope_fusion.apply_rotary(qk, c1, s1, rotary_dim=d, out_dtype=BF16),
+                   "the view as one tensor (the drop-in before): every token of q, then of k"),
+        "apart_contiguous": (lambda: rope_fusion.apply_rotary_qk(dense[0], dense[1], c1, s1, rotary_dim=d,
+                                                                 out_dtype=BF16), "q and k contiguous, apart"),
         "copy_flash_attn": ((lambda: rotary.apply_rotary(qk.contiguous(), cos, sin)) if fa else None,
                             "contiguous, then flash-attn's kernel (vLLM's CUDA path)" if fa else
                             "no --rotary-file" if rotary is None else "a Triton kernel: CUDA only"),
@@ -240,16 +284,48 @@ def serving_columns(tokens: int, cache_dtype: str, rotary_dim: int, device: str)
         qi.copy_(qo)
         ki.copy_(ko)
         return qi, ki
+    moved = lanes_moved_in_place(q.clone(), k.clone(), cache, positions, rotary_dim, d)
+    qf, kf = q.clone(), k.clone()
     cols: dict[str, Column] = {
         "floor": (lambda: (q.clone(), k.clone()), "q and k cloned"),
-        "rope_fusion": (in_place, "in place, one launch"),
+        "rope_fusion": (in_place, "in place, one launch, the rotated lanes only"),
         "op": (op, "the op out of place, positions gathered in the kernel"),
-        "copied_in": (copied_in, "the previous path: the op, then two copies"),
+        "before": (moved, "in place, every lane read and written (the drop-in before)") if moved else
+        (None, "no in-place kernel on this device"),
+        "copied_in": (copied_in, "the path before that: the op, then two copies"),
+        "floor_mul": (lambda: (torch.mul(q, 1.0), torch.mul(k, 1.0)), "torch's multiply out of place"),
+        "floor_mul_in_place": (lambda: (qf.mul_(1.0), kf.mul_(1.0)), "torch's multiply in place"),
     }
     c, s = cache.double()[positions][:, None].chunk(2, -1)
     ref = tuple(rotary_reference(x.double().view(tokens, -1, d), c, s, interleaved=False, rotary_dim=rotary_dim,
                                  full_tables=False, out_dtype=torch.float64).view(x.shape) for x in (q, k))
     return cols, ref
+
+
+def lanes_moved_in_place(query: torch.Tensor, key: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor,
+                         rotary_dim: int, d: int) -> Callable[[], tuple] | None:
+    """The in-place launch as it was before it left the lanes outside the rotation alone: the in-place planner
+    given the tensors themselves as outputs (it then writes every lane)."""
+    from rope_fusion.ops import slice_write
+    from rope_fusion.ops.optional_backends import load_backends
+    from rope_fusion.ops.schema import RotaryCall, RotaryParams
+
+    load_backends()
+    t = positions.shape[0]
+    xs = [query.view(t, -1, d), key.view(t, -1, d)]
+    cos, sin = cache.chunk(2, dim=-1)
+    params = RotaryParams(interleaved=False, rotary_dim=rotary_dim, full_tables=False, conjugate=False,
+                          out_dtype=query.dtype)
+    call = RotaryCall(xs, cos, sin, params, positions.view(t, 1))
+    planner = slice_write.PLANNERS.get(query.device.type)
+    runner = planner(call, xs) if planner is not None else None
+    if runner is None:
+        return None
+
+    def run() -> tuple:
+        runner(xs, cos, sin, positions.view(t, 1), None, xs)
+        return query, key
+    return run
 
 
 def section_rows(section: str, args: argparse.Namespace, upstream: dict) -> list[tuple[dict, Callable]]:
@@ -268,7 +344,7 @@ def section_rows(section: str, args: argparse.Namespace, upstream: dict) -> list
                                                                                          upstream["rotary"]))
                 for t in ((16,) if quick else VISION_TOKENS)]
     rows = []
-    for t in (8,) if quick else SERVING["tokens"]:
+    for t in (8,) if quick else args.serving_tokens:
         for c in SERVING["caches"]:
             for r in SERVING["rotary"]:
                 rows.append(({"tokens": t, "cache": c, "rotary_dim": r},
@@ -321,6 +397,25 @@ def targets(records: list[dict]) -> list[str]:
     serving = [r for r in records if r["section"] == "serving"]
     check("rotary_embedding in place <= the op out of place (GPU time, 2% spread)", serving,
           lambda r: le(_val(r, "rope_fusion", "graph_us"), _val(r, "op", "graph_us"), 1.02))
+    joint = [r for r in records if r["section"] == "joint"]
+    check("fused_joint_qkv_norm_rope GPU time <= vllm-omni's", joint,
+          lambda r: le(_val(r, "rope_fusion", "graph_us"), _val(r, "omni", "graph_us")))
+    return lines
+
+
+def comparisons(records: list[dict]) -> list[str]:
+    """Each change against the drop-in before it (GPU time now / before), and the in-place floor: torch's own
+    multiply in place against out of place, the part of an in-place call's time that is the memory's, not the
+    kernel's."""
+    lines = []
+    for section, now, before in (("joint", "rope_fusion", "before"), ("vision", "rope_fusion", "before"),
+                                 ("serving", "rope_fusion", "before"), ("serving", "floor_mul_in_place", "floor_mul"),
+                                 ("serving", "rope_fusion", "op")):
+        for r in (r for r in records if r["section"] == section):
+            a, b = _val(r, now, "graph_us"), _val(r, before, "graph_us")
+            key = ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("section", "columns", "host_profile"))
+            if a and b:
+                lines.append(f"{section} {key}: {now} / {before} = {a / b:.3f} ({a:.1f} / {b:.1f} us)")
     return lines
 
 
@@ -347,11 +442,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     choices=["qk", "joint", "vision", "serving"])
     ap.add_argument("--geometries", nargs="+", default=list(QK_GEOMETRIES), choices=list(QK_GEOMETRIES))
     ap.add_argument("--tokens", nargs="+", type=int, default=list(QK_TOKENS), help="the qk section's token counts")
+    ap.add_argument("--serving-tokens", nargs="+", type=int, default=list(SERVING["tokens"]),
+                    help="the serving section's token counts")
     ap.add_argument("--kernel-file", help="vllm-omni's qk_norm_rope.py (vllm_omni/diffusion/layers/ops/rope/)")
     ap.add_argument("--joint-kernel-file", help="vllm-omni's dual-stream PRs' fused_qk_norm_rope.py")
     ap.add_argument("--rotary-file", help="flash-attn's Triton rotary.py (vLLM's copy)")
     ap.add_argument("--calls", type=int, default=200, help="calls of the host and end-to-end timings")
     ap.add_argument("--no-launches", action="store_true", help="skip counting each column's launches")
+    ap.add_argument("--skip-columns", nargs="+", default=[], help="columns left out (the floor is always kept)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile rope_fusion's calls in the qk section")
     ap.add_argument("--out", default=None, help="write the records as JSON here")
     return ap.parse_args(argv)
@@ -366,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     for section in args.sections:
         for key, build in section_rows(section, args, upstream):
             columns, reference = build()
+            columns = {n: c for n, c in columns.items() if n == "floor" or n not in args.skip_columns}
             rec = {"section": section, **key,
                    "columns": measure(columns, reference, args.device, calls, not args.no_launches)}
             if args.host_profile and section == "qk" and columns["rope_fusion"][0] is not None:
@@ -375,8 +474,12 @@ def main(argv: list[str] | None = None) -> int:
             write_json(args.out, result, quiet=True)  # partial results survive a time limit
             print_rows(section, [rec], args.device)
     result["targets"] = targets(result["records"]) if args.device == "cuda" else ["not measured on the CPU"]
+    result["comparisons"] = comparisons(result["records"])
     print("\nTargets")
     for line in result["targets"]:
+        print("  " + line)
+    print("\nAgainst the drop-ins before (GPU time in CUDA-graph replay)")
+    for line in result["comparisons"]:
         print("  " + line)
     write_json(args.out, result)
     return 0

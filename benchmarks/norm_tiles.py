@@ -1,23 +1,31 @@
-"""Tile choices of the Triton kernel under a per-head QK-norm at vllm-omni's geometries, the held tail among them.
+"""The per-head QK-norm launches at vllm-omni's geometries: the planner's forms before and after, side by side.
 
-Why the MiniMax-H3 geometry (head_dim 128, rotary_dim 96, half-split, a per-head norm) sat at 1.26-1.54x the copy
-floor: its rows are rotated lanes [0, 96) and a pass-through tail [96, 128), which the kernel keeps in registers as
-two 64-lane halves (48 used each) and a 32-lane tail, 160 register lanes a row. The planner's norm tile of 512
-elements then holds 2 heads a step (3 would not be a power of two) and gives it one warp: 2 x 256 bytes of q in
-flight per step, a quarter of what a warp has in flight at D=128 without the tail (4 heads of whole rows), and the
-head loop waits on each step's loads (the D=80 rows had the same fault, design section 3.1, which holding the
-token's rows fixed: 1.24 -> 1.06x). The planner holds rows only without a tail (`launch_args`: tail_pad == 0), so
-this geometry always took the loop.
+Two planner choices changed at these geometries, and each is one line to switch back (kernels/triton_plan.py):
+- `ROW_TAIL_UNDER_NORM`: MiniMax-H3's rows (head_dim 128, rotary_dim 96, half-split) were two 64-lane halves (48
+  used each) and a 32-lane tail tile, 160 register lanes for 128, at 1.21-1.27x the copy floor from 4096 tokens
+  on; neither holding the tail (HELD with TAIL_PAD) nor the loop's tiles got below 1.20x. The row-with-tail form
+  (ROW_TAIL) loads each row whole, the tail in the halves' padding.
+- `NORM_SPLIT_PROGRAMS`: a per-head norm's tile is 4 heads x 128 lanes with one warp, and from 1024 tokens on
+  the launch ran one program per token (1024 warps at 1024 tokens); the rows of 256-2048 tokens were 1.1-2.4x
+  the floor. Launches of fewer than 4096 tokens now spread a token's head blocks over the grid.
 
-The kernel now holds a tail beside the rotated lanes (HELD with TAIL_PAD: every held launch the planner makes
-compiles to the PTX it compiled to before, benchmarks/ptx_identity.py). `held_tail_launch` launches that form as
-the planner would once its rule allows it: the planner's own plan and arguments (`plan_launch`, `launch_args` with
-the tile given), then HELD set to the side's head blocks, one program per token. The sweep times it against the
-head loop at the tiles the planner's tuning options reach, in CUDA-graph replay, as multiples of the floor (a
-clone of q and k), and checks every variant against the default's result.
+`--compare` (the default) times, per geometry and token count, in CUDA-graph replay as multiples of the floor (a
+clone of q and k), and checks each variant's result against the planner's:
+- `new`: the planner as it is;
+- `old`: the planner before (the halves and the tail tile where the new form fits, `row_tail=False`; the split
+  of the rule before, `nsplit` as MIN_PROGRAMS gives it);
+- at MiniMax-H3 also `new form, old split` and `old form, new split`, which take the two changes apart, and the
+  new form with two warps and with streaming cache hints (the rule gives it one warp and none).
+The verdict lines at the end say, per change, whether its rows favour the new default: the figure that decides
+`ROW_TAIL_UNDER_NORM` is MiniMax-H3's `new form, old split` against `old` at 4096 and 16384 tokens; the one that
+decides `NORM_SPLIT_PROGRAMS` is `new` against `new form, old split` (MiniMax-H3) and `new` against `old` (the two
+interleaved geometries) at 256-2048 tokens.
 
-    python -m benchmarks.norm_tiles --out $OUT/tiles.json          # GPU
-    python -m benchmarks.norm_tiles --device cpu --quick            # CPU: the interpreter runs the launches once
+`--sweep` times the tiles the tuning options reach (the head loop's block_h/num_warps, and the held form, a tail
+held beside the rotated lanes where the geometry has one: `held_tail_launch`), as the first GPU run did.
+
+    python -m benchmarks.norm_tiles --out $OUT/tiles.json             # GPU: about a minute
+    python -m benchmarks.norm_tiles --device cpu --quick              # CPU: the interpreter runs each launch once
 """
 
 from __future__ import annotations
@@ -44,7 +52,8 @@ GEOMETRIES = {
     "boogu": (24, 24, 128, 128, True),
     "gqa-r64": (32, 8, 128, 64, True),
 }
-TOKENS = (4096, 16384)
+TOKENS = (4096, 16384)  # the sweep's
+COMPARE_TOKENS = (64, 256, 1024, 2048, 4096, 16384)
 LOOP_TILES = ((None, None), (2, 1), (4, 1), (4, 2), (8, 2), (8, 4))  # (block_h, num_warps); None: the planner's
 HELD_TILES = ((2, 1), (4, 1), (4, 2), (8, 2), (8, 4))
 
@@ -56,8 +65,9 @@ def norm_params(rotary_dim: int, interleaved: bool, dtype: torch.dtype, eps: flo
 
 def held_tail_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
                      weights: list, block_h: int, num_warps: int, stream: bool) -> Callable[[], list]:
-    """q and k's rows held in registers, a pass-through tail included: the planner's plan and arguments for the
-    given tile, then HELD = each side's head blocks and one program per token. A call returns (q_out, k_out)."""
+    """q and k's rows held in registers, a pass-through tail included as a tile of its own (not in the halves'
+    padding): the planner's plan and arguments for the given tile, then HELD = each side's head blocks and one
+    program per token. A call returns (q_out, k_out)."""
     from rope_fusion.kernels import triton_launch
     from rope_fusion.kernels.triton_plan import Tables, launch_args, plan_launch
 
@@ -65,7 +75,7 @@ def held_tail_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     tables = Tables(cos, sin, None, weights)
     plan = plan_launch([q, k], outs, tables)
     grid, scalars, meta = launch_args(plan, [q, k], outs, tables, [0, 1], params, block_h=block_h,
-                                      num_warps=num_warps, stream=stream, nsplit=1, held=False)
+                                      num_warps=num_warps, stream=stream, nsplit=1, held=False, row_tail=False)
     meta = dict(meta, HELD=max(-(-h // block_h) for h in plan.heads))
 
     def run() -> list:
@@ -86,6 +96,40 @@ def make_inputs(geometry: tuple, tokens: int, device: str) -> tuple:
     table = torch.cat((angles.cos(), angles.sin()), -1).float().to(device)
     cos, sin = table.view(tokens, 1, 2, r // 2).unbind(-2)
     return q, k, weights, cos, sin
+
+
+def old_nsplit(geometry: tuple, tokens: int, row_tail: bool) -> int:
+    """The programs per token the rule before NORM_SPLIT_PROGRAMS gave a launch of this geometry (MIN_PROGRAMS
+    for every launch), with the row form given."""
+    from rope_fusion.kernels import triton_plan
+
+    hq, hk, d, r, il = geometry
+    half_pad, tail_pad, _ = triton_plan.row_lanes(norm_params(r, il, torch.bfloat16), d, row_tail)
+    bh = triton_plan.block_heads([hq, hk], 2 * half_pad + tail_pad, triton_plan.NORM_TILE_ELEMENTS)
+    blocks = -(-hq // bh) + -(-hk // bh)
+    target = triton_plan.MIN_PROGRAMS
+    return 1 if tokens >= target else max(1, min(blocks, -(-target // tokens)))
+
+
+def compare_variants(geometry: tuple, q: torch.Tensor, k: torch.Tensor, weights: list, cos: torch.Tensor,
+                     sin: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """name -> call: the planner as it is (`new`), as it was (`old`), and at MiniMax-H3 each change alone."""
+    from rope_fusion.kernels import triton_launch
+    from rope_fusion.kernels.triton_plan import row_tail_fits
+
+    _, _, d, r, il = geometry
+    tokens = q.shape[0]
+    params = norm_params(r, il, q.dtype)
+
+    def call(**tiles: Any) -> Callable[[], Any]:
+        return lambda: triton_launch.launch([q, k], cos, sin, params, None, weights, **tiles)
+    out = {"new": call(), "old": call(row_tail=False, nsplit=old_nsplit(geometry, tokens, False))}
+    if row_tail_fits(params, d):
+        out["new form, old split"] = call(nsplit=old_nsplit(geometry, tokens, True))
+        out["old form, new split"] = call(row_tail=False)
+        out["new, 2 warps"] = call(num_warps=2)
+        out["new, streaming hints"] = call(stream=True)
+    return out
 
 
 def variants(geometry: tuple, q: torch.Tensor, k: torch.Tensor, weights: list, cos: torch.Tensor,
@@ -116,12 +160,12 @@ def variants(geometry: tuple, q: torch.Tensor, k: torch.Tensor, weights: list, c
     return out
 
 
-def run_geometry(name: str, tokens: int, device: str) -> dict:
+def run_geometry(name: str, tokens: int, device: str, compare: bool = False) -> dict:
     geometry = GEOMETRIES[name]
     q, k, weights, cos, sin = make_inputs(geometry, tokens, device)
     floor = graph_ms(lambda: (q.clone(), k.clone()), device)
-    calls = variants(geometry, q, k, weights, cos, sin)
-    want = calls["default"]()
+    calls = (compare_variants if compare else variants)(geometry, q, k, weights, cos, sin)
+    want = calls["new" if compare else "default"]()
     rec: dict = {"geometry": name, "tokens": tokens, "floor_ms": floor, "variants": {}}
     for vname, call in calls.items():
         entry: dict = {}
@@ -141,15 +185,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="64 tokens (the CPU smoke test)")
     ap.add_argument("--geometries", nargs="+", default=list(GEOMETRIES), choices=list(GEOMETRIES))
-    ap.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    ap.add_argument("--tokens", nargs="+", type=int, default=None,
+                    help=f"default: {COMPARE_TOKENS} (--compare), {TOKENS} (--sweep)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--compare", action="store_true", help="the planner before and after (the default)")
+    mode.add_argument("--sweep", action="store_true", help="the tiles the tuning options reach")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.device == "cpu":
         _interpret_on_cpu()
-    result: dict = {"env": environment(), "device": args.device, "records": []}
+    compare = not args.sweep
+    tokens_list = [8] if args.quick else args.tokens or list(COMPARE_TOKENS if compare else TOKENS)
+    result: dict = {"env": environment(), "device": args.device, "mode": "compare" if compare else "sweep",
+                    "records": []}
     for name in args.geometries:
-        for tokens in ([8] if args.quick else args.tokens):
-            rec = run_geometry(name, tokens, args.device)
+        for tokens in tokens_list:
+            rec = run_geometry(name, tokens, args.device, compare)
             result["records"].append(rec)
             write_json(args.out, result, quiet=True)
             rows = [[v, e.get("x_floor"), e.get("ms"), e.get("max_diff_vs_default"), e.get("error", "")]
@@ -157,8 +208,36 @@ def main(argv: list[str] | None = None) -> int:
             note = "" if args.device == "cuda" else " (CPU: interpreted once for plumbing, nothing is timed)"
             print_table(f"{name} {GEOMETRIES[name]} at {tokens} tokens{note}", rows,
                         ["variant", "x floor", "graph ms", "max diff vs default", "error"])
+    if compare:
+        result["verdicts"] = verdicts(result["records"])
+        print("\nVerdicts")
+        for line in result["verdicts"]:
+            print("  " + line)
     write_json(args.out, result)
     return 0
+
+
+def _ratio(rec: dict, new: str, old: str) -> float | None:
+    a, b = (rec["variants"].get(v, {}).get("x_floor") for v in (new, old))
+    return a / b if a and b else None
+
+
+def verdicts(records: list[dict]) -> list[str]:
+    """Per planner change, the rows that decide it (time with the change / time without it) and what they say."""
+    def verdict(name: str, ratios: list, keep: str, back: str) -> str:
+        known = [(label, r) for label, r in ratios if r is not None]
+        if not known:
+            return f"{name}: not measured"
+        text = ", ".join(f"{label} {r:.3f}" for label, r in known)
+        worse = [label for label, r in known if r > 1.01]
+        return f"{name} (new / old: {text}): " + (f"{back} (slower at {'; '.join(worse)})" if worse else keep)
+    form = [(f"{r['geometry']} {r['tokens']}", _ratio(r, "new form, old split", "old")) for r in records
+            if r["geometry"] == "minimax-h3" and r["tokens"] >= 4096]
+    split = [(f"{r['geometry']} {r['tokens']}",
+              _ratio(r, "new", "new form, old split") if "new form, old split" in r["variants"] else
+              _ratio(r, "new", "old")) for r in records if 256 <= r["tokens"] < 4096]
+    return [verdict("ROW_TAIL_UNDER_NORM", form, "keep True", "set it False"),
+            verdict("NORM_SPLIT_PROGRAMS", split, "keep 4096", "set it to MIN_PROGRAMS")]
 
 
 def _interpret_on_cpu() -> None:

@@ -214,6 +214,15 @@ def _cases() -> dict[str, dict]:
     cases["rms weight per head"] = {**c, "weights": [_x(8, 128), _x(8, 128)]}
     c = _spelling("N3", 1, 2048, 8, 8, 128, norm="rms")
     cases["rms partial neox tail"] = {**c, "weights": [_x(128), _x(128)]}
+    # MiniMax-H3 (vllm-omni's half-split 96 of 128 lanes under a per-head norm, fp32 [T, 1, 48] table halves): the
+    # row with its tail in the halves' padding (the default), the halves and tail tile, and few tokens (split)
+    for T, tiles in ((4096, {}), (4096, dict(row_tail=False)), (1024, {})):
+        table = _x(T, 96, dtype=torch.float32)
+        p = RotaryParams(interleaved=False, rotary_dim=96, full_tables=False, conjugate=False, out_dtype=BF16,
+                         norm="rms")
+        name = f"minimax-h3 rms 96/128 T={T}{' halves' if tiles else ''}"
+        cases[name] = dict(xs=[_x(T, 24, 128), _x(T, 24, 128)], cos=table[:, None, :48], sin=table[:, None, 48:],
+                           params=p, weights=[_x(128), _x(128)], tiles=tiles)
     # a head loop with offsets past 32 bits (64-bit head offsets): [1, 32, 2^19, 128], the heads looped over
     big = _spelling("N1", 1, 8, 32, 32, 128)
     big["xs"] = [_x(1, 32, 2 ** 19, 128)]

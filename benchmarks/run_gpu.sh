@@ -15,7 +15,7 @@
 #   vllm_omni          python -m benchmarks.vllm_omni --rotary-file .kernels/rotary.py (when there) -> o.json, o.log
 #   dropins[:SECTIONS] python -m benchmarks.dropins [--sections SECTIONS], with the upstream files of .kernels/
 #                      (qk_norm_rope.py, fused_qk_norm_rope.py, rotary.py) where there -> dr.json, dr.log
-#   norm_tiles         python -m benchmarks.norm_tiles                         -> nt.json, nt.log
+#   norm_tiles         python -m benchmarks.norm_tiles (the planner before and after) -> nt.json, nt.log
 #   kv_cache           python -m benchmarks.kv_cache (RoPE + the KV-cache write) -> kv.json, kv.log
 #   notests            skip the GPU tests (which otherwise run first, -> tests.log)
 # Extra arguments per step: $KERNELS_ARGS, $MODELS_ARGS, $PROFILE_ARGS, $TRAINING_ARGS, $DROPINS_ARGS,
@@ -92,7 +92,7 @@ tests=1
 for a in "$@"; do [[ $a == notests ]] && tests=0; done
 if (( tests )); then
     run tests 240 "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
-        tests/test_triton_graph.py tests/test_kv_cache_gpu.py -k gpu
+        tests/test_triton_graph.py tests/test_kv_cache_gpu.py tests/test_dropins_gpu.py -k "gpu or cuda"
 fi
 
 n_models=0

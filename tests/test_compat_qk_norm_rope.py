@@ -198,11 +198,20 @@ def test_fused_joint_qkv_norm_rope_matches_the_contract(dtype, d, r, interleaved
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_fused_joint_qkv_norm_rope_one_launch_of_the_cat_kernel(kernel_on_cpu, interleaved):  # noqa: F811
     """The cat kernel, interpreted: q and k of both streams in one launch that reads each stream where it lies
-    (the text stream's q is the kernel's first piece), at the contract's numerics."""
+    (the text stream's q is the kernel's first piece), at the contract's numerics; v one launch of the join kernel
+    reading each stream's v where it lies (a view of its QKV projection), exactly the join; a second call replays
+    both plans."""
     args = joint_inputs(64, 48, torch.bfloat16)
-    out = vllm_omni.fused_joint_qkv_norm_rope(*args, EPS, interleaved=interleaved)
-    assert kernel_on_cpu.count == 1 and kernel_on_cpu.reads[0][0].data_ptr() == args[0].data_ptr()
-    check_joint(args, 48, interleaved, out)
+    for call in range(2):
+        out = vllm_omni.fused_joint_qkv_norm_rope(*args, EPS, interleaved=interleaved)
+        assert kernel_on_cpu.count == call + 1 and kernel_on_cpu.reads[call][0].data_ptr() == args[0].data_ptr()
+        joins = kernel_on_cpu.joins
+        assert joins.count == call + 1
+        v0, v1, v = joins.reads[call]
+        assert (v0.data_ptr(), v1.data_ptr(), v.data_ptr()) == (args[2].data_ptr(), args[5].data_ptr(),
+                                                               out[2].data_ptr())
+        assert not args[2].is_contiguous()
+        check_joint(args, 48, interleaved, out)
 
 
 def test_fused_joint_qkv_norm_rope_autograd():

@@ -122,6 +122,46 @@ def test_rotary_embedding_offset_and_inverse(kernel_on_cpu, offset, inverse):  #
         compat_vllm.rotary_embedding(positions, query, key, D, cache, True, rope_dim_offset=40)
 
 
+@pytest.mark.parametrize("offset,rot,norm", [(0, 32, "none"), (16, 32, "none"), (0, 64, "none"), (0, 32, "rms")])
+def test_in_place_launches_leave_the_other_lanes_alone(kernel_on_cpu, offset, rot, norm):  # noqa: F811
+    """Planned in place without a norm, the kernel neither reads nor writes the lanes outside the rotation (a tail,
+    DeepSeek's nope lanes before it): no pass-through tile. With a norm it rescales them, so it moves them; into
+    other outputs it writes them. Each against fp64, the other lanes exactly x's."""
+    from rope_fusion.kernels import triton_slice
+    from rope_fusion.ops.schema import RotaryCall, RotaryParams
+
+    torch.manual_seed(offset + rot)
+    D = 64
+    angles = torch.rand(MAX_POS, rot // 2, dtype=torch.float64) * 20
+    cos, sin = angles.cos().float(), angles.sin().float()
+    positions = torch.randint(0, MAX_POS, (T, 1))
+    q, k = torch.randn(T, HQ, D), torch.randn(T, HK, D)
+    weights = [torch.rand(D) + 0.5, torch.rand(D) + 0.5] if norm == "rms" else None
+    params = RotaryParams(interleaved=False, rotary_dim=rot, full_tables=False, conjugate=False,
+                          out_dtype=torch.float32, rotary_offset=offset, norm=norm)
+    query, key = q.clone(), k.clone()
+    call = RotaryCall([query, key], cos, sin, params, positions, weights)
+    runner = triton_slice.plan_in_place(call)
+    moved = norm != "none" and (offset > 0 or offset + rot < D)  # lanes outside the rotation, rescaled
+    assert [e[3]["TAIL_PAD"] > 0 for e in runner.entries] == [moved]
+    runner([query, key], cos, sin, positions, weights)
+    outs = [torch.empty_like(q), torch.empty_like(k)]
+    into = triton_slice.plan_in_place(RotaryCall([q, k], cos, sin, params, positions, weights), outs)
+    assert [e[3]["TAIL_PAD"] > 0 for e in into.entries] == [offset > 0 or offset + rot < D]
+    into([q, k], cos, sin, positions, weights, outs)
+    with pytest.raises(ValueError, match="in place"):
+        runner([q, k], cos, sin, positions, weights, outs)
+    c, s = cos.double()[positions], sin.double()[positions]
+    for x, got, other in ((q, query, outs[0]), (k, key, outs[1])):
+        w = None if weights is None else weights[0 if x is q else 1].double()
+        want = rotary_reference(x.double(), c, s, interleaved=False, rotary_dim=rot, full_tables=False,
+                                rotary_offset=offset, norm=norm, norm_weight=w, out_dtype=torch.float64)
+        assert rel_err(got, want) < 1e-6 and rel_err(other, want) < 1e-6
+        if norm == "none":
+            lanes = [i for i in range(D) if not offset <= i < offset + rot]
+            assert torch.equal(got[..., lanes], x[..., lanes])
+
+
 def test_rotary_embedding_bad_cache(make_layer):
     q = torch.randn(T, HQ * 32)
     with pytest.raises(ValueError, match="rot_dim <= head_size"):

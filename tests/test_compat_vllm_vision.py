@@ -76,15 +76,40 @@ def fp64_reference(x, cos, sin, neox):
 
 @pytest.mark.parametrize("neox", [True, False])
 def test_the_tower_view_is_one_launch_and_no_copy(kernel_on_cpu, neox):  # noqa: F811
-    """Through the Triton kernel (interpreted): the tower's view is read where it lies, q and k in one launch."""
+    """Through the Triton kernel (interpreted): the tower's view is read where it lies, q and k as the two tensors
+    of one launch (a program rotates a token of each, one table row for both), written into one result; a second
+    call replays the plan."""
     torch.manual_seed(1)
     qkv, qk = tower_qk(torch.bfloat16)
     cos, sin = half_tables(S, D)
-    out = vllm_vision.apply_rotary_emb(qk, cos, sin, is_neox_style=neox)
+    for call in range(2):
+        out = vllm_vision.apply_rotary_emb(qk, cos, sin, is_neox_style=neox)
+        assert kernel_on_cpu.count == call + 1
+        q_read, k_read, _ = kernel_on_cpu.reads[call]
+        assert [q_read.data_ptr(), k_read.data_ptr()] == [qkv.data_ptr(), qk[1].data_ptr()]
+        assert q_read.stride() == k_read.stride() == qk.stride()[1:]
+        q_out, k_out, _ = kernel_on_cpu.writes[call]
+        assert [q_out.data_ptr(), k_out.data_ptr()] == [out.data_ptr(), out[1].data_ptr()]
+        assert out.is_contiguous()
+        assert rel_err(out, fp64_reference(qk, cos, sin, neox)) <= torch.finfo(torch.bfloat16).eps
+
+
+@pytest.mark.parametrize("batch,tensors", [(2, 2), (3, 3), (5, 1)])
+def test_batch_rows_as_the_tensors_of_one_launch(kernel_on_cpu, batch, tensors):  # noqa: F811
+    """A batch of the tower's `(two b)` view (b = 2: four rows, q's two then k's two) is two tensors of one launch,
+    three rows are three, an odd batch of five is rotated whole; each against fp64."""
+    torch.manual_seed(batch)
+    if batch == 2:
+        _, x = tower_qk(torch.bfloat16, batch=2)
+    else:
+        x = torch.randn(batch, S, H, D).to(torch.bfloat16)
+    cos, sin = half_tables(S, 48)
+    out = vllm_vision.apply_rotary_emb(x, cos, sin)
     assert kernel_on_cpu.count == 1
-    read = kernel_on_cpu.reads[0][0]
-    assert read.data_ptr() == qkv.data_ptr() and read.stride() == qk.stride()
-    assert rel_err(out, fp64_reference(qk, cos, sin, neox)) <= torch.finfo(torch.bfloat16).eps
+    reads = kernel_on_cpu.reads[0]
+    assert len({t.data_ptr() for t in reads}) == tensors and reads[0].data_ptr() == x.data_ptr()
+    assert rel_err(out, fp64_reference(x, cos, sin, True)) <= torch.finfo(torch.bfloat16).eps
+    assert torch.equal(out[..., 48:], x[..., 48:])
 
 
 @pytest.mark.parametrize("rotary_dim", [D, 48, 2])

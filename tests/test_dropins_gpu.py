@@ -1,5 +1,6 @@
 """The drop-ins on a CUDA GPU, the Triton kernel compiled: every call of a plan after the compiled launcher's check,
-inside a CUDA graph, and the held tail compiled for the device; each against an fp64 evaluation of its contract.
+inside a CUDA graph, the held tail and the row with its tail in the padding compiled for the device, and the in-place
+form leaving the lanes outside the rotation as they were; each against an fp64 evaluation of its contract.
 Skipped without a GPU (the CPU runs of the same paths interpret the kernel: tests/test_compat_*.py,
 tests/test_kernel_held_tail.py)."""
 
@@ -122,3 +123,41 @@ def test_cuda_held_tail_compiled(block_h, warps):
     out = held_tail_launch(q, k, cos, sin, norm_params(r, False, BF16, EPS), weights, block_h, warps, True)()
     for x, w, o in zip((q, k), weights, out):
         within_one_rounding(o, normed_rope(x, w, table, r, False))
+
+
+@pytest.mark.parametrize("row_tail", [True, False])
+@pytest.mark.parametrize("tokens", [1024, 4096])
+def test_cuda_row_tail_and_the_halves(row_tail, tokens):
+    """MiniMax-H3's rows both ways, compiled (the split launch at 1024 tokens, one program a token at 4096)."""
+    from rope_fusion.kernels import triton_launch
+
+    torch.manual_seed(5)
+    h, d, r = 24, 128, 96
+    q, k = (torch.randn(tokens, h, d, device="cuda", dtype=BF16) for _ in range(2))
+    weights = [(torch.rand(d, device="cuda") + 0.5).to(BF16) for _ in range(2)]
+    table = packed_table(tokens, r)
+    cos, sin = table.view(tokens, 1, 2, r // 2).unbind(-2)
+    out = triton_launch.launch([q, k], cos, sin, norm_params(r, False, BF16, EPS), None, weights, row_tail=row_tail)
+    for x, w, o in zip((q, k), weights, out):
+        within_one_rounding(o, normed_rope(x, w, table, r, False))
+
+
+@pytest.mark.parametrize("offset,rotary_dim", [(0, 64), (64, 64)])
+def test_cuda_in_place_leaves_the_other_lanes(offset, rotary_dim):
+    """rotary_embedding in place at partial rotary and after a pass-through head: the lanes outside the rotation
+    keep their bits, through the plan, the compiled launcher's check and the launcher alone."""
+    torch.manual_seed(6)
+    t, hq, hk, d = 1024, 32, 8, 128
+    cache = packed_table(8192, rotary_dim)
+    positions = torch.randint(0, 8192, (t,), device="cuda")
+    lanes = [i for i in range(d) if not offset <= i < offset + rotary_dim]
+    for _ in range(3):
+        q, k = (torch.randn(t, n, d, device="cuda", dtype=BF16) for n in (hq, hk))
+        qi, ki = q.clone(), k.clone()
+        compat_vllm.rotary_embedding(positions, qi, ki, d, cache, True, rope_dim_offset=offset)
+        c, s = cache.double()[positions][:, None].chunk(2, -1)
+        for x, got in ((q, qi), (k, ki)):
+            assert torch.equal(got[..., lanes], x[..., lanes])
+            within_one_rounding(got, rotary_reference(x.double(), c, s, interleaved=False, rotary_dim=rotary_dim,
+                                                      full_tables=False, rotary_offset=offset,
+                                                      out_dtype=torch.float64))

@@ -972,6 +972,24 @@ def test_per_head_norm_plan_holds_padded_rows(interleaved, head_dim, heads, held
     assert meta["HELD"] == 0 and grid[1] > 1
 
 
+@pytest.mark.parametrize("norm,head_dim,tokens,nsplit", [
+    ("rms", 128, 1024, 4), ("rms", 128, 2048, 2), ("rms", 128, 4096, 1), ("rms", 128, 256, 12),
+    ("rms", 80, 2048, 1),  # held rows are never split
+    ("none", 128, 2048, 1), ("none", 128, 256, 4), ("rms_across_heads", 128, 2048, 1),
+])
+def test_per_head_norm_launches_of_few_tokens_fill_the_grid(norm, head_dim, tokens, nsplit):
+    """Under a per-head norm (a tile of 4 heads x 128 lanes, one warp), a launch of fewer tokens than
+    NORM_SPLIT_PROGRAMS spreads each token's head blocks over programs until it has that many (24/24 heads: 12
+    blocks); held rows (D=80, a norm across heads) and other launches keep MIN_PROGRAMS."""
+    q, k = (torch.empty(tokens, 24, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    cos, sin = tables((tokens, 1), head_dim // 2)
+    params = RotaryParams(**opts(False, head_dim), norm=norm)
+    weights = [torch.ones(24, head_dim)] * 2 if norm == "rms_across_heads" else [torch.ones(head_dim)] * 2
+    [(_, grid, _, meta)] = planner.make_launches([q, k], [q, k], planner.Tables(cos, sin, None, weights), params)
+    assert grid == (tokens, nsplit)
+    assert bool(meta["HELD"]) == (head_dim == 80 or norm == "rms_across_heads")
+
+
 @pytest.mark.parametrize("interleaved,neox_row,blocks", [(True, None, 1), (False, None, 1), (False, True, 1),
                                                          (False, None, 2)],
                          ids=["interleaved", "neox-halves", "neox-rows", "neox-blocks"])

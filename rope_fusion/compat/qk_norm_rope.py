@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..norm_rope import rms_norm_rope_qk
-from ..ops import cat_rotary, library
+from ..ops import cat_rotary, joins, library
 from ..ops.optional_backends import load_backends
 from ..ops.schema import FLOAT_DTYPES, RotaryCall, RotaryParams, check_call
 from .direct import Plans, call_key
@@ -186,27 +186,26 @@ def _joint_through_op(streams: tuple, weights: tuple, rope_table: torch.Tensor, 
 
 def _plan_joint(streams: tuple, weights: tuple, rope_table: torch.Tensor, params: RotaryParams) -> Any:
     """The runner of a checked joint geometry: q and k through the cat op's device kernel (one launch that reads
-    each stream's rows where they are and writes the joined, normalised, rotated rows), or its reference where no
-    kernel takes the geometry; v joined by `torch.cat`."""
+    each stream's rows where they are and writes the joined, normalised, rotated rows; its replayed launch where the
+    device plans one, `cat_rotary.device_runner`), or its reference where no kernel takes the geometry; v joined by
+    the device's join kernel, which also reads the streams' rows where they are (ATen's cat of strided views is its
+    generic per-element kernel), else `torch.cat`."""
     q0, q1 = streams[0], streams[3]
     lead, half = (q0.shape[0], q0.shape[1] + q1.shape[1]), params.rotary_dim // 2
-    load_backends()
-    impl = cat_rotary.DEVICE_IMPLS.get(q0.device.type)
+    cos, sin = _tables(rope_table, lead, half)
+    cat = cat_rotary.parse(2, (q0, streams[1], cos, sin, None, weights[0], weights[1]),
+                           dict(second_pieces=[q1, streams[4]], second_norm_weights=[weights[2], weights[3]],
+                                cat_dims=[1, 1], **params.kwargs()))  # the cat op's own checks, once
+    run_qk = cat_rotary.device_runner(cat)
+    join_v = joins.plan_join(streams[2], streams[5], 1)
 
     def runner(q0: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, q1: torch.Tensor, k1: torch.Tensor,
                v1: torch.Tensor, q0_weight: torch.Tensor, k0_weight: torch.Tensor, q1_weight: torch.Tensor,
                k1_weight: torch.Tensor, rope_table: torch.Tensor) -> tuple:
         cos, sin = _tables(rope_table, lead, half)
         call = RotaryCall([q0, k0], cos, sin, params, None, [q0_weight, k0_weight])
-        cat = cat_rotary.CatCall(call, [q1, k1], [q1_weight, k1_weight], [1, 1])
-        outs = impl(cat) if impl is not None else None
-        q, k = outs if outs is not None else cat_rotary.reference(cat)
-        return q, k, torch.cat((v0, v1), 1)
-
-    cos, sin = _tables(rope_table, lead, half)
-    cat_rotary.parse(2, (q0, streams[1], cos, sin, None, weights[0], weights[1]),
-                     dict(second_pieces=[q1, streams[4]], second_norm_weights=[weights[2], weights[3]],
-                          cat_dims=[1, 1], **params.kwargs()))  # the cat op's own checks, once
+        q, k = run_qk(cat_rotary.CatCall(call, [q1, k1], [q1_weight, k1_weight], [1, 1]))
+        return q, k, join_v(v0, v1)
     return runner
 
 
@@ -217,7 +216,8 @@ def fused_joint_qkv_norm_rope(q0: torch.Tensor, k0: torch.Tensor, v0: torch.Tens
     """vllm-omni's dual-stream `fused_joint_qkv_norm_rope`: each stream's q and k RMS-normalised with its own
     `[D]` weights, joined along the sequence (stream 0 first), rotated by the joined table; v joined. Returns
     (q, k, v), each `[B, S_0 + S_1, H, D]` (the module docstring has the contract). On CUDA q and k are one launch
-    that reads the streams in place and writes the joined rows (no cat of q or k), v one copy kernel."""
+    that reads the streams in place and writes the joined rows (no cat of q or k), v one launch of the join
+    kernel, which reads each stream's v where it lies."""
     streams = (q0, k0, v0, q1, k1, v1)
     weights = (q0_weight, k0_weight, q1_weight, k1_weight)
     key = call_key((*streams, *weights, rope_table), (eps, rotary_dim, bool(interleaved)))

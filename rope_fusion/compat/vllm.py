@@ -5,7 +5,9 @@ Its two halves are views that the op gathers by `positions` (the op's cache form
 are flat [T, H * D] or [T, H, D]; a cache narrower than the head (rot_dim < head_size) rotates the first rot_dim
 lanes of each head (partial rotary). The serving signature `(positions, query, key, head_size, cos_sin_cache,
 is_neox)`, which SGLang and FlashInfer share, rotates in place: eagerly, the in-place form of the op's kernel
-(ops/slice_write.py's device planners) writes into query and key themselves, one launch and no copy.
+(ops/slice_write.py's device planners) writes into query and key themselves, one launch and no copy, and reads and
+writes only the rotated lanes of each head (a partial rotation's tail and the lanes before `rope_dim_offset` are
+query's and key's own already).
 """
 
 from __future__ import annotations

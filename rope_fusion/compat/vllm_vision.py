@@ -6,7 +6,8 @@ vision tower's RoPE. `Qwen2_5_VisionAttention.forward` (Qwen2.5-VL, Qwen3-VL, Qw
 the fused qkv projection into views, rearranges q and k to one `[2 * b, s, heads, head_dim]` view, makes it
 contiguous and rotates the copy with `ApplyRotaryEmb` (flash-attn's Triton kernel on CUDA): q and k are read and
 written twice. The op reads any strides, so these drop-ins take the view as it comes: one launch that reads q and
-k from the projection's output and writes the rotated pair once. In the tower, drop `.contiguous()` and replace
+k from the projection's output and writes the rotated pair once, q's rows and k's as the two tensors of the launch
+(`sides`), so a program reads a token's table row once for both. In the tower, drop `.contiguous()` and replace
 the module:
 
     self.apply_rotary_emb = rope_fusion.compat.vllm_vision.ApplyRotaryEmb(enforce_enable=True)
@@ -24,9 +25,14 @@ either.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from ..ops import library
+from ..ops import library, slice_write
+from ..ops.optional_backends import load_backends
+from ..ops.schema import RotaryCall, RotaryParams, check_call
+from .direct import Plans, call_key
 
 
 def _tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -47,13 +53,75 @@ def _tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torc
     return cos.unsqueeze(-2), sin.unsqueeze(-2), rotary_dim
 
 
+def sides(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x `[batch, seq, heads, head_dim]` as the tensors of one launch, split along its batch dim (views): each of
+    2 or 3 rows its own tensor, an even batch as two halves; else x whole.
+
+    The tables broadcast over the batch, so one launch may take its rows as q, k (and v) of one call: a program
+    rotates a token of each, reading that token's table row once. Taken whole, the batch is a token dim of the grid
+    outside the sequence, and the tower's q and k `(two b)` view ran as every token of q, then every token of k:
+    the table rows read twice from memory, each program half the rows (1.086-1.092x the copy floor at 32768 and
+    49152 x 16 x 80, where q and k apart in one launch measured 1.022-1.030x)."""
+    if x.dim() != 4 or x.shape[0] < 2:
+        return (x,)
+    if x.shape[0] <= 3:
+        return x.unbind(0)
+    if x.shape[0] % 2 == 0:
+        return x.unflatten(0, (2, -1)).unbind(0)
+    return (x,)
+
+
+_PLANS = Plans()  # apply_rotary_emb's call geometries -> their runners
+
+
+def _plan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams) -> Callable | None:
+    """The runner of an eager call geometry on a device whose kernel writes into given outputs in one pass over
+    each row (`slice_write.PLANNERS`): x's `sides` in one launch, each written into its view of one result;
+    None elsewhere (the call then goes through the op)."""
+    load_backends()  # the device kernels register on import
+    planner = slice_write.PLANNERS.get(x.device.type)
+    if planner is None or x.numel() == 0:
+        return None
+    c, s, _ = _tables(x, cos, sin)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    call = RotaryCall(list(sides(x)), c, s, params)
+    check_call(call)
+    runner = planner(call, list(sides(out)))
+    if runner is None:
+        return None
+
+    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c, s, _ = _tables(x, cos, sin)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        runner(list(sides(x)), c, s, None, None, list(sides(out)))
+        return out
+    return run
+
+
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox_style: bool = True,
                      enable_fp32_compute: bool = False) -> torch.Tensor:
     """`ApplyRotaryEmb.forward_static(x, cos, sin, is_neox_style, enable_fp32_compute)`: x rotated by the half
     tables, read where it lies (the module docstring has the contract). `enable_fp32_compute` is accepted for the
-    signature: the math is fp32 either way."""
-    c, s, rotary_dim = _tables(x, cos, sin)
-    return library.apply_rotary(x, c, s, interleaved=not is_neox_style, rotary_dim=rotary_dim, out_dtype=x.dtype)
+    signature: the math is fp32 either way. Eagerly on CUDA a call geometry is planned once: the rows of x's batch
+    dim are the tensors of one launch (`sides`), written into one result."""
+    key = call_key((x, cos, sin), (bool(is_neox_style),))
+    run = _PLANS.get(key)
+    if run is None:
+        c, s, rotary_dim = _tables(x, cos, sin)
+        params = RotaryParams(interleaved=not is_neox_style, rotary_dim=rotary_dim, full_tables=False,
+                              conjugate=False, out_dtype=x.dtype)
+        if key is None:  # traced, or autograd to record: the op
+            return library.apply_rotary(x, c, s, **params.kwargs())
+        run = _PLANS.put(key, _plan(x, cos, sin, params) or _through_op(params))
+    return run(x, cos, sin)
+
+
+def _through_op(params: RotaryParams) -> Callable:
+    """The runner of a geometry no kernel here writes into given outputs (the CPU, lanes with a stride): the op."""
+    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c, s, _ = _tables(x, cos, sin)
+        return library.apply_rotary(x, c, s, **params.kwargs())
+    return run
 
 
 def apply_rotary_emb_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

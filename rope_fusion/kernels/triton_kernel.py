@@ -9,12 +9,15 @@ Why it looks the way it does (docs/design.md section 3, measured on the H200):
   dim is not a power of two, as at D=80), and splits them in registers: 1.07x the floor at D=80 where two
   half loads were 1.19x. With a pass-through tail the two half loads stay (the tile sweep was even).
 - q's and k's head blocks form one list of work items; NSPLIT programs per token share it (only for few
-  tokens, as in decode: splitting large launches was always slower in the tile sweep).
+  tokens, as in decode: splitting large launches was always slower in the tile sweep; under a per-head norm,
+  whose tile is small, up to 4096 tokens: the planner's NORM_SPLIT_PROGRAMS).
 - The program loads its table row once and loops over the head blocks of q and then of k, so tables are read
   once and reused across all heads of both tensors, and q and k take one launch whatever their head counts.
 - Tables are arbitrary strided views that broadcast against x (a slice of a packed table, the real part of
   complex freqs): they are never copied; their broadcast strides (0 on broadcast dims) come as arguments.
-- Head dims that are not powers of two (80, 96, ...) are padded to one with masks.
+- Head dims that are not powers of two (80, 96, ...) are padded to one with masks. A NeoX row whose pass-through
+  tail fits the padding of its two halves (96 of 128 lanes rotated) is loaded whole, the tail in the padding
+  (ROW_TAIL): one load of 128 lanes, where the halves and a tail tile hold 160.
 - A norm across heads, or a per-head norm over padded rows, holds the token's head rows in registers between its
   statistics and the rotation (HELD), with a pass-through tail after the rotated lanes where there is one; a
   tensor of one head takes several tokens a program (TOKS); a pass-through head gives every head block a program
@@ -289,6 +292,7 @@ def rotary_kernel(
     k_scale_ptr=None, v_scale_ptr=None, wvn_ptr=None, wvn_stride_head=None,
     KC_FP8: tl.constexpr = False, VC_FP8: tl.constexpr = False, V_DIM: tl.constexpr = 0, V_PAD: tl.constexpr = 0,
     BLOCK_V: tl.constexpr = 1, V_NORM: tl.constexpr = False, V_W: tl.constexpr = False,
+    ROW_TAIL: tl.constexpr = False,
 ):
     """Rotate the rows of one token of q (and k, and v): grid = (tokens, nsplit).
 
@@ -319,7 +323,9 @@ def rotary_kernel(
     per block, slot and head; lanes contiguous) instead of an output, quantised to FP8 by *k_scale_ptr with
     KC_FP8; then v's rows (vsrc_ptr, vsrc_heads heads of V_DIM lanes, BLOCK_V a block, work items after k's) are
     copied into the v cache's slot, normalised first with V_NORM. Off by default, compiling to the code before it
-    existed; NSIDES 2 and one token a program under it."""
+    existed; NSIDES 2 and one token a program under it. With ROW_TAIL (NEOX_ROW, OFFSET 0, TAIL_PAD 0), the lanes
+    past ROT, no more than the halves' padding holds, are loaded into that padding and pass through the rotation;
+    off, the code before it existed."""
     HALF: tl.constexpr = ROT // 2
     PASS: tl.constexpr = HEAD_DIM - ROT
     ROWS_FORM: tl.constexpr = NEOX_ROW or INTERLEAVED  # a block is one tile, split into pairs in registers
@@ -358,8 +364,21 @@ def rotary_kernel(
         # so the (2, HALF_PAD) reshape of the tile is the two halves, split in registers like interleaved
         # pairs. Each half is one affine run of addresses, so the load stays vectorized.
         tl_half = lanes >= HALF_PAD
-        row_off = tl.where(tl_half, lanes - HALF_PAD + HALF, lanes)
-        row_mask = tl.where(tl_half, lanes - HALF_PAD, lanes) < HALF
+        if ROW_TAIL:
+            # A pass-through tail that fits the halves' padding is loaded into it: tile lane HALF + m of the first
+            # half holds x lane ROT + m, of the second half x lane ROT + HALF_PAD - HALF + m. The whole row is one
+            # load with no lane wasted where the tail fills the padding (MiniMax-H3's 96 of 128 lanes: 128 register
+            # lanes, not two padded halves and a tail tile, 160); its pairs (l, HALF_PAD + l) with l >= HALF are
+            # tail lanes, which the tables pass through (cos 1, sin 0, below).
+            # Each of the four runs is tile lane l plus a constant (the last run's is 0), spelled as a choice among
+            # runs of consecutive addresses: Triton then keeps the loads and stores vectorised (as l plus a chosen
+            # constant, or through each half's lane index, the loads were 2-byte scalars in the PTX for sm_90).
+            second = tl.where(lanes < HALF_PAD + HALF, lanes + (HALF - HALF_PAD), lanes)
+            row_off = tl.where(lanes < HALF, lanes, tl.where(lanes < HALF_PAD, lanes + (ROT - HALF), second))
+            row_mask = row_off < HEAD_DIM
+        else:
+            row_off = tl.where(tl_half, lanes - HALF_PAD + HALF, lanes)
+            row_mask = tl.where(tl_half, lanes - HALF_PAD, lanes) < HALF
     else:
         row_off = lanes  # unused: stand-ins for the helpers' arguments
         row_mask = lanes
@@ -394,6 +413,12 @@ def rotary_kernel(
         c_row = cos_ptr + i0 * cos_stride_t0 + i1 * cos_stride_t1 + i2 * cos_stride_t2
         s_row = sin_ptr + i0 * sin_stride_t0 + i1 * sin_stride_t1 + i2 * sin_stride_t2
     ca, sa, cb, sb = _load_tables(c_row, s_row, ia, ib, tmask, SCD, SSD, TOKS, FULL_TABLES, ANGLES, CONJ, cdt)
+    if ROW_TAIL:  # the pairs past HALF are tail lanes in the padding: rotated by cos 1, sin 0, they pass through
+        pair = tmask[None, :]
+        ca = tl.where(pair, ca, 1.0)
+        cb = tl.where(pair, cb, 1.0)
+        sa = tl.where(pair, sa, 0.0)
+        sb = tl.where(pair, sb, 0.0)
 
     hoffs = tl.arange(0, BLOCK_H)
     j = tl.arange(0, HALF_PAD)[None, :]

@@ -61,7 +61,8 @@ _LAUNCH_CACHE: dict = {}  # geometry key -> launches; keeps the host side of a r
 def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams, positions: Any = None,
            weights: Sequence | None = None, *, cu_seqlens: Any = None, seqlen_offsets: Any = None,
            kernel: Any = None, block_h: int | None = None, num_warps: int | None = None, nsplit: int | None = None,
-           neox_row: bool | None = None, stream: bool | None = None, held: bool | None = None) -> list:
+           neox_row: bool | None = None, stream: bool | None = None, held: bool | None = None,
+           row_tail: bool | None = None) -> list:
     """Rotate 1-3 tensors sharing tables; one launch when their geometry allows it, else one each.
     With positions, the tables are rows of a cache read per token (`cos[positions]`); with cu_seqlens (and
     seqlen_offsets), x packs sequences and the kernel finds each token's row itself (ops/packed.py's contract);
@@ -71,7 +72,8 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
     if cu_seqlens is not None and positions is not None:
         raise ValueError("pass positions or cu_seqlens, not both")
     weights = list(weights) if weights is not None else [None] * len(xs)
-    tiles = dict(block_h=block_h, num_warps=num_warps, nsplit=nsplit, neox_row=neox_row, stream=stream, held=held)
+    tiles = dict(block_h=block_h, num_warps=num_warps, nsplit=nsplit, neox_row=neox_row, stream=stream, held=held,
+                 row_tail=row_tail)
     tuning = dict(kernel=kernel, cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets, **tiles)
     if params.norm != "none" and any(w is not None and not per_lane(w, x) for w, x in zip(weights, xs)):
         return _normed_first(xs, cos, sin, params, positions, weights, tuning)

@@ -37,6 +37,12 @@ HEAD_PAD_WASTE = 1.25  # at most this many padded heads per real head across q a
 # elements each; NeoX read as two half tiles wants four times the warps (BENCHMARKS.md, tile sweep).
 ELEMENTS_PER_WARP = {"rows": 2048, "halves": 512, "head_pass": 384, "held": 2560, "held_heads": 1024}
 MIN_PROGRAMS = 1024  # below this many tokens, head blocks are also spread over the grid
+# The same under a per-head norm, whose tile is a quarter of the others' (NORM_TILE_ELEMENTS, one warp): one program
+# per token left 1024 warps on the chip at 1024 tokens, and the rows of 256-2048 tokens ran at 1.1-2.4x the floor
+# where those of 4096 and more ran at 1.03-1.27x (vllm-omni's kernel, a program per token and head group, 1.5-1.9x).
+# Held rows are never split (the held form takes every block of a token). MIN_PROGRAMS here is the rule before it
+# (benchmarks/norm_tiles.py times both); the one line that decides the default.
+NORM_SPLIT_PROGRAMS = 4096
 # A held side (HELD: a norm across heads, or a per-head norm over padded rows) keeps every head row in registers up
 # to this many elements (64 heads of 128 lanes). Across heads: blocks of up to HELD_TILE_ELEMENTS, a warp per
 # ELEMENTS_PER_WARP["held"] of the side: 12 heads 4 a block, one warp, 1.10x the floor (1.05x on contiguous
@@ -223,6 +229,52 @@ def default_neox_row(interleaved: bool, rotary_dim: int, head_dim: int) -> bool:
     return not interleaved and rotary_dim == head_dim
 
 
+def split_programs(params: RotaryParams, held: bool) -> int:
+    """The programs a launch of few tokens fills by spreading each token's head blocks over the grid: at least
+    NORM_SPLIT_PROGRAMS under a per-head norm (its small tile), MIN_PROGRAMS otherwise; held rows are not split."""
+    return NORM_SPLIT_PROGRAMS if params.norm == "rms" and not held else MIN_PROGRAMS
+
+
+def row_tail_fits(params: RotaryParams, head_dim: int) -> bool:
+    """Whether a NeoX row's pass-through tail fits the padding of its two halves (HALF_PAD - R/2 lanes each), so
+    the kernel can load the row whole with the tail there (ROW_TAIL): R/2 not a power of two and the tail no
+    wider than that padding, as where R > D/2 for a power-of-two D (MiniMax-H3's 96 of 128 lanes)."""
+    half = params.rotary_dim // 2
+    pad = triton.next_power_of_2(max(1, half)) - half
+    return (not params.interleaved and params.rotary_blocks == 1 and not params.rotary_offset
+            and not params.deinterleave and 0 < head_dim - params.rotary_dim <= 2 * pad)
+
+
+# Whether the planner takes the row-with-tail form (ROW_TAIL) where it fits, under a per-head norm: one load of the
+# whole row, the norm's statistics over it, 128 register lanes for MiniMax-H3's 128 where the halves and a tail tile
+# took 160 (1.21-1.27x the floor at >= 4096 tokens; benchmarks/norm_tiles.py times both). The one line that decides
+# the default.
+ROW_TAIL_UNDER_NORM = True
+
+
+def default_row_tail(params: RotaryParams, head_dim: int) -> bool:
+    """The row-with-tail form where it fits (`row_tail_fits`) under a per-head norm (`ROW_TAIL_UNDER_NORM`), whose
+    statistics read the whole row; without a norm the halves and the tail tile stay (a tile sweep found the
+    remapped row and the halves even there)."""
+    return ROW_TAIL_UNDER_NORM and params.norm == "rms" and row_tail_fits(params, head_dim)
+
+
+def row_lanes(params: RotaryParams, head_dim: int, row_tail: bool | None,
+              in_place: bool = False) -> tuple[int, int, bool]:
+    """(HALF_PAD, TAIL_PAD, ROW_TAIL) of a row: each half padded to a power of two, and the pass-through tile's
+    lanes, none where the tail is loaded into the halves' padding (`row_tail`, None: `default_row_tail`) and none
+    where the launch writes x in place without a norm: the lanes outside the rotation are then x's own already, and
+    are neither read nor written (vLLM's in-place rotary_embedding at partial rotary, or after DeepSeek's nope
+    lanes, moves only the rotated lanes)."""
+    rotary_dim = params.rotary_dim
+    half_pad = triton.next_power_of_2(max(1, rotary_dim // 2))
+    row_tail = (default_row_tail(params, head_dim) if row_tail is None else bool(row_tail)) \
+        and row_tail_fits(params, head_dim)
+    passes = head_dim > rotary_dim and not row_tail and not (in_place and params.norm == "none")
+    tail_pad = triton.next_power_of_2(head_dim - rotary_dim) if passes else 0
+    return half_pad, tail_pad, row_tail
+
+
 def default_held(params: RotaryParams, head_dim: int, heads: Sequence[Any]) -> bool:
     """Hold a side's head rows in registers (HELD) under a norm across heads (read once, not twice), and under a
     per-head norm whose rows are padded (D=80 in 128 lanes), where the head loop left too few bytes in flight:
@@ -342,18 +394,19 @@ def heads_fit_int32(p: Plan, block_h: int, weight_strides: Sequence) -> bool:
 def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, params: RotaryParams, *,
                  block_h: int | None = None, num_warps: int | None = None, nsplit: int | None = None,
                  neox_row: bool | None = None, stream: bool | None = None, held: bool | None = None,
-                 copy_blocks: int = 0) -> tuple:
+                 row_tail: bool | None = None, in_place: bool = False, copy_blocks: int = 0) -> tuple:
     """(grid, scalar arguments, compile-time constants with num_warps) of one launch of plan p: the tile rules
-    above, where the tuning options (`launch`'s) do not set them. `copy_blocks`: work items the launch does after
-    the rotated head blocks (the KV-cache write's v rows, kernels/triton_kv_cache.py), counted where the programs
-    per token are chosen; a launch with them takes one token a program."""
+    above, where the tuning options (`launch`'s) do not set them. `row_tail` asks for the row-with-tail form where
+    it fits (`row_tail_fits`; it is the remapped NeoX row, whatever `neox_row` says). `in_place`: the outputs are
+    the xs themselves (`row_lanes`). `copy_blocks`: work items the launch does after the rotated head blocks (the
+    KV-cache write's v rows, kernels/triton_kv_cache.py), counted where the programs per token are chosen; a launch
+    with them takes one token a program."""
     if params.offset_q_only and params.norm != "none":
         raise ValueError("offset_q_only with a norm: the kernel's norm takes one head dim for every side; "
                          "make_launches gives each tensor a launch of its own")
     interleaved, rotary_dim = params.interleaved, params.rotary_dim
     head_dim = xs[0].shape[-1]
-    half_pad = triton.next_power_of_2(max(1, rotary_dim // 2))
-    tail_pad = triton.next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
+    half_pad, tail_pad, row_tail = row_lanes(params, head_dim, row_tail, in_place)
     lanes_pad = 2 * half_pad + tail_pad  # registers per head row, the pass-through tail included
     ntok = p.tokens[0] * p.tokens[1] * p.tokens[2]
     if held is None:
@@ -365,7 +418,7 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
             and max(p.heads) * lanes_pad <= HELD_ELEMENTS)
     if neox_row is None:  # held under a per-head norm, NeoX reads its halves apart (no split in registers)
         neox_row = default_neox_row(interleaved, rotary_dim, head_dim) and not (held and params.norm == "rms")
-    neox_row = bool(neox_row) and not interleaved and params.rotary_blocks == 1
+    neox_row = bool(neox_row) and not interleaved and params.rotary_blocks == 1 or row_tail
     tile = NORM_TILE_ELEMENTS if params.norm == "rms" else \
         HEAD_PASS_TILE_ELEMENTS if params.rotary_offset else TILE_ELEMENTS
     if held and (params.norm == "rms_across_heads" or not (interleaved or neox_row)):
@@ -380,10 +433,10 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
         if params.rotary_offset:  # every head block a program of its own (HEAD_PASS_TILE_ELEMENTS)
             nsplit = nblocks
         elif isinstance(ntok, int):
-            if ntok < MIN_PROGRAMS:
-                nsplit = max(1, min(nblocks, -(-MIN_PROGRAMS // max(ntok, 1))))
+            if ntok < split_programs(params, held):
+                nsplit = max(1, min(nblocks, -(-split_programs(params, held) // max(ntok, 1))))
         elif nblocks > 1:  # a symbolic token count (vLLM: decode and prefill run one graph): the same rule
-            nsplit = torch.sym_max(1, torch.sym_min(nblocks, (ntok + MIN_PROGRAMS - 1) // ntok))
+            nsplit = torch.sym_max(1, torch.sym_min(nblocks, (ntok + split_programs(params, held) - 1) // ntok))
     toks = 1
     if (isinstance(ntok, int) and nsplit == 1 and all(isinstance(h, int) and h == 1 for h in p.heads)
             and params.norm != "rms_across_heads" and ntok % ROW_TOKENS == 0 and ntok // ROW_TOKENS >= MIN_PROGRAMS
@@ -420,7 +473,9 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
                 # scalars that Triton does not specialize, and a lane stride only known at run time turns the
                 # vector loads into gathers (the in-graph kernel ran at twice the time of a direct launch)
                 SCD=p.c_strides[3], SSD=p.s_strides[3], BH=rotary_dim // 2 // params.rotary_blocks,
-                STREAM=default_stream(params) and not (held and params.norm == "rms_across_heads")
+                # (rows whole with the tail in their padding take none: whole D=128 rows under a per-head norm
+                # measured slower with them)
+                STREAM=default_stream(params) and not (held and params.norm == "rms_across_heads") and not row_tail
                 if stream is None else bool(stream),
                 HELD=max(side_blocks) if held else 0,  # head blocks held per side (a constexpr: unrolled)
                 TOKS=toks,
@@ -434,6 +489,7 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
                 # here, since the user-kernel node of torch 2.11 takes none of a kernel's defaults ("Incorrect
                 # number of arguments passed to kernel") and the compiled launcher's check wants them all
                 **CAT_OFF, **KV_OFF,
+                ROW_TAIL=row_tail,  # the pass-through tail in the NeoX row's padding
                 num_warps=num_warps or warps_for(bh * lanes_pad, "head_pass" if params.rotary_offset else
                                                   "rows" if interleaved or neox_row else "halves"))
     return (ntok // toks if toks > 1 else ntok, nsplit), scalars, meta

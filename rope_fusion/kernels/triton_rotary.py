@@ -17,8 +17,9 @@ import torch
 from ..ops.backends import Backend, SiteSpec, emit_op_call, register_backend
 from ..ops.library import define_rotary_ops, register_device_kernel
 from ..ops.schema import RotaryCall
-from . import (  # noqa: F401  (the slice, cat and KV-cache ops' CUDA kernels register)
+from . import (  # noqa: F401  (the slice, cat, join and KV-cache ops' CUDA kernels register)
     triton_cat,
+    triton_join,
     triton_kv_cache,
     triton_launch,
     triton_slice,

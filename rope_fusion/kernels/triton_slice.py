@@ -69,12 +69,16 @@ def rotate_in_place(call: RotaryCall, views: list) -> bool:
 class _InPlaceLaunches(triton_launch._DirectLaunches):
     """The direct path's replayed launches (`triton_launch._DirectLaunches`: the compiled kernel through torch's
     static launcher after its first use is checked) with the given views as outputs (None: each x its own output,
-    the slice rotated in place)."""
+    the slice rotated in place). Launches planned in place (`in_place`) may leave the lanes outside the rotation
+    unread and unwritten, so they take no views."""
 
     _views: list | None = None
+    in_place = False
 
     def __call__(self, xs: list, cos: torch.Tensor, sin: torch.Tensor, positions: Any, weights: Any,
                  views: list | None = None) -> list:
+        if self.in_place and views is not None:
+            raise ValueError("launches planned to rotate their xs in place were given other outputs")
         self._views = list(xs) if views is None else list(views)
         try:
             return super().__call__(xs, cos, sin, positions, weights)
@@ -89,9 +93,10 @@ class _InPlaceLaunches(triton_launch._DirectLaunches):
         """The compiled launcher where it writes what the JIT launcher writes: the JIT launcher's result first, into
         fresh buffers from x as it is, then the launcher in place; on a failure or a difference, the JIT result.
         The fresh buffers take the views' strides (the plan's scalars hold them): `empty_like` of a slice that is
-        not dense would be contiguous, and the launch would write past it."""
-        mine = {i: torch.empty_strided(outs[i].shape, outs[i].stride(), dtype=outs[i].dtype, device=outs[i].device)
-                for i in sides}
+        not dense would be contiguous, and the launch would write past it. They start as the views' values, which a
+        launch in place leaves in the lanes outside the rotation."""
+        mine = {i: torch.empty_strided(outs[i].shape, outs[i].stride(), dtype=outs[i].dtype,
+                                       device=outs[i].device).copy_(outs[i]) for i in sides}
         triton_launch.rotary_kernel[grid](*args[:3], *(mine[i] for i in sides), *args[6:], **meta)
         try:
             runner(*args)
@@ -112,8 +117,10 @@ class _InPlaceLaunches(triton_launch._DirectLaunches):
 def plan_in_place(call: RotaryCall, views: list | None = None) -> Any:
     """The runner of a geometry that the kernel writes into `views` (None: the call's xs, in place) in one pass
     over each row (`rotate_in_place`'s rule), its launches planned once for every later call of that geometry;
-    None for any other (the call then goes to `rotate_in_place` each time)."""
+    None for any other (the call then goes to `rotate_in_place` each time). In place, the lanes outside the
+    rotation are not moved where no norm rescales them (`triton_plan.row_lanes`)."""
     xs, params = call.xs, call.params
+    in_place = views is None
     views = xs if views is None else views
     if any(t.device.type != "cuda" for t in (*xs, *views, call.cos, call.sin)) and not triton_launch.INTERPRETED:
         return None
@@ -123,10 +130,13 @@ def plan_in_place(call: RotaryCall, views: list | None = None) -> Any:
     if not all(is_true(t.stride(-1) == 1) for t in (*xs, *views)) or any(
             w is not None and not (per_lane(w, v) and is_true(w.stride(-1) == 1)) for w, v in zip(weights, views)):
         return None
-    launches = make_launches(list(xs), list(views), Tables(call.cos, call.sin, call.positions, weights), params)
+    launches = make_launches(list(xs), list(views), Tables(call.cos, call.sin, call.positions, weights), params,
+                             in_place=in_place)
     if not isinstance(launches, list):
         return None
-    return _InPlaceLaunches(launches, params.out_dtype, triton_launch.row_checks(call.positions))
+    runner = _InPlaceLaunches(launches, params.out_dtype, triton_launch.row_checks(call.positions))
+    runner.in_place = in_place
+    return runner
 
 
 def _is_empty(views: list) -> bool:

@@ -113,13 +113,37 @@ DEVICE_IMPLS: dict[str, Impl] = {}
 # device type -> why_not(cat) -> None where its kernel takes the call (fake tensors will do), else why not
 Check = Callable[[CatCall], "str | None"]
 DEVICE_CHECKS: dict[str, Check] = {}
+# device type -> planner(cat) -> the runner of every later call of cat's geometry (runner(cat) -> outputs), or None
+# where its kernel does not take the geometry: for callers that key their calls themselves (the joint drop-in)
+Planner = Callable[[CatCall], "Impl | None"]
+DEVICE_PLANNERS: dict[str, Planner] = {}
 
 
-def register_cat_kernel(device_type: str, impl: Impl, check: Check) -> None:
+def register_cat_kernel(device_type: str, impl: Impl, check: Check, planner: Planner | None = None) -> None:
     """Serve the cat ops on one device type with `impl` (None from it: the reference); `check` says beforehand
-    which calls it takes (the pass folds a cat only for those)."""
+    which calls it takes (the pass folds a cat only for those); `planner` plans a geometry once for a caller that
+    keys its own calls (`device_runner`)."""
     DEVICE_IMPLS[device_type] = impl
     DEVICE_CHECKS[device_type] = check
+    if planner is not None:
+        DEVICE_PLANNERS[device_type] = planner
+
+
+def device_runner(cat: CatCall) -> Impl:
+    """How every later call of cat's geometry runs on its device: the device's planned runner, where the device's
+    kernel takes the geometry, else its kernel per call or the reference (each returns the outputs)."""
+    load_backends()
+    device = cat.firsts[0].device.type
+    planner = DEVICE_PLANNERS.get(device)
+    run = planner(cat) if planner is not None else None
+    if run is not None:
+        return run
+    impl = DEVICE_IMPLS.get(device)
+
+    def per_call(cat: CatCall) -> list:
+        outs = impl(cat) if impl is not None else None
+        return outs if outs is not None else reference(cat)
+    return per_call
 
 
 def why_not(cat: CatCall) -> str | None:
