@@ -21,7 +21,8 @@ Flux 2.19x). So a site is measured only where the factor table (ops/cost_model.p
   1.5x in another), so only a wider margin leaves a site unmeasured. Leaving a site is plain compile's own code.
 - in between: measured. A fused candidate estimated at `RULED_OUT` times the best fused estimate or more is not
   compiled (the lowering's estimate has been 2.9x off against the kernel's: Wan, estimated 2.7x the kernel,
-  measured 0.94x), and "left" always is.
+  measured 0.94x), nor one that measured slower than plain compile at the site's form (`NEVER`), and "left"
+  always is.
 
 **Timing**: each candidate is timed briefly first (`QUICK`); where that already separates the decision by more than
 `SETTLED` (the best fused candidate and left, and the two best fused ones), that stands, else all are timed again
@@ -47,6 +48,32 @@ RULED_OUT = 2.0  # a fused candidate estimated at this multiple of the best fuse
 SETTLED = 0.10  # a quick timing stands where its decision clears the threshold (and the runner-up) by this share
 
 POLICIES = ("auto", True, False)
+
+
+@dataclasses.dataclass(frozen=True)
+class NeverTaken:
+    """A fused candidate that measured slower than plain compile at a form of site, and is not compiled there: under
+    a folded norm `norm`, with tables that the graph computes and that are at least `table_share` of x's bytes (a
+    table per head: one shared by the heads is a small fraction of them)."""
+
+    candidate: str
+    norm: str
+    table_share: float
+    why: str
+
+    def rules_out(self, candidate: str, cost: SiteCost) -> bool:
+        return (candidate == self.candidate and cost.norm == self.norm and cost.tables_computed
+                and cost.x_bytes is not None and cost.table_bytes >= self.table_share * cost.x_bytes)
+
+
+# LTX-Video's site (a norm across its 32 heads of 64, a table per head computed from the positions): the kernel
+# took 109 us where plain compile took 63.2 (1.7x) on the H200. It reads the per-head tables, as large as x, after
+# another kernel has written them; plain compile and the lowering compute them inline from the angles. Its norm
+# across heads was not the cost (1.05-1.10x the floor with tables shared by the heads): so not a kernel to fix but
+# a choice never to take at that form.
+NEVER = (NeverTaken("triton", "rms_across_heads", 1 / 8,
+                    "the kernel measured 1.7x plain compile's time under a norm across heads with per-head tables "
+                    "computed in the graph (LTX-Video)"),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +103,8 @@ def plan(cost: SiteCost | None, candidates: list[str], policy: Any = "auto",
          factors: Factors | None = None) -> Budget:
     """The budget for one site whose fused `candidates` can take it, by the table's estimates (`factors`: a
     calibrated table, else the H200's). Sizes known only at run time have no estimates: measuring says why not."""
+    if cost is not None:
+        candidates = [c for c in candidates if not any(n.rules_out(c, cost) for n in NEVER)]
     if policy is True or cost is None or cost.x_bytes is None or not candidates:
         return Budget(True, tuple(candidates))
     est = estimates(cost, factors)
@@ -126,5 +155,5 @@ def time_runs(runs: dict[str, Callable[[], Any]], timer_for: Callable[[Timing], 
     return {name: timer(name, run) * 1e6 for name, run in runs.items()}
 
 
-__all__ = ["Budget", "FULL", "FUSED_CLEAR", "LEFT_CLEAR", "POLICIES", "QUICK", "RULED_OUT", "SETTLED", "Timing",
-           "plan", "settled", "time_runs"]
+__all__ = ["Budget", "FULL", "FUSED_CLEAR", "LEFT_CLEAR", "NEVER", "NeverTaken", "POLICIES", "QUICK", "RULED_OUT",
+           "SETTLED", "Timing", "plan", "settled", "time_runs"]
