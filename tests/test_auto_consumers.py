@@ -170,3 +170,27 @@ def test_a_cat_after_the_rotation_is_a_consumer_unless_the_kernel_writes_into_it
     assert through.ends == [through.fused[-1]]
     stopped = auto_consumers.consumers([rot], through_cat=False)
     assert stopped.trivial and stopped.ends == [rot]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["launches", "graphs"])
+def test_cuda_measures_with_attention_layout(tmp_path, monkeypatch, cuda_graphs):
+    """On the GPU, with the real clock: every candidate (the kernel's too) runs through the consumers and the
+    attention's layout constraint, the site is measured (not a fallback), and the compiled block agrees with eager."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(auto_timing.ENV, raising=False)
+    import rope_fusion
+
+    args = [a.cuda().to(torch.bfloat16) for a in _args(seed=2)]
+    args[0] = torch.randn(1, 4096, 64, device="cuda", dtype=torch.bfloat16)
+    args[4:] = [torch.randn(4096, 1, 32, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    p = rope_fusion.RopeFusionPass(measure=True, cuda_graphs=cuda_graphs)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
+        out = torch.compile(attention_block, options={"post_grad_custom_post_pass": p})(*args)
+    r = p.report
+    choices = [k.choice for k in r.kernels] + [m.reason for m in r.misses if m.reason.startswith("left to Inductor")]
+    assert choices and all("measured" in c and "not measured" not in c for c in choices), r.table()
+    with torch.no_grad():
+        want = attention_block(*args)
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
