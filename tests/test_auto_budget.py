@@ -288,3 +288,9 @@ def test_the_kernel_is_never_compiled_under_a_norm_across_heads_with_per_head_ta
     assert auto_budget.plan(ZOO["wan-1.3b"], ["triton", "inductor"]).choice == "triton"
     given = _cost(5632, 32, 32, 64, norm="rms_across_heads", table_bytes=5632 * 1024 * 4, computed=False)
     assert "triton" in auto_budget.plan(given, ["triton", "inductor"], True).candidates  # tables read as they are
+
+
+def test_a_site_whose_only_candidate_is_never_taken_is_left_unmeasured():
+    ltx = _cost(5632, 32, 32, 64, norm="rms_across_heads", table_bytes=5632 * 1024 * 4)
+    budget = auto_budget.plan(ltx, ["triton"])
+    assert not budget.measure and budget.choice == "left" and "1.7x plain compile" in budget.why

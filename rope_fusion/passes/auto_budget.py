@@ -103,8 +103,10 @@ def plan(cost: SiteCost | None, candidates: list[str], policy: Any = "auto",
          factors: Factors | None = None) -> Budget:
     """The budget for one site whose fused `candidates` can take it, by the table's estimates (`factors`: a
     calibrated table, else the H200's). Sizes known only at run time have no estimates: measuring says why not."""
-    if cost is not None:
-        candidates = [c for c in candidates if not any(n.rules_out(c, cost) for n in NEVER)]
+    never = [n for n in NEVER if cost is not None and any(n.rules_out(c, cost) for c in candidates)]
+    if never and all(any(n.rules_out(c, cost) for n in never) for c in candidates):
+        return Budget(False, choice="left", why=f"not measured: {never[0].why}")
+    candidates = [c for c in candidates if not any(n.rules_out(c, cost) for n in never)]
     if policy is True or cost is None or cost.x_bytes is None or not candidates:
         return Budget(True, tuple(candidates))
     est = estimates(cost, factors)
