@@ -70,6 +70,8 @@ from benchmarks.kernels import (  # noqa: E402
 # ------------------------------------------------------------------------------------------------ models
 # Each builder: quick -> (module, forward kwargs), on the current default device (see `build`).
 
+LAYERS = 2  # layers or blocks (of each kind) of the real-size configs; `build(..., layers=)` sets it for one build
+
 
 def qwen_image(quick: bool) -> tuple[torch.nn.Module, dict]:
     from diffusers import QwenImageTransformer2DModel
@@ -80,7 +82,7 @@ def qwen_image(quick: bool) -> tuple[torch.nn.Module, dict]:
         h = w = 8  # latent patches per side
         txt = 7
     else:
-        cfg = dict(num_layers=2)
+        cfg = dict(num_layers=LAYERS)
         h = w = 64  # 1024 px / 8 (VAE) / 2 (patch)
         txt = 256
     m = QwenImageTransformer2DModel(**cfg)
@@ -99,7 +101,7 @@ def _wan_like(cls_name: str, quick: bool) -> tuple[torch.nn.Module, dict]:
                    freq_dim=32)
         frames, hh, ww, txt = 3, 8, 8, 5
     else:  # Wan 1.3B: 12 heads x 128, ffn 8960; 480x832, 81 frames -> latents 21x60x104 -> 32760 tokens
-        cfg = dict(num_layers=2, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, text_dim=4096,
+        cfg = dict(num_layers=LAYERS, num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, text_dim=4096,
                    freq_dim=256)
         frames, hh, ww, txt = 21, 60, 104, 512
     if cls_name == "HeliosTransformer3DModel":
@@ -127,7 +129,7 @@ def qwen25_vl_vision(quick: bool) -> tuple[torch.nn.Module, dict]:
                                      out_hidden_size=64, fullatt_block_indexes=[0])
         grid = (1, 8, 8)
     else:
-        cfg = Qwen2_5_VLVisionConfig(depth=2, fullatt_block_indexes=[1])
+        cfg = Qwen2_5_VLVisionConfig(depth=LAYERS, fullatt_block_indexes=[LAYERS - 1])
         grid = (1, 128, 128)  # 16384 patches
     cfg._attn_implementation = "sdpa"
     m = Qwen2_5_VisionTransformerPretrainedModel._from_config(cfg)
@@ -145,7 +147,7 @@ def flux(quick: bool) -> tuple[torch.nn.Module, dict]:
         h = w = 4
         txt = 8
     else:  # Flux.1-dev dims; 1024 px / 8 (VAE) / 2 (packing) = 64 x 64 image tokens, 512 T5 tokens
-        cfg = dict(num_layers=2, num_single_layers=2, guidance_embeds=True)
+        cfg = dict(num_layers=LAYERS, num_single_layers=LAYERS, guidance_embeds=True)
         h = w = 64
         txt = 512
     m = FluxTransformer2DModel(**cfg)
@@ -169,7 +171,7 @@ def hunyuan_video(quick: bool) -> tuple[torch.nn.Module, dict]:
                    rope_axes_dim=(4, 6, 6))
         frames, hh, ww, txt = 3, 8, 8, 6
     else:  # HunyuanVideo dims (24 heads x 128); 544x960, 33 frames -> latents 9x68x120, patch 2 -> 18360 tokens
-        cfg = dict(num_layers=2, num_single_layers=2)
+        cfg = dict(num_layers=LAYERS, num_single_layers=LAYERS)
         frames, hh, ww, txt = 9, 68, 120, 256
     m = HunyuanVideoTransformer3DModel(**cfg)
     c = m.config
@@ -188,7 +190,7 @@ def ltx_video(quick: bool) -> tuple[torch.nn.Module, dict]:
                    cross_attention_dim=32, num_layers=1, caption_channels=16)
         frames, hh, ww, txt = 2, 4, 4, 6
     else:  # LTX-Video dims (32 heads x 64); 512x704, 121 frames -> latents 16x16x22 (VAE 8x32x32) = 5632 tokens
-        cfg = dict(num_layers=2)
+        cfg = dict(num_layers=LAYERS)
         frames, hh, ww, txt = 16, 16, 22, 128
     m = LTXVideoTransformer3DModel(**cfg)
     c = m.config
@@ -214,7 +216,8 @@ def cogvideox(quick: bool) -> tuple[torch.nn.Module, dict]:
     else:  # CogVideoX-5B: the class defaults but 48 heads (x 64) and RoPE (42 layers; diffusers'
         # scripts/convert_cogvideox_to_diffusers.py); 480x720, 49 frames -> latents 13x60x90, patch 2 ->
         # 13 x 30 x 45 = 17550 video tokens, after 226 T5 tokens
-        cfg = dict(num_layers=2, num_attention_heads=48, attention_head_dim=64, use_rotary_positional_embeddings=True)
+        cfg = dict(num_layers=LAYERS, num_attention_heads=48, attention_head_dim=64,
+                   use_rotary_positional_embeddings=True)
         frames, hh, ww, txt = 13, 60, 90, 226
     m = CogVideoXTransformer3DModel(**cfg)
     c = m.config
@@ -245,7 +248,7 @@ def _llm(kind: str, quick: bool) -> tuple[torch.nn.Module, dict]:
         tokens = 8192
     cfg_cls, model_cls = ((transformers.Qwen3Config, transformers.Qwen3Model) if kind == "qwen3"
                           else (transformers.LlamaConfig, transformers.LlamaModel))
-    cfg = cfg_cls(num_hidden_layers=2, **dims)
+    cfg = cfg_cls(num_hidden_layers=2 if quick else LAYERS, **dims)
     cfg._attn_implementation = "sdpa"
     m = model_cls._from_config(cfg)
     ids = torch.randint(0, cfg.vocab_size, (1, tokens))
@@ -281,9 +284,19 @@ def _to(v: Any, device: str, dtype: torch.dtype) -> Any:
     return v
 
 
-def build(name: str, quick: bool, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, dict]:
-    """The model in eval mode on `device` in `dtype`, and its inputs there. Built on the GPU where that is
-    allowed; on the CPU (and moved) when that is not, or when building on the GPU fails."""
+def build(name: str, quick: bool, device: str, dtype: torch.dtype, layers: int = 2) -> tuple[torch.nn.Module, dict]:
+    """The model in eval mode on `device` in `dtype`, and its inputs there, with `layers` layers or blocks (of
+    each kind) at real size. Built on the GPU where that is allowed; on the CPU (and moved) when that is not, or
+    when building on the GPU fails."""
+    global LAYERS
+    saved, LAYERS = LAYERS, layers
+    try:
+        return _build(name, quick, device, dtype)
+    finally:
+        LAYERS = saved
+
+
+def _build(name: str, quick: bool, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, dict]:
     builder, on_device = MODELS[name]
 
     def finish(m: torch.nn.Module, inputs: dict) -> tuple[torch.nn.Module, dict]:
@@ -333,14 +346,14 @@ def time_calls(call: Callable[[], Any], n: int, device: str) -> float:
     return statistics.median(times)
 
 
-def _first_tensor(out: Any) -> torch.Tensor | None:
+def first_tensor(out: Any) -> torch.Tensor | None:
     if isinstance(out, torch.Tensor):
         return out
     if hasattr(out, "to_tuple"):
         out = out.to_tuple()
     if isinstance(out, (tuple, list)):
         for o in out:
-            t = _first_tensor(o)
+            t = first_tensor(o)
             if t is not None:
                 return t
     for attr in ("sample", "last_hidden_state"):
@@ -351,7 +364,7 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
 
 def compare(got: Any, want: Any) -> dict:
     """Max |difference| and relative 2-norm error (fp64) of the first output tensor."""
-    g, w = _first_tensor(got), _first_tensor(want)
+    g, w = first_tensor(got), first_tensor(want)
     if g is None or w is None or g.shape != w.shape:
         return {"max": None, "rel": None}
     g, w = g.detach().double(), w.detach().double()
@@ -381,7 +394,7 @@ def _range(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs} if xs else {}
 
 
-def _caller(fn: Callable, inputs: dict, cudagraphs: bool) -> Callable[[], Any]:
+def caller(fn: Callable, inputs: dict, cudagraphs: bool) -> Callable[[], Any]:
     """One forward. Under CUDA graphs each call is a new step for Inductor's graph trees (their outputs are
     overwritten by the next replay, which a step mark allows)."""
     if not cudagraphs:
@@ -426,7 +439,7 @@ def run_model(name: str, quick: bool, device: str, dtype: torch.dtype, backend: 
                 try:
                     opts = {**base, "post_grad_custom_post_pass": p} if v == "pass" else base
                     fn = torch.compile(m, options=opts) if opts else torch.compile(m)
-                    call = _caller(fn, inputs, cudagraphs)
+                    call = caller(fn, inputs, cudagraphs)
                     breaks, skips = _graph_breaks(), _cudagraph_skips()
                     t1 = time.perf_counter()
                     with torch._inductor.config.patch(force_disable_caches=True):
@@ -441,7 +454,7 @@ def run_model(name: str, quick: bool, device: str, dtype: torch.dtype, backend: 
                     if cudagraphs:  # graphs that Inductor ran without CUDA graphs (a CPU input, say)
                         rec.setdefault("cudagraph_skips", {})[v] = _cudagraph_skips() - skips
                     rec["err"][v] = compare(out, want)
-                    first = _first_tensor(out)
+                    first = first_tensor(out)
                     outs[v] = first.clone() if first is not None else out  # a later replay overwrites it
                     fns[v] = call
                 except Exception as e:  # a failing variant is reported, never fatal

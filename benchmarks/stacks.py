@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 from benchmarks import device_check  # noqa: E402
 from benchmarks.kernels import environment, pass_summary, print_table, raise_recompile_limits, write_json  # noqa: E402
-from benchmarks.models import _caller, build, compare, time_calls  # noqa: E402
+from benchmarks.models import build, caller, compare, time_calls  # noqa: E402
 
 DEFAULT_MODELS = ["flux", "wan-1.3b"]
 INNERS = ["cudagraphs", "eager"]
@@ -69,7 +69,7 @@ def run(name: str, inner: str, quick: bool, device: str, dtype: torch.dtype, rep
             try:
                 torch._dynamo.reset()
                 fn = torch.compile(model, backend=be)
-                call = _caller(fn, inputs, inner == "cudagraphs")
+                call = caller(fn, inputs, inner == "cudagraphs")
                 t0 = time.perf_counter()
                 got = call()
                 if device == "cuda":

@@ -335,7 +335,7 @@ def test_auto_checks_the_fold_of_a_write_back(clock, triton_on_cpu, monkeypatch)
         clock.calls = []
         shutil.rmtree(auto_decisions.cache_dir(), ignore_errors=True)  # measured anew, not read from the first
         before = fusion_check.STATS["refused"]
-        out, p = compile_with_pass(write_back, x.clone(), cos, sin, verify=False)
+        out, p = compile_with_pass(write_back, x.clone(), cos, sin, verify=False, measure=True)
         assert fusion_check.STATS["refused"] == before + wrong
         assert bool(_disagreements(p)) == wrong, p.report.table()
         check_numerics(write_back, (x.clone(), cos, sin), out)

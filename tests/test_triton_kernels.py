@@ -1073,3 +1073,40 @@ def test_single_head_rows_take_several_tokens_a_program(style, norm, rotary_dim,
                             norm_weight=None if weights[0] is None else weights[0].double(),
                             **{**params.kwargs(), "out_dtype": torch.float64})
     assert (out.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
+@pytest.mark.parametrize("tokens,heads,head_dim,warps", [
+    (4608, (24, 24), 128, {True: 4, False: 2}),  # 8 heads a step
+    (32760, (40, 40), 128, {True: 8, False: 4}),  # 16 heads a step
+    (8192, (32, 8), 128, {True: 8, False: 4}),  # GQA: 16 heads a step
+    (32760, (12, 12), 128, {True: 1, False: 1}),  # 4 heads a step: one warp was the best
+    (32768, (16, 16), 80, {True: 1, False: 1}),  # padded rows: one warp was the best
+    (512, (24, 24), 128, {True: 1, False: 1}),  # decode's head blocks spread over programs: not swept
+])
+def test_whole_row_warps_follow_the_row_sweep(interleaved, tokens, heads, head_dim, warps):
+    """Whole rows of 128 lanes without a norm take more warps where a step holds 8 or more heads and a program
+    loops over a token's heads (the H200's whole-row sweep); the rest keep the general rule's one warp, and so do
+    the same rows under a norm, with gathered tables or angle tables, and where the tile options set the warps."""
+    q, k = (torch.empty(1, tokens, h, head_dim, dtype=torch.bfloat16) for h in heads)
+    cos, sin = tables((tokens, 1), head_dim // 2)
+    params = RotaryParams(**opts(interleaved, head_dim, head_dim=head_dim))
+    [(_, _, _, meta)] = planner.make_launches([q, k], [q, k], planner.Tables(cos, sin, None, [None, None]), params)
+    assert meta["num_warps"] == warps[interleaved]
+    if warps[interleaved] == 1:
+        return
+    general = {"BLOCK_H": meta["BLOCK_H"], "num_warps": 1}
+    [(_, _, _, meta)] = planner.make_launches([q, k], [q, k], planner.Tables(cos, sin, None, [None, None]), params,
+                                              num_warps=1)
+    assert {k: meta[k] for k in general} == general  # a tile option still decides
+    [(_, _, _, meta)] = planner.make_launches([q, k], [q, k], planner.Tables(cos, sin, None, [None, None]),
+                                              params.replace(angle_tables=True))
+    assert meta["num_warps"] == 1
+    cache = torch.empty(tokens, head_dim // 2)
+    pos = torch.zeros(1, tokens, 1, dtype=torch.int64)
+    [(_, _, _, meta)] = planner.make_launches([q, k], [q, k], planner.Tables(cache, cache, pos, [None, None]), params)
+    assert meta["num_warps"] == 1
+    w = [torch.ones(head_dim)] * 2
+    [(_, _, _, meta)] = planner.make_launches([q, k], [q, k], planner.Tables(cos, sin, None, w),
+                                              params.replace(norm="rms"))
+    assert meta["NORM"] == 1 and meta["num_warps"] == planner.warps_for(meta["BLOCK_H"] * head_dim, "rows")

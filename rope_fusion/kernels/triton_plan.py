@@ -36,6 +36,13 @@ HEAD_PAD_WASTE = 1.25  # at most this many padded heads per real head across q a
 # num_warps = tile / elements per warp: whole rows (interleaved, NeoX as rows) want few warps with many
 # elements each; NeoX read as two half tiles wants four times the warps (BENCHMARKS.md, tile sweep).
 ELEMENTS_PER_WARP = {"rows": 2048, "halves": 512, "head_pass": 384, "held": 2560, "held_heads": 1024}
+# Whole rows of 128 lanes without a norm, 8 or more heads a step, a program per token (the whole-row tile sweep on
+# the H200, q and k launched directly, CUDA-graph replay, x the floor): interleaved 24+24 heads (8 a step) 1.072
+# with one warp, 1.059 with 4; 40+40 (16 a step) 1.044 with one, 1.016 with 8; NeoX as rows 1.124 -> 1.048 with 2
+# warps and 1.048 -> 1.028 with 4. With 12 heads (4 a step) and at D=80 (padded rows) one warp stayed the best.
+WIDE_ROW_LANES = 128
+WIDE_ROW_TILE = 1024  # the smallest tile (heads x lanes) of a step that takes these warps
+ELEMENTS_PER_WARP_WIDE = {"interleaved": 256, "neox": 512}
 MIN_PROGRAMS = 1024  # below this many tokens, head blocks are also spread over the grid
 # The same under a per-head norm, whose tile is a quarter of the others' (NORM_TILE_ELEMENTS, one warp): one program
 # per token left 1024 warps on the chip at 1024 tokens, and the rows of 256-2048 tokens ran at 1.1-2.4x the floor
@@ -308,6 +315,24 @@ def warps_for(tile: int, form: str) -> int:
 
 
 
+def wide_row_warps(params: RotaryParams, head_dim: Any, lanes_pad: int, tile: int, rows: bool,
+                   looped: bool) -> int | None:
+    """The warps of a whole-row launch (`rows`: interleaved, or NeoX as rows) without a norm whose rows are 128
+    unpadded lanes, with WIDE_ROW_TILE or more elements a step and a program per token looping over its heads
+    (`looped`), its tables read as they are (`looped` is false for rows gathered by positions or packed
+    sequences); None elsewhere, where the general rule (`warps_for`) measured the faster or the sweep did not
+    reach (other head dims, a pass-through head or tail, norms, angle tables, gathered rows, decode's split
+    programs, symbolic token counts)."""
+    if not (looped and rows and params.norm == "none" and not params.rotary_offset and not params.deinterleave
+            and not params.angle_tables
+            and params.rotary_blocks == 1 and isinstance(head_dim, int)
+            and head_dim == params.rotary_dim == lanes_pad == WIDE_ROW_LANES
+            and tile >= WIDE_ROW_TILE):
+        return None
+    n = max(1, min(8, tile // ELEMENTS_PER_WARP_WIDE["interleaved" if params.interleaved else "neox"]))
+    return 1 << (n.bit_length() - 1)
+
+
 def per_lane(w: torch.Tensor, x: torch.Tensor) -> bool:
     """A norm weight the kernel may take: at most [heads, lanes] (`norm_fits` checks it against the plan)."""
     return w.dim() <= 2
@@ -447,6 +472,11 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
     if held and num_warps is None:
         num_warps = warps_for(max(side_blocks) * bh * lanes_pad,
                                "held" if params.norm == "rms_across_heads" else "held_heads")
+    if num_warps is None:
+        looped = (isinstance(ntok, int) and ntok >= MIN_PROGRAMS and isinstance(nsplit, int) and nsplit == 1
+                  and not tables.rows)
+        num_warps = wide_row_warps(params, head_dim, lanes_pad, bh * lanes_pad, interleaved or neox_row,
+                                   looped and toks == 1)
     none = [0, 0, 0, 0]
     sk, sv = (p.x_strides[i] if len(xs) > i else none for i in (1, 2))
     sko, svo = (p.o_strides[i] if len(xs) > i else none for i in (1, 2))

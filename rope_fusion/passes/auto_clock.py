@@ -21,9 +21,11 @@ TARGET_SECONDS = 2e-3  # each timed repeat runs about this long
 REPEATS = 5  # the median of this many repeats is a candidate's time
 
 
-def default_timer(cuda_graphs: bool) -> Callable[[str, Callable[[], Any]], float]:
+def default_timer(cuda_graphs: bool, repeats: int = REPEATS,
+                  target_seconds: float = TARGET_SECONDS) -> Callable[[str, Callable[[], Any]], float]:
     """Seconds per call: CUDA-graph replay when the compiled graph will be replayed, else a timed loop of calls
-    (launches and host time included, synchronized once per repeat); the median of `REPEATS`."""
+    (launches and host time included, synchronized once per repeat); the median of `repeats` repeats of about
+    `target_seconds` (passes/auto_budget.py times briefly first where that settles the choice)."""
     def timer(name: str, run: Callable[[], Any]) -> float:
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         for _ in range(3):
@@ -54,8 +56,8 @@ def default_timer(cuda_graphs: bool) -> Callable[[str, Callable[[], Any]], float
             return (time.perf_counter() - t0) / n
 
         first = once(1)
-        n = max(3, min(2000, int(TARGET_SECONDS / max(first, 1e-7))))
-        return statistics.median(once(n) for _ in range(REPEATS))
+        n = max(3, min(2000, int(target_seconds / max(first, 1e-7))))
+        return statistics.median(once(n) for _ in range(repeats))
     return timer
 
 

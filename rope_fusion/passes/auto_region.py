@@ -20,9 +20,16 @@ import torch.fx as fx
 MAX_REGION_NODES = 256  # a region larger than this is not extracted (the table decides)
 
 aten = torch.ops.aten
-# Producers whose output is in memory whatever consumes it: where a region starts.
+# Producers whose output is in memory whatever consumes it: where a region starts. Attention kernels too, forward
+# and backward (a library call each): a backward graph's rotation reads the gradient that attention's backward
+# wrote, and a region walked back through it took in the whole attention.
+_ATTENTION_KERNELS = tuple(getattr(aten, f"{name}{suffix}").default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention", "_efficient_attention")
+    for suffix in ("", "_forward", "_backward") if hasattr(aten, f"{name}{suffix}"))
 _MATERIALISED = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-                 aten.convolution.default, aten._scaled_mm.default, aten._int_mm.default}
+                 aten.convolution.default, aten._scaled_mm.default, aten._int_mm.default, *_ATTENTION_KERNELS}
 
 
 class NotMeasured(Exception):
@@ -49,9 +56,10 @@ def _static(val: Any) -> bool:
     return not isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
-def region(outputs: list) -> tuple[list, list]:
-    """(body, inputs): the nodes computing `outputs` from what is in memory anyway, in topological order, and
-    those inputs in the order first met. Raises NotMeasured for a region too large or with symbolic sizes."""
+def region(outputs: list, stop: frozenset = frozenset()) -> tuple[list, list]:
+    """(body, inputs): the nodes computing `outputs` from what is in memory anyway (and from `stop`, taken as
+    given), in topological order, and those inputs in the order first met. Raises NotMeasured for a region too
+    large or with symbolic sizes."""
     body: list = []
     inputs: list = []
     state: dict = {}
@@ -66,7 +74,7 @@ def region(outputs: list) -> tuple[list, list]:
                 continue
             if not _static(n.meta.get("val")):
                 raise NotMeasured(f"{n.name} has a symbolic size")
-            if starts_region(n):
+            if n in stop or starts_region(n):
                 state[n] = "input"
                 inputs.append(n)
                 continue

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import auto_decisions, fusion_check
+from . import auto_budget, auto_consumers, auto_decisions, fusion_check
 from .auto_clock import default_timer
 from .auto_decisions import Decision
 from .auto_region import NotMeasured, canonical, copy_region, region, starts_region
@@ -77,7 +77,8 @@ _MEASURE_DEVICE_TYPES: tuple = ("cuda",)
 # choices.
 TIMER: Callable[[str, Callable[[], Any]], float] | None = None
 
-STATS: collections.Counter = collections.Counter()  # "timed" signatures, "cached" hits, "table" fallbacks
+# "timed" signatures, "cached" hits, "table" fallbacks, "clear" sites the budget left unmeasured (auto_budget.py)
+STATS: collections.Counter = collections.Counter()
 
 _STATE = threading.local()
 _WARNED: set = set()  # kinds of timing failures logged as a warning (once each)
@@ -185,6 +186,7 @@ class _Built:
     pieces: fx.Graph | None = None  # computes the cat op's tensors (a join's pieces, their weights, the tables)
     pieces_inputs: list = dataclasses.field(default_factory=list)
     pieces_outputs: list = dataclasses.field(default_factory=list)  # the nodes pieces returns, in order
+    down: Any = None  # auto_consumers.Downstream: what plain compile fuses after the site, timed with every candidate
 
 
 _SLOTS = ("xs", "cos", "sin", "positions", "norm_weights")
@@ -203,12 +205,14 @@ def build(site: AutoSite, cuda_graphs: bool) -> _Built:
     for o in site.outputs:
         if starts_region(o):  # a rotary kernel already in the graph: no region of its own to time
             raise NotMeasured(f"{o.name} is a rotary kernel already in the graph, not arithmetic")
-    body, inputs = region(site.outputs)
+    # the consumers plain compile fuses after the site (passes/auto_consumers.py); a fold times its own writes
+    down = None if site.writes or site.joins else auto_consumers.downstream(site, through_cat=_cat_after(site))
+    body, inputs = region(down.needed if down else site.outputs)
     left, env = copy_region(body, inputs)
     # a base that is a graph input the graph writes back: plain compile copies the scatter into it
     backs = [left.call_function(aten.copy_.default, (env[w.base], env[w.scatter])) for w in site.writes or []
              if _written_back(w)]
-    left.output(tuple(env[o] for o in site.outputs) + tuple(backs))
+    left.output((down.returns(left, env) if down else tuple(env[o] for o in site.outputs)) + tuple(backs))
     writes = site.writes or []
     tensors = [t for t in _call_tensors(site.call) if t is not None] + [w.base for w in writes]
     ubody, uinputs = region(list(dict.fromkeys(tensors)))
@@ -232,7 +236,19 @@ def build(site: AutoSite, cuda_graphs: bool) -> _Built:
                       f"writes {[(w.dim, w.start, w.end, _clones(w)) for w in writes]}", "left:", canonical(left),
                       "upstream:", canonical(upstream), joined])
     return _Built(left, inputs, upstream, uinputs, slots, hashlib.sha256(text.encode()).hexdigest()[:32],
-                  base_slots, pieces, pinputs, pouts)
+                  base_slots, pieces, pinputs, pouts, down)
+
+
+def _cat_after(site: AutoSite) -> bool:
+    """Whether a `cat` after the rotation is a consumer to time: not where the kernel would write the rotation
+    into the join itself (passes/joined_writes.py; until the joined write has a runner of its own, such a site is
+    timed without the join, as before)."""
+    from .joined_writes import group_joined_writes
+
+    try:
+        return not isinstance(group_joined_writes(site.group, site.call.xs), list)
+    except Exception:  # the join stays out of the timed region, as it always was
+        return False
 
 
 def _written_back(write: Any) -> bool:
@@ -256,7 +272,7 @@ def _clones(write: Any) -> bool:
 
 def _runner(name: str, built: _Built, site: AutoSite, real: dict) -> Callable[[], Any] | None:
     """The compiled candidate as a no-argument call, None where the candidate cannot take the site."""
-    from ..ops.library import OPS, device_runner
+    from ..ops.library import OPS
     from ..ops.schema import RotaryCall
 
     if name == "left":
@@ -271,26 +287,47 @@ def _runner(name: str, built: _Built, site: AutoSite, real: dict) -> Callable[[]
 
     if name == "inductor":
         # the op after the same input nodes, lowered by Inductor: one graph, as in the fused compile
-        return _compile(_with_op(built, site, OPS), [real[n] for n in built.upstream_inputs])
+        down = [real[n] for n in built.down.inputs] if built.down else []
+        return _compile(_with_op(built, site, OPS), [real[n] for n in built.upstream_inputs] + down)
     if name == "triton" and site.writes:
         return _fold_runner(built, site, [real[n] for n in built.upstream_inputs])
     if name == "triton" and site.joins is not None:
         return _joins_runner(built, site, [real[n] for n in built.pieces_inputs])
     if name == "triton":
-        args = [real[n] for n in built.upstream_inputs]
-        fixed = _views_of_inputs(built.upstream, args)
-        if fixed is not None:  # nothing to compute before the kernel: its arguments are views of the inputs
-            c = call_of(fixed)
-            run = device_runner(c)
-            return lambda: run(c.xs, c.cos, c.sin, c.positions, c.norm_weights)
-        up = _compile(built.upstream, args)
-        run = device_runner(call_of(list(up())))
-
-        def triton_run() -> Any:
-            c = call_of(list(up()))
-            return run(c.xs, c.cos, c.sin, c.positions, c.norm_weights)
-        return triton_run
+        return _after(built, real, _kernel_runner(built, [real[n] for n in built.upstream_inputs], call_of))
     raise NotMeasured(f"no way to time the candidate {name!r}")
+
+
+def _kernel_runner(built: _Built, args: list, call_of: Callable) -> Callable[[], Any]:
+    """The kernel's direct launch after the nodes that compute its arguments (compiled unless they are views of
+    the inputs)."""
+    from ..ops.library import device_runner
+
+    fixed = _views_of_inputs(built.upstream, args)
+    if fixed is not None:  # nothing to compute before the kernel: its arguments are views of the inputs
+        c = call_of(fixed)
+        run = device_runner(c)
+        return lambda: run(c.xs, c.cos, c.sin, c.positions, c.norm_weights)
+    up = _compile(built.upstream, args)
+    run = device_runner(call_of(list(up())))
+
+    def triton_run() -> Any:
+        c = call_of(list(up()))
+        return run(c.xs, c.cos, c.sin, c.positions, c.norm_weights)
+    return triton_run
+
+
+def _after(built: _Built, real: dict, run: Callable[[], Any]) -> Callable[[], Any]:
+    """run, then the consumers plain compile fuses after the site, compiled on their own: Inductor cannot fuse
+    them into the kernel's opaque node (passes/auto_consumers.py)."""
+    if built.down is None:
+        return run
+    from torch._inductor.compile_fx import compile_fx
+
+    others = [real[n] for n in built.down.inputs]
+    first = built.down.shaped(list(run()))
+    consumers = compile_fx(fx.GraphModule({}, built.down.graph), [*first, *others])
+    return lambda: consumers(*built.down.shaped(list(run())), *others)
 
 
 def _fold_runner(built: _Built, site: AutoSite, args: list) -> Callable[[], Any]:
@@ -385,6 +422,9 @@ def _with_op(built: _Built, site: AutoSite, ops: tuple) -> fx.Graph:
                      for b, r, w in zip(built.base_slots, rotated, site.writes))
         node += tuple(g.call_function(aten.copy_.default, (outs[b], sc))
                       for b, sc, w in zip(built.base_slots, node, site.writes) if _written_back(w))
+    elif built.down is not None:  # the consumers after it, in the same graph: Inductor fuses them with the lowering
+        node = built.down.attach(g, [node] if arity == 1 else
+                                 [g.call_function(operator.getitem, (node, i)) for i in range(arity)])
     g.output(node)
     return g
 
@@ -394,7 +434,8 @@ def _inputs(built: _Built, site: AutoSite) -> dict:
     if site.call.positions is not None:  # gathered tables: positions below the cache's rows
         bound = int(site.call.cos.meta["val"].shape[0])
     real = {}
-    for n in dict.fromkeys([*built.left_inputs, *built.upstream_inputs, *built.pieces_inputs]):
+    down = built.down.inputs if built.down else []
+    for n in dict.fromkeys([*built.left_inputs, *built.upstream_inputs, *built.pieces_inputs, *down]):
         val = n.meta.get("val")
         if not isinstance(val, torch.Tensor):
             raise NotMeasured(f"the region's input {n.name} is not a tensor")
@@ -404,11 +445,10 @@ def _inputs(built: _Built, site: AutoSite) -> dict:
     return real
 
 
-def measure(site: AutoSite, candidates: list[str], cuda_graphs: bool, built: _Built | None = None) -> Decision:
+def measure(site: AutoSite, candidates: list[str], cuda_graphs: bool, built: _Built | None = None,
+            policy: Any = "auto") -> Decision:
     """Compile and time every candidate; the decision by `MARGIN`. Raises on any failure (the caller falls back)."""
     built = built or build(site, cuda_graphs)
-    timer = TIMER or default_timer(cuda_graphs)
-    timings: dict = {}
     device = site.call.xs[0].meta["val"].device
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     refusals: dict = {}  # candidates whose outputs broke the numbers contract against left's (fusion_check)
@@ -416,15 +456,19 @@ def measure(site: AutoSite, candidates: list[str], cuda_graphs: bool, built: _Bu
         real = _inputs(built, site)
         check = fusion_check.CandidateCheck(built.left, [real[n] for n in built.left_inputs], len(site.outputs),
                                             list(real.values()))
+        runs = {}
         for name in ["left", *candidates]:
             run = _runner(name, built, site, real)
             if run is not None:
-                took = timer(name, check.observed(name, run)) * 1e6
-                why = check.refusal(name)
-                if why is not None:
-                    refusals[name] = why
-                else:
-                    timings[name] = took
+                runs[name] = check.observed(name, run)
+        # how long each is timed: passes/auto_budget.py
+        timings = auto_budget.time_runs(
+            runs, lambda t: TIMER or default_timer(cuda_graphs, t.repeats, t.target_seconds), MARGIN, policy)
+        for name in list(timings):  # "left" first: its outputs are the reference the others are judged by
+            why = check.refusal(name)
+            if why is not None:
+                refusals[name] = why
+                del timings[name]
     if "left" not in timings or (len(timings) < 2 and not refusals):
         raise NotMeasured("no fused candidate could be timed")
     decision = Decision(pick(timings) if len(timings) > 1 else "left", timings, MARGIN, refusals)
@@ -445,7 +489,8 @@ def device_available(device_type: str) -> bool:
     return device_type == "cpu"
 
 
-def decide(site: AutoSite, device: torch.device, candidates: list[str], cuda_graphs: bool) -> Outcome:
+def decide(site: AutoSite, device: torch.device, candidates: list[str], cuda_graphs: bool,
+           policy: Any = "auto") -> Outcome:
     """Measured (or cached) choice for one site; Outcome(None, "table", why) where it cannot be measured."""
     try:
         if not device_available(device.type):
@@ -458,7 +503,7 @@ def decide(site: AutoSite, device: torch.device, candidates: list[str], cuda_gra
         if cached is not None:
             STATS["cached"] += 1
             return Outcome(cached.choice, "cached", _text("cached", cached))
-        decision = measure(site, candidates, cuda_graphs, built)
+        decision = measure(site, candidates, cuda_graphs, built, policy)
         STATS["timed"] += 1
         try:
             if not decision.refused:  # a refusal is checked (and warned of) again on every compile

@@ -26,7 +26,7 @@ from typing import Any
 import torch.fx as fx
 
 from ..ops.backends import BACKEND_NAMES, LeftToInductor, SiteSpec, choose_backend
-from . import auto_timing, emission, fusion_check
+from . import auto_budget, auto_timing, emission, fusion_check
 from .emission import Emitter, GraphTransaction
 from .fx_util import hint_reads
 from .grouping import pair_up
@@ -149,14 +149,16 @@ class RopeFusionPass(PassBase):
     """Find every RoPE it can prove in a post-grad graph and replace it (or each q/k pair) with one fused op."""
 
     def __init__(self, backend: str = "auto", fuse_qk: bool = True, cache_host_tables: bool = True,
-                 cuda_graphs: bool | None = None, measure: bool = True, verify: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, measure: bool | str = "auto", verify: bool | None = None) -> None:
         if isinstance(backend, (fx.Graph, fx.GraphModule)):  # the class was configured where an instance goes
             raise TypeError(_misconfigured(backend, "the class RopeFusionPass"))
         if not isinstance(backend, str) or backend not in BACKEND_NAMES:
             raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
-        for name, value in (("fuse_qk", fuse_qk), ("cache_host_tables", cache_host_tables), ("measure", measure)):
+        for name, value in (("fuse_qk", fuse_qk), ("cache_host_tables", cache_host_tables)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
+        if not (isinstance(measure, bool) or measure == "auto"):
+            raise TypeError(f'measure must be "auto", True or False, got {measure!r}')
         for name, value in (("cuda_graphs", cuda_graphs), ("verify", verify)):
             if not isinstance(value, (bool, type(None))):
                 raise ValueError(f"{name} must be None, True or False, got {value!r}")
@@ -166,7 +168,8 @@ class RopeFusionPass(PassBase):
         # Whether the compiled graph is replayed in CUDA graphs, which changes what a launch costs `auto`
         # (ops/cost_model.py): None reads it from the compile (`replayed_in_cuda_graphs`).
         self.cuda_graphs = cuda_graphs
-        # `auto` times its choices on the compile's GPU (passes/auto_timing.py); False: the factor table decides
+        # `auto` times its choices on the compile's GPU (passes/auto_timing.py): "auto" where the factor table cannot
+        # call the choice (passes/auto_budget.py), True at every site, False never (the table decides)
         self.measure = measure
         # every fused group evaluated eagerly against the code it replaces before it is committed
         # (passes/fusion_check.py); None reads ROPE_FUSION_VERIFY
@@ -349,7 +352,14 @@ class RopeFusionPass(PassBase):
         if on:
             candidates = [n for n in AUTO_ORDER.get(spec.device_type, ["inductor"])
                           if get_backend(n) is not None and get_backend(n).supports(spec) is None]
-            outcome = auto_timing.decide(site, device, candidates, self.replayed_in_cuda_graphs())
+            # what to measure: passes/auto_budget.py
+            budget = auto_budget.plan(spec.cost, candidates, self.measure, calibrated_factors(device))
+            if budget.measure:
+                outcome = auto_timing.decide(site, device, list(budget.candidates), self.replayed_in_cuda_graphs(),
+                                             self.measure)
+            else:
+                auto_timing.STATS["clear"] += 1
+                outcome = auto_timing.Outcome(budget.choice, "table", budget.why)
             if outcome.choice is not None:
                 self._choices[site.group[0].node] = outcome.why
                 return outcome.choice, outcome.why
@@ -440,7 +450,7 @@ class RopeFusionPass(PassBase):
     def _options_key(self) -> str:
         graphs = "" if self.cuda_graphs is None else f"-g{int(self.cuda_graphs)}"  # None: in Inductor's key
         return (f"rope_fusion-{source_hash()[:32]}-{self.backend}-{int(self.fuse_qk)}"
-                f"-{int(self.cache_host_tables)}{graphs}{'' if self.measure else '-nomeasure'}"
+                f"-{int(self.cache_host_tables)}{graphs}{_MEASURE_KEYS[self.measure]}"
                 f"{'-verify' if fusion_check.enabled(self.verify) else ''}")
 
     @property
@@ -460,6 +470,10 @@ class RopeFusionPass(PassBase):
         return (f"{type(self).__name__}(backend={self.backend!r}, fuse_qk={self.fuse_qk}, "
                 f"cache_host_tables={self.cache_host_tables}, cuda_graphs={self.cuda_graphs}, measure={self.measure}, "
                 f"verify={self.verify})")
+
+
+# the measure policy in the options key: "auto" and False as before this policy had a third value
+_MEASURE_KEYS = {"auto": "", True: "-measure-all", False: "-nomeasure"}
 
 
 def _graph_kind(graph: fx.Graph, is_inference: bool | None) -> str:
