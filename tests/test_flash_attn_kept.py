@@ -1,14 +1,11 @@
-"""flash-attn's own launches stay where they measured faster than the one fused launch that would replace them
-(`flash_attn_sites.KEPT_LAUNCHES`: whole 128-lane interleaved rows over 4096 tokens or more); elsewhere (D=80,
-NeoX, fewer tokens) its launches become sites. The real kernel module of the installed vLLM, traced on the CPU
-(tests/test_kernel_sites.py's capture backend: Inductor's front half and post-grad passes, the graph the pass
-sees). The kernel runs interpreted there, so the rule's token bound is lowered to 16 for these graphs; its lanes
-and form are the measured ones.
+"""flash-attn's own launches stay where a `flash_attn_sites.KEPT_LAUNCHES` record says they measured faster than
+the one fused launch that would replace them; elsewhere its launches become sites. No record is kept today (the
+merged launch measured faster at every geometry), so the tests register one for whole 128-lane interleaved rows
+over 16 tokens or more. The real kernel module of the installed vLLM, traced on the CPU (tests/test_kernel_sites.py's
+capture backend: Inductor's front half and post-grad passes, the graph the pass sees).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -24,7 +21,8 @@ def R():
 
 @pytest.fixture
 def small_bound(monkeypatch):
-    monkeypatch.setattr(fas, "KEPT_LAUNCHES", tuple(dataclasses.replace(k, min_tokens=16) for k in fas.KEPT_LAUNCHES))
+    monkeypatch.setattr(fas, "KEPT_LAUNCHES", (fas.KeptLaunches(128, True, 16, "at 128-lane interleaved rows its two "
+                                                                "launches measured faster than the fused launch"),))
 
 
 def _launches(R, tokens, head_dim, interleaved, seed=0):
@@ -44,6 +42,11 @@ def test_flash_attn_keeps_its_launches_at_128_lane_interleaved_rows(R, small_bou
     cap = _launches(R, 16, 128, True)
     assert cap.sites == [] and len(cap.misses) == 2, cap.misses
     assert all(r.startswith("flash-attn's own launch kept: at 128-lane interleaved rows") for _, r in cap.misses)
+
+
+def test_no_launch_is_kept_by_default(R):
+    cap = _launches(R, 16, 128, True)
+    assert [s.kind for s in cap.sites] == ["flash_attn.rotary_kernel"] * 2 and cap.misses == [], cap.misses
 
 
 @pytest.mark.parametrize("tokens,head_dim,interleaved", [(16, 80, True), (16, 128, False), (8, 128, True)],

@@ -973,14 +973,15 @@ def test_per_head_norm_plan_holds_padded_rows(interleaved, head_dim, heads, held
 
 
 @pytest.mark.parametrize("norm,head_dim,tokens,nsplit", [
-    ("rms", 128, 1024, 4), ("rms", 128, 2048, 2), ("rms", 128, 4096, 1), ("rms", 128, 256, 12),
+    ("rms", 128, 1024, 4), ("rms", 128, 2048, 2), ("rms", 128, 4096, 1), ("rms", 128, 256, 4), ("rms", 128, 64, 12),
     ("rms", 80, 2048, 1),  # held rows are never split
     ("none", 128, 2048, 1), ("none", 128, 256, 4), ("rms_across_heads", 128, 2048, 1),
 ])
 def test_per_head_norm_launches_of_few_tokens_fill_the_grid(norm, head_dim, tokens, nsplit):
     """Under a per-head norm (a tile of 4 heads x 128 lanes, one warp), a launch of fewer tokens than
-    NORM_SPLIT_PROGRAMS spreads each token's head blocks over programs until it has that many (24/24 heads: 12
-    blocks); held rows (D=80, a norm across heads) and other launches keep MIN_PROGRAMS."""
+    NORM_SPLIT_PROGRAMS spreads each token's head blocks over programs until it has that many, at most
+    NORM_SPLIT_MAX a token on that account (24/24 heads: 12 blocks; 64 tokens take all 12 by MIN_PROGRAMS); held
+    rows (D=80, a norm across heads) and other launches keep MIN_PROGRAMS."""
     q, k = (torch.empty(tokens, 24, head_dim, dtype=torch.bfloat16) for _ in range(2))
     cos, sin = tables((tokens, 1), head_dim // 2)
     params = RotaryParams(**opts(False, head_dim), norm=norm)
@@ -1079,7 +1080,7 @@ def test_single_head_rows_take_several_tokens_a_program(style, norm, rotary_dim,
 @pytest.mark.parametrize("tokens,heads,head_dim,warps", [
     (4608, (24, 24), 128, {True: 4, False: 2}),  # 8 heads a step
     (32760, (40, 40), 128, {True: 8, False: 4}),  # 16 heads a step
-    (8192, (32, 8), 128, {True: 8, False: 4}),  # GQA: 16 heads a step
+    (8192, (32, 8), 128, {True: 4, False: 2}),  # GQA: a step as large as 40+40's, half the rows a program
     (32760, (12, 12), 128, {True: 1, False: 1}),  # 4 heads a step: one warp was the best
     (32768, (16, 16), 80, {True: 1, False: 1}),  # padded rows: one warp was the best
     (512, (24, 24), 128, {True: 1, False: 1}),  # decode's head blocks spread over programs: not swept

@@ -36,20 +36,27 @@ HEAD_PAD_WASTE = 1.25  # at most this many padded heads per real head across q a
 # num_warps = tile / elements per warp: whole rows (interleaved, NeoX as rows) want few warps with many
 # elements each; NeoX read as two half tiles wants four times the warps (BENCHMARKS.md, tile sweep).
 ELEMENTS_PER_WARP = {"rows": 2048, "halves": 512, "head_pass": 384, "held": 2560, "held_heads": 1024}
-# Whole rows of 128 lanes without a norm, 8 or more heads a step, a program per token (the whole-row tile sweep on
-# the H200, q and k launched directly, CUDA-graph replay, x the floor): interleaved 24+24 heads (8 a step) 1.072
-# with one warp, 1.059 with 4; 40+40 (16 a step) 1.044 with one, 1.016 with 8; NeoX as rows 1.124 -> 1.048 with 2
-# warps and 1.048 -> 1.028 with 4. With 12 heads (4 a step) and at D=80 (padded rows) one warp stayed the best.
+# Whole rows of 128 lanes without a norm, 8 or more heads a step, a program per token (the whole-row tile sweeps on
+# the H200, q and k launched directly, CUDA-graph replay, x the floor). The warps follow the elements a program
+# rotates (all its heads of q and k), not the step: interleaved 24+24 heads 1.072 with one warp, 1.043-1.059 with 4;
+# 40+40 1.044 with one, 1.016 with 8; GQA 32/8 (a step as large as 40+40's, half the rows) 1.027 with one, 1.018
+# with 4, 1.046 with 8; NeoX as rows 24+24 1.105-1.124 with one, 1.028-1.048 with 2; 40+40 1.043 -> 1.022 with 4;
+# GQA 32/8 1.031 with one, 1.019 with 2, 1.049 with 4. With 12+12 heads and at D=80 (padded rows) one warp stayed the
+# best.
 WIDE_ROW_LANES = 128
 WIDE_ROW_TILE = 1024  # the smallest tile (heads x lanes) of a step that takes these warps
-ELEMENTS_PER_WARP_WIDE = {"interleaved": 256, "neox": 512}
+# (at least this many elements a program, warps for interleaved rows and for NeoX rows), the largest first
+WIDE_ROW_WARPS = ((10240, {"interleaved": 8, "neox": 4}), (5120, {"interleaved": 4, "neox": 2}))
 MIN_PROGRAMS = 1024  # below this many tokens, head blocks are also spread over the grid
 # The same under a per-head norm, whose tile is a quarter of the others' (NORM_TILE_ELEMENTS, one warp): one program
 # per token left 1024 warps on the chip at 1024 tokens, and the rows of 256-2048 tokens ran at 1.1-2.4x the floor
 # where those of 4096 and more ran at 1.03-1.27x (vllm-omni's kernel, a program per token and head group, 1.5-1.9x).
-# Held rows are never split (the held form takes every block of a token). MIN_PROGRAMS here is the rule before it
-# (benchmarks/norm_tiles.py times both); the one line that decides the default.
+# Held rows are never split (the held form takes every block of a token). At most NORM_SPLIT_MAX programs a token
+# on that account: MiniMax-H3, Boogu and GQA 32/8 geometries at 1024 and 2048 tokens took 0.77-0.86x the time of a
+# program per token with 4 and 2 programs a token, and at 256 tokens 16 programs a token took 1.03-1.08x the time of
+# the 4 that MIN_PROGRAMS gives (benchmarks/norm_tiles.py times the rules side by side).
 NORM_SPLIT_PROGRAMS = 4096
+NORM_SPLIT_MAX = 4
 # A held side (HELD: a norm across heads, or a per-head norm over padded rows) keeps every head row in registers up
 # to this many elements (64 heads of 128 lanes). Across heads: blocks of up to HELD_TILE_ELEMENTS, a warp per
 # ELEMENTS_PER_WARP["held"] of the side: 12 heads 4 a block, one warp, 1.10x the floor (1.05x on contiguous
@@ -236,10 +243,20 @@ def default_neox_row(interleaved: bool, rotary_dim: int, head_dim: int) -> bool:
     return not interleaved and rotary_dim == head_dim
 
 
-def split_programs(params: RotaryParams, held: bool) -> int:
-    """The programs a launch of few tokens fills by spreading each token's head blocks over the grid: at least
-    NORM_SPLIT_PROGRAMS under a per-head norm (its small tile), MIN_PROGRAMS otherwise; held rows are not split."""
-    return NORM_SPLIT_PROGRAMS if params.norm == "rms" and not held else MIN_PROGRAMS
+def token_split(ntok: Any, nblocks: int, params: RotaryParams, held: bool) -> Any:
+    """Programs a token of a launch of few tokens spreads its head blocks over: enough for MIN_PROGRAMS programs,
+    and under a per-head norm (its small tile) enough for NORM_SPLIT_PROGRAMS, at most NORM_SPLIT_MAX on that
+    account; held rows are not split. Symbolic for a symbolic token count (vLLM's one graph for decode and
+    prefill), without a guard."""
+    if isinstance(ntok, int):
+        splits = -(-MIN_PROGRAMS // max(ntok, 1))
+        if params.norm == "rms" and not held:
+            splits = max(splits, min(NORM_SPLIT_MAX, -(-NORM_SPLIT_PROGRAMS // max(ntok, 1))))
+        return max(1, min(nblocks, splits))
+    splits = (ntok + MIN_PROGRAMS - 1) // ntok
+    if params.norm == "rms" and not held:
+        splits = torch.sym_max(splits, torch.sym_min(NORM_SPLIT_MAX, (ntok + NORM_SPLIT_PROGRAMS - 1) // ntok))
+    return torch.sym_max(1, torch.sym_min(nblocks, splits))
 
 
 def row_tail_fits(params: RotaryParams, head_dim: int) -> bool:
@@ -316,7 +333,7 @@ def warps_for(tile: int, form: str) -> int:
 
 
 def wide_row_warps(params: RotaryParams, head_dim: Any, lanes_pad: int, tile: int, rows: bool,
-                   looped: bool) -> int | None:
+                   looped: bool, heads: Sequence[Any] = ()) -> int | None:
     """The warps of a whole-row launch (`rows`: interleaved, or NeoX as rows) without a norm whose rows are 128
     unpadded lanes, with WIDE_ROW_TILE or more elements a step and a program per token looping over its heads
     (`looped`), its tables read as they are (`looped` is false for rows gathered by positions or packed
@@ -327,10 +344,13 @@ def wide_row_warps(params: RotaryParams, head_dim: Any, lanes_pad: int, tile: in
             and not params.angle_tables
             and params.rotary_blocks == 1 and isinstance(head_dim, int)
             and head_dim == params.rotary_dim == lanes_pad == WIDE_ROW_LANES
-            and tile >= WIDE_ROW_TILE):
+            and tile >= WIDE_ROW_TILE and all(isinstance(h, int) for h in heads)):
         return None
-    n = max(1, min(8, tile // ELEMENTS_PER_WARP_WIDE["interleaved" if params.interleaved else "neox"]))
-    return 1 << (n.bit_length() - 1)
+    elements = sum(heads) * lanes_pad  # what one program rotates: every head row of its token, q's and k's
+    for least, warps in WIDE_ROW_WARPS:
+        if elements >= least:
+            return warps["interleaved" if params.interleaved else "neox"]
+    return None
 
 
 def per_lane(w: torch.Tensor, x: torch.Tensor) -> bool:
@@ -457,11 +477,8 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
         nsplit = 1
         if params.rotary_offset:  # every head block a program of its own (HEAD_PASS_TILE_ELEMENTS)
             nsplit = nblocks
-        elif isinstance(ntok, int):
-            if ntok < split_programs(params, held):
-                nsplit = max(1, min(nblocks, -(-split_programs(params, held) // max(ntok, 1))))
-        elif nblocks > 1:  # a symbolic token count (vLLM: decode and prefill run one graph): the same rule
-            nsplit = torch.sym_max(1, torch.sym_min(nblocks, (ntok + split_programs(params, held) - 1) // ntok))
+        elif isinstance(ntok, int) or nblocks > 1:
+            nsplit = token_split(ntok, nblocks, params, held)
     toks = 1
     if (isinstance(ntok, int) and nsplit == 1 and all(isinstance(h, int) and h == 1 for h in p.heads)
             and params.norm != "rms_across_heads" and ntok % ROW_TOKENS == 0 and ntok // ROW_TOKENS >= MIN_PROGRAMS
@@ -476,7 +493,7 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
         looped = (isinstance(ntok, int) and ntok >= MIN_PROGRAMS and isinstance(nsplit, int) and nsplit == 1
                   and not tables.rows)
         num_warps = wide_row_warps(params, head_dim, lanes_pad, bh * lanes_pad, interleaved or neox_row,
-                                   looped and toks == 1)
+                                   looped and toks == 1, p.heads)
     none = [0, 0, 0, 0]
     sk, sv = (p.x_strides[i] if len(xs) > i else none for i in (1, 2))
     sko, svo = (p.o_strides[i] if len(xs) > i else none for i in (1, 2))

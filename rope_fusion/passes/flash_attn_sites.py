@@ -560,16 +560,13 @@ class KeptLaunches:
                 and val.shape[-1] == self.lanes and tokens >= self.min_tokens)
 
 
-# Measured on the H200 (torch 2.11, triton 3.6; benchmarks.vllm_omni, CUDA-graph replay, x the q+k clone floor):
-# flash-attn's two launches against the merged launch, 4608 tokens x 24/24 heads x 128: 1.068 against 1.104;
-# 32760 x 40/40 x 128: 1.031 against 1.049; at D=80 (32768 x 16/16, padded rows) the merged launch was the faster,
-# 1.041 against 1.141, and so are launches that a fused q and k share with other work. Smaller token counts were
-# not measured; there one launch for q and k saves a launch.
-KEPT_LAUNCHES: tuple = (
-    KeptLaunches(128, True, 4096, "at 128-lane interleaved rows its two launches measured faster than the fused "
-                 "launch (1.068 against 1.104x the copy floor at 4608 tokens x 24 heads, 1.031 against 1.049 at "
-                 "32760 x 40, H200)"),
-)
+# Measured on the H200 (torch 2.11, triton 3.6; benchmarks.vllm_omni, CUDA-graph replay, x the q+k clone floor),
+# vLLM 0.33's copy of flash-attn's kernel, two launches, against the merged launch: 4608 tokens x 24/24 heads x 128
+# interleaved 2.32 against 1.04, 32760 x 40/40 x 128 2.51 against 1.02. An earlier run with another copy of the
+# kernel file measured 1.068 and 1.031 for its launches, the merged launch then 1.104 and 1.049; the planner's warps
+# for whole 128-lane rows since (kernels/triton_plan.py) brought it under both. So no launch is kept today; a
+# KeptLaunches record here keeps the launches it describes where a GPU measures them faster.
+KEPT_LAUNCHES: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
