@@ -55,6 +55,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import torch  # noqa: E402
 
 import rope_fusion  # noqa: E402
+from benchmarks import device_check  # noqa: E402
 from benchmarks.eager_op import host_us  # noqa: E402
 from benchmarks.kernels import count_launches, environment, graph_ms, print_table, write_json  # noqa: E402
 from benchmarks.timing import sync  # noqa: E402
@@ -457,6 +458,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not args.quick and not device_check.gpu_present():
+        return device_check.no_gpu("benchmarks.dropins", "python -m benchmarks.dropins --quick")
+    device_check.announce(args.device)
     torch.manual_seed(0)
     upstream = load_upstream(args)
     calls = 10 if args.quick else args.calls

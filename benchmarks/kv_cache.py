@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import torch  # noqa: E402
 
 import rope_fusion  # noqa: E402
+from benchmarks import device_check  # noqa: E402
 from benchmarks.eager_op import host_us  # noqa: E402
 from benchmarks.kernels import environment, graph_ms, max_err, print_table, write_json  # noqa: E402
 
@@ -229,9 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the records as JSON here")
     args = ap.parse_args(argv)
     device = args.device
-    if device != "cuda":
-        print(f"{device}: a plumbing smoke test of the columns and their results; it measures nothing (the rows are "
-              "about the GPU's launches and bytes)")
+    if not args.quick and not device_check.gpu_present():
+        return device_check.no_gpu("benchmarks.kv_cache", "python -m benchmarks.kv_cache --quick")
+    device_check.announce(device)
     tokens = TOKENS[:3] if args.quick or device != "cuda" else TOKENS
     result: dict = {"environment": environment(), "device": device, "records": []}
     for cache in args.caches:

@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
+from benchmarks import device_check  # noqa: E402
 from benchmarks.kernels import environment, graph_ms, print_table, write_json  # noqa: E402
 from rope_fusion.ops.schema import RotaryParams  # noqa: E402
 
@@ -192,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--sweep", action="store_true", help="the tiles the tuning options reach")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if not args.quick and not device_check.gpu_present():
+        return device_check.no_gpu("benchmarks.norm_tiles", "python -m benchmarks.norm_tiles --quick")
+    device_check.announce(args.device)
     if args.device == "cpu":
         _interpret_on_cpu()
     compare = not args.sweep

@@ -17,7 +17,7 @@ from benchmarks import device_check
 # module: the arguments of a run that asks for the GPU (the default run)
 GPU_MODULES = {
     "kernels": [], "models": [], "stacks": [], "training": [], "vllm_omni": [], "profile": ["--model", "flux"],
-    "host": [], "auto_choice": [], "distributed": [],
+    "host": [], "auto_choice": [], "distributed": [], "kv_cache": [], "dropins": [], "norm_tiles": [],
 }
 
 
