@@ -1,19 +1,21 @@
 """Shared test helpers: compile a function with the pass, an independent check of the graph it leaves, and
 the numerics contract (docs/design.md section 2).
 
-Import them as `from conftest import compile_with_pass, check_numerics` (tests/ has no __init__.py)."""
+Import them as `from conftest import compile_with_pass, check_numerics` (tests/ has no __init__.py). The
+`triton_on_cpu` fixture runs the Triton backend on CPU tensors (tests/helpers/triton_cpu.py); helpers that test
+modules share live in tests/helpers/."""
 
 from __future__ import annotations
 
 import inspect
 import os
 import re
-import sys
 
 import pytest
 import torch
 
 import rope_fusion
+from tests.helpers.triton_cpu import TritonOnCpu, install, triton_language_kept
 from tests.zoo.harness import Capture, GraphRecord, InOrder, probe_passes
 
 # Every group the pass fuses in the suite is first evaluated eagerly against the code it replaces, on random inputs
@@ -128,28 +130,26 @@ def check_unchanged(fn, args, out, compare=None, context: str = "") -> None:
                                    msg=lambda m, i=i: f"output {i}: {m}\n{context}")
 
 
-_TRITON_LANGUAGE = ("triton.language", "triton.language.core", "triton.language.math", "triton.language.standard")
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "triton_on_cpu(serves=(), wrap=None): what the triton_on_cpu fixture serves on the CPU with the "
+        "CUDA implementations (names of tests/helpers/triton_cpu.SERVES) and how it wraps the interpreted kernels")
+
+
+@pytest.fixture
+def triton_on_cpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> TritonOnCpu:
+    """The Triton backend on CPU tensors (tests/helpers/triton_cpu.py): the kernels interpreted, and what else the
+    CPU serves as CUDA does named by the test's `triton_on_cpu` marker, since each table changes what the pass
+    folds. The test's own `monkeypatch` holds the patches, so its later patches of the same names unwind first."""
+    pytest.importorskip("triton")
+    marker = request.node.get_closest_marker("triton_on_cpu")
+    return install(monkeypatch, **(marker.kwargs if marker else {}))
 
 
 @pytest.fixture(autouse=True)
 def _triton_language_restored():
-    """Triton's interpreter patches `triton.language`'s builtins while it runs a kernel, and some runs leave them
-    patched (seen after tests/test_eager_op.py: 68 builtins of triton.language.core). A compiled kernel analysed
-    later (torch's TTIR analysis of flash-attn's rotary_kernel in tests/test_kernel_*.py) then fails, so every
-    test gets the modules back as it found them."""
-    saved = {}
-    for name in _TRITON_LANGUAGE:
-        mod = sys.modules.get(name)
-        if mod is not None:
-            saved[name] = (mod, dict(vars(mod)))
-    tensor = getattr(sys.modules.get("triton.language.core"), "tensor", None)
-    tensor_attrs = dict(vars(tensor)) if tensor is not None else None
-    yield
-    for mod, attrs in saved.values():
-        for k, v in attrs.items():
-            if vars(mod).get(k, v) is not v:
-                setattr(mod, k, v)
-    if tensor is not None:
-        for k, v in tensor_attrs.items():
-            if vars(tensor).get(k, v) is not v:
-                setattr(tensor, k, v)
+    """Some interpreted runs leave `triton.language`'s builtins patched (seen after tests/test_eager_op.py: 68
+    builtins of triton.language.core), and a compiled kernel analysed later (torch's TTIR analysis of flash-attn's
+    rotary_kernel in tests/test_kernel_*.py) then fails, so every test gets the modules back as it found them."""
+    with triton_language_kept():
+        yield

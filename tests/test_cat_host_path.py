@@ -28,7 +28,6 @@ import torch
 triton = pytest.importorskip("triton")
 
 from triton.compiler import CompiledKernel  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import rope_fusion.kernels.triton_rotary  # noqa: E402,F401  (registers the backend and the cat ops' kernel)
 from rope_fusion.kernels import triton_cat, triton_launch  # noqa: E402
@@ -87,20 +86,13 @@ class _JITStandIn:
         return launch
 
 
+pytestmark = pytest.mark.triton_on_cpu(serves=("cat",), wrap=_Counting)  # the kernel's launches counted
+
+
 @pytest.fixture
-def triton_on_cpu(monkeypatch):
-    """The Triton backend on CPU tensors: its kernel interpreted (Triton's own `tl.sum` too), serving the cat ops,
-    with empty plan caches and the planner's calls counted (`plans`)."""
-    from triton_interpreted import interpreted
-
-    import rope_fusion.kernels.triton_kernel as tk
-
-    monkeypatch.setattr(triton_launch, "rotary_kernel", _Counting(interpreted(tk.rotary_kernel)))
-    monkeypatch.setattr(triton_launch, "INTERPRETED", True)
-    monkeypatch.setitem(cat_rotary.DEVICE_IMPLS, "cpu", cat_rotary.DEVICE_IMPLS["cuda"])
-    monkeypatch.setitem(cat_rotary.DEVICE_CHECKS, "cpu", cat_rotary.DEVICE_CHECKS["cuda"])
-    if not isinstance(triton.language.sum, InterpretedFunction):
-        monkeypatch.setattr(triton.language, "sum", InterpretedFunction(triton.language.sum.fn))
+def triton_on_cpu(triton_on_cpu, monkeypatch):
+    """The Triton backend on CPU tensors serving the cat ops (tests/conftest.py), with empty plan caches and the
+    planner's calls counted (`plans`)."""
     monkeypatch.setattr(triton_cat, "_RUNNERS", {})
     monkeypatch.setattr(triton_cat, "_PLANS", {})
     plans = []

@@ -17,32 +17,13 @@ pytest.importorskip("triton")
 
 from conftest import check_numerics, compile_with_pass  # noqa: E402
 from test_triton_kernels import poisoned_outputs  # noqa: E402
-from triton_interpreted import interpreted  # noqa: E402
 
 from rope_fusion.ops import cat_rotary  # noqa: E402
 from rope_fusion.ops.reference import rms_norm, rotary_reference  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TEXT, IMAGE, HEADS, D = 3, 5, 2, 16
-
-
-@pytest.fixture
-def triton_on_cpu(monkeypatch):
-    """The Triton backend on CPU tensors: its kernel interpreted (Triton's own `tl.sum` too, as
-    test_triton_kernels.poisoned_outputs does), serving the cat ops."""
-    import triton
-    from triton.runtime.interpreter import InterpretedFunction
-
-    import rope_fusion.kernels.triton_kernel as tk
-    import rope_fusion.kernels.triton_launch as launching
-    import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the backend and the cat ops' kernel)
-
-    monkeypatch.setattr(launching, "rotary_kernel", interpreted(tk.rotary_kernel))
-    monkeypatch.setattr(launching, "INTERPRETED", True)
-    monkeypatch.setitem(cat_rotary.DEVICE_IMPLS, "cpu", cat_rotary.DEVICE_IMPLS["cuda"])
-    monkeypatch.setitem(cat_rotary.DEVICE_CHECKS, "cpu", cat_rotary.DEVICE_CHECKS["cuda"])
-    if not isinstance(triton.language.sum, InterpretedFunction):
-        monkeypatch.setattr(triton.language, "sum", InterpretedFunction(triton.language.sum.fn))
+pytestmark = pytest.mark.triton_on_cpu(serves=("cat",))  # the Triton backend, serving the cat ops
 
 
 def rope(x, cos, sin):

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compat_helpers import assert_pass_matches_dropin, dropin_calls
 from conftest import check_numerics, compile_with_pass
 
 from rope_fusion.compat.flash_attn import apply_rotary_emb
+from tests.helpers.compat import assert_pass_matches_dropin, dropin_calls
 
 B, S, H, D, S_RO = 3, 6, 4, 64, 16
 

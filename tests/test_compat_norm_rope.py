@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from compat_helpers import assert_pass_matches_dropin, dropin_calls
 from conftest import check_numerics, compile_with_pass
 
 import rope_fusion
+from tests.helpers.compat import assert_pass_matches_dropin, dropin_calls
 
 T, H, HK, D, EPS = 5, 4, 2, 64, 1e-6
 

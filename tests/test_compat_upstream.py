@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compat_helpers import assert_pass_matches_dropin, dropin_calls
 from conftest import check_numerics, compile_with_pass
 
 from rope_fusion import compat
+from tests.helpers.compat import assert_pass_matches_dropin, dropin_calls
 
 diffusers_emb = pytest.importorskip("diffusers.models.embeddings")
 hf_llama = pytest.importorskip("transformers.models.llama.modeling_llama")

@@ -19,46 +19,37 @@ import rope_fusion
 from rope_fusion.ops import library
 from rope_fusion.ops.reference import rotary_reference
 
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-from triton_interpreted import interpreted  # noqa: E402
-
-import rope_fusion.kernels.triton_kernel as tk  # noqa: E402
 import rope_fusion.kernels.triton_launch as launching  # noqa: E402
 import rope_fusion.kernels.triton_rotary  # noqa: E402, F401  (registers the CUDA device kernel)
-
-KERNEL = interpreted(tk.rotary_kernel)
 
 
 class CountingLauncher:
     """The interpreted kernel, counting its direct launches (`kernel[grid](...)`)."""
 
-    def __init__(self) -> None:
-        self.launches = 0
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
 
     def __getitem__(self, grid):
         self.launches += 1
-        return KERNEL[grid]
+        return self.kernel[grid]
+
+
+pytestmark = pytest.mark.triton_on_cpu(serves=("eager",), wrap=CountingLauncher)  # the CUDA device kernel, counted
 
 
 @pytest.fixture
-def kernel_on_cpu(monkeypatch):
-    """CPU tensors served by the CUDA device kernel (the Triton planner), its kernel interpreted and counted;
+def kernel_on_cpu(triton_on_cpu, monkeypatch):
+    """CPU tensors served by the CUDA device kernel (the Triton planner, tests/conftest.py), its launches counted;
     wrap_triton fails the test if called. A fresh plan cache, so no plan of another test is reused."""
-    launcher = CountingLauncher()
-    monkeypatch.setattr(launching, "rotary_kernel", launcher)
-    monkeypatch.setattr(launching, "INTERPRETED", True)
 
     def no_wrap(*a, **k):
         raise AssertionError("wrap_triton called on the eager path")
 
     monkeypatch.setattr(launching, "wrap_triton", no_wrap)
-    monkeypatch.setitem(library.DEVICE_KERNELS, "cpu", library.DEVICE_KERNELS["cuda"])
     monkeypatch.setattr(library, "_EAGER_PLANS", {})
-    if not isinstance(triton.language.sum, InterpretedFunction):  # a norm's reduction runs interpreted too
-        monkeypatch.setattr(triton.language, "sum", InterpretedFunction(triton.language.sum.fn))
-    return launcher
+    return triton_on_cpu.rotary
 
 
 def oracle(x, cos, sin, **kw):
@@ -253,7 +244,7 @@ def test_compiled_kernel_launcher_is_checked_once_against_the_jit_launcher(kerne
                     for out in args[3:6]:
                         out.zero_()
                 else:
-                    KERNEL[grid](*args, **meta)
+                    kernel_on_cpu.kernel[grid](*args, **meta)
             return run
         return make
 

@@ -25,6 +25,8 @@ from rope_fusion.ops.backends import Backend, emit_op_call
 from rope_fusion.ops.library import OPS, DeviceKernel, reference_outputs
 from rope_fusion.passes import auto_decisions, auto_timing, fusion_check
 
+pytestmark = pytest.mark.triton_on_cpu(serves=("slice_write",))  # the Triton backend, in place for the slice op too
+
 
 def rotate_half(x):
     a, b = x.chunk(2, -1)
@@ -212,19 +214,11 @@ def read_again(x, cos, sin):
 
 
 @pytest.fixture
-def triton_on_cpu(monkeypatch):
-    """The Triton backend on CPU tensors: its kernel interpreted, in place for the slice op too."""
-    from triton_interpreted import interpreted
-
-    import rope_fusion.kernels.triton_kernel as tk
-    import rope_fusion.kernels.triton_launch as launching
-    import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the backend and the in-place kernel)
-
-    monkeypatch.setattr(launching, "rotary_kernel", interpreted(tk.rotary_kernel))
-    monkeypatch.setattr(launching, "INTERPRETED", True)
-    monkeypatch.setitem(slice_write.IN_PLACE, "cpu", slice_write.IN_PLACE["cuda"])
-    monkeypatch.setitem(slice_write.PLANNERS, "cpu", slice_write.PLANNERS["cuda"])
+def triton_on_cpu(triton_on_cpu, monkeypatch):
+    """The Triton backend on CPU tensors (tests/conftest.py), in place for the slice op too, with no plan of another
+    test."""
     monkeypatch.setattr(slice_write, "_PLANS", {})
+    return triton_on_cpu
 
 
 def _flipped_in_place(call, views) -> bool:

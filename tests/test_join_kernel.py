@@ -6,12 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 
-from triton_interpreted import interpreted  # noqa: E402
-
-import rope_fusion.kernels.triton_join as tj  # noqa: E402
-import rope_fusion.kernels.triton_launch as launching  # noqa: E402
 from rope_fusion.ops import joins  # noqa: E402
 
 
@@ -26,13 +22,13 @@ class Counted:
         return run
 
 
+pytestmark = pytest.mark.triton_on_cpu(serves=("join",), wrap=Counted)  # the join kernel's launches counted
+
+
 @pytest.fixture
-def join_kernel(monkeypatch):
-    counted = Counted(interpreted(tj.join_kernel))
-    monkeypatch.setattr(tj, "join_kernel", counted)
-    monkeypatch.setattr(launching, "INTERPRETED", True)
-    monkeypatch.setitem(joins.JOIN_PLANNERS, "cpu", joins.JOIN_PLANNERS["cuda"])
-    return counted
+def join_kernel(triton_on_cpu):
+    """The counted interpreted join kernel, serving CPU tensors (tests/conftest.py)."""
+    return triton_on_cpu.join
 
 
 def qkv_views(batch, seq, heads, d, dtype):

@@ -20,33 +20,13 @@ pytest.importorskip("triton")
 
 from conftest import check_numerics, compile_with_pass  # noqa: E402
 from torch._inductor.utils import run_and_get_code  # noqa: E402
-from triton_interpreted import interpreted  # noqa: E402
 
 import rope_fusion  # noqa: E402
-from rope_fusion.ops import slice_write  # noqa: E402
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TEXT, IMAGE, HEADS, D = 3, 5, 2, 16
-
-
-@pytest.fixture
-def triton_on_cpu(monkeypatch):
-    """The Triton backend on CPU tensors: its kernel interpreted (Triton's own `tl.sum` too, as
-    test_triton_kernels.poisoned_outputs does), writing into slices for the into op too."""
-    import triton
-    from triton.runtime.interpreter import InterpretedFunction
-
-    import rope_fusion.kernels.triton_kernel as tk
-    import rope_fusion.kernels.triton_launch as launching
-    import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the backend and the ops' kernels)
-
-    monkeypatch.setattr(launching, "rotary_kernel", interpreted(tk.rotary_kernel))
-    monkeypatch.setattr(launching, "INTERPRETED", True)
-    monkeypatch.setitem(slice_write.IN_PLACE, "cpu", slice_write.IN_PLACE["cuda"])
-    monkeypatch.setitem(slice_write.PLANNERS, "cpu", slice_write.PLANNERS["cuda"])
-    if not isinstance(triton.language.sum, InterpretedFunction):
-        monkeypatch.setattr(triton.language, "sum", InterpretedFunction(triton.language.sum.fn))
+pytestmark = pytest.mark.triton_on_cpu(serves=("slice_write",))  # the Triton backend, writing into slices too
 
 
 def rope(x, cos, sin):

@@ -13,26 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-from triton_interpreted import interpreted  # noqa: E402
-
-import rope_fusion.kernels.triton_kernel as tk  # noqa: E402
-import rope_fusion.kernels.triton_launch as launching  # noqa: E402
 from benchmarks.norm_tiles import held_tail_launch  # noqa: E402
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
 from rope_fusion.ops.schema import RotaryParams  # noqa: E402
 
 T, HQ, HK = 3, 4, 2
-
-
-@pytest.fixture
-def interpreted_kernel(monkeypatch):
-    monkeypatch.setattr(launching, "rotary_kernel", interpreted(tk.rotary_kernel))
-    monkeypatch.setattr(launching, "INTERPRETED", True)
-    if not isinstance(triton.language.sum, InterpretedFunction):
-        monkeypatch.setattr(triton.language, "sum", InterpretedFunction(triton.language.sum.fn))
 
 
 CASES = [  # head_dim, rotary_dim, interleaved, norm, weight per head, block_h
@@ -45,7 +32,7 @@ CASES = [  # head_dim, rotary_dim, interleaved, norm, weight per head, block_h
 
 @pytest.mark.parametrize("d,r,interleaved,norm,per_head,block_h", CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_held_rows_with_a_tail(interpreted_kernel, d, r, interleaved, norm, per_head, block_h, dtype):
+def test_held_rows_with_a_tail(triton_on_cpu, d, r, interleaved, norm, per_head, block_h, dtype):
     torch.manual_seed(d + r)
     q, k = torch.randn(T, HQ, d).to(dtype), torch.randn(T, HK, d).to(dtype)
     weights = [torch.rand(h, d) + 0.5 if per_head or norm == "rms_across_heads" else torch.rand(d) + 0.5

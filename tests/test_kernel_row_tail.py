@@ -16,9 +16,6 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-from triton_interpreted import interpreted  # noqa: E402
-
 import rope_fusion.kernels.triton_kernel as tk  # noqa: E402
 import rope_fusion.kernels.triton_launch as launching  # noqa: E402
 from rope_fusion.kernels.triton_plan import default_row_tail, row_tail_fits  # noqa: E402
@@ -42,15 +39,14 @@ class Recorded:
         return run
 
 
+pytestmark = pytest.mark.triton_on_cpu(wrap=Recorded)  # each launch's compile-time constants recorded
+
+
 @pytest.fixture
-def kernel(monkeypatch):
-    rec = Recorded(interpreted(tk.rotary_kernel))
-    monkeypatch.setattr(launching, "rotary_kernel", rec)
-    monkeypatch.setattr(launching, "INTERPRETED", True)
+def kernel(triton_on_cpu, monkeypatch):
+    """The recorded interpreted kernel (tests/conftest.py), with no launch planned by another test."""
     monkeypatch.setattr(launching, "_LAUNCH_CACHE", {})
-    if not isinstance(triton.language.sum, InterpretedFunction):
-        monkeypatch.setattr(triton.language, "sum", InterpretedFunction(triton.language.sum.fn))
-    return rec
+    return triton_on_cpu.rotary
 
 
 def _check(outs, xs, cos, sin, params, weights, positions, dtype):

@@ -28,23 +28,14 @@ FP8 = torch.float8_e4m3fn
 MAX_POS = 32
 
 
+pytestmark = pytest.mark.triton_on_cpu(serves=("kv_cache",))  # the `triton` path: the KV-cache op's kernel
+
+
 @pytest.fixture(params=["reference", "triton"])
-def path(request, monkeypatch):
+def path(request):
     """The op's CPU path: the reference, or the Triton kernel interpreted (its `tl.sum` too) serving CPU tensors."""
     if request.param == "triton":
-        triton = pytest.importorskip("triton")
-        from triton.runtime.interpreter import InterpretedFunction
-        from triton_interpreted import interpreted
-
-        import rope_fusion.kernels.triton_kernel as tk
-        import rope_fusion.kernels.triton_launch as launching
-        import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the KV-cache kernel for CUDA)
-
-        monkeypatch.setattr(launching, "rotary_kernel", interpreted(tk.rotary_kernel))
-        monkeypatch.setattr(launching, "INTERPRETED", True)
-        monkeypatch.setitem(kv_cache_op.DEVICE_IMPLS, "cpu", kv_cache_op.DEVICE_IMPLS["cuda"])
-        if not isinstance(triton.language.sum, InterpretedFunction):
-            monkeypatch.setattr(triton.language, "sum", InterpretedFunction(triton.language.sum.fn))
+        request.getfixturevalue("triton_on_cpu")
     return request.param
 
 

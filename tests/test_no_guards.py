@@ -23,6 +23,8 @@ from torch._inductor.compile_fx import compile_fx
 
 import rope_fusion
 
+pytestmark = pytest.mark.triton_on_cpu(serves=("slice_write",))  # the Triton backend, in place for the slice op too
+
 SIZES = range(5, 25, 2)  # ten sizes of the dynamic dim (not 0 or 1, which Dynamo specialises)
 
 
@@ -252,23 +254,6 @@ def write_back_at_t(q, c, s):
     q = q * 1.0
     q[:, :, t:] = rope_interleaved(q[:, :, t:], c, s)
     return q
-
-
-@pytest.fixture
-def triton_on_cpu(monkeypatch):
-    """The Triton backend on CPU tensors: its kernel interpreted, in place for the slice op too."""
-    pytest.importorskip("triton")
-    from triton_interpreted import interpreted
-
-    import rope_fusion.kernels.triton_kernel as tk
-    import rope_fusion.kernels.triton_launch as launching
-    import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the backend and the in-place kernel)
-    from rope_fusion.ops import slice_write
-
-    monkeypatch.setattr(launching, "rotary_kernel", interpreted(tk.rotary_kernel))
-    monkeypatch.setattr(launching, "INTERPRETED", True)
-    monkeypatch.setitem(slice_write.IN_PLACE, "cpu", slice_write.IN_PLACE["cuda"])
-    monkeypatch.setitem(slice_write.PLANNERS, "cpu", slice_write.PLANNERS["cuda"])
 
 
 @pytest.mark.parametrize("head,backend", [("static", "auto"), ("symbolic", "auto"), ("static", "triton")])

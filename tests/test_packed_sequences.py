@@ -20,6 +20,8 @@ from rope_fusion.ops.optional_backends import load_backends
 from rope_fusion.ops.reference import rotary_reference
 from rope_fusion.ops.schema import RotaryCall, RotaryParams
 
+pytestmark = pytest.mark.triton_on_cpu(serves=("eager",))  # the CUDA device kernel serving CPU tensors
+
 load_backends()
 
 
@@ -176,20 +178,11 @@ def test_compiled_lowering_dynamic_token_count():
 # -- the Triton kernel under Triton's interpreter ------------------------------------------------------------
 
 @pytest.fixture
-def interpreted_kernel(monkeypatch):
-    """The CUDA device kernel (the Triton planner and launch) serving CPU tensors, its kernel interpreted."""
-    triton = pytest.importorskip("triton")
-    from triton_interpreted import interpreted
-
-    import rope_fusion.kernels.triton_kernel as tk
-    import rope_fusion.kernels.triton_launch as launching
-    import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the CUDA device kernel)
-
-    monkeypatch.setattr(launching, "rotary_kernel", interpreted(tk.rotary_kernel))
-    monkeypatch.setattr(launching, "INTERPRETED", True)
-    monkeypatch.setitem(library.DEVICE_KERNELS, "cpu", library.DEVICE_KERNELS["cuda"])
+def interpreted_kernel(triton_on_cpu, monkeypatch):
+    """The CUDA device kernel (the Triton planner and launch) serving CPU tensors (tests/conftest.py), with no plan
+    of another test."""
     monkeypatch.setattr(library, "_EAGER_PLANS", {})
-    return triton
+    return triton_on_cpu
 
 
 @pytest.mark.parametrize("interleaved,rotary_dim,full,offs,dtype", [CASES[0], CASES[2]])

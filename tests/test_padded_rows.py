@@ -17,6 +17,8 @@ from conftest import check_numerics
 
 import rope_fusion
 
+pytestmark = pytest.mark.triton_on_cpu(serves=("slice_write",))  # the Triton backend, in place for the slice op too
+
 
 def rotate_half(x):
     a, b = x.chunk(2, -1)
@@ -109,23 +111,6 @@ def test_the_backward_of_a_row_slice_rotation_fuses(name, how):
         assert all(s.conjugate == (kind == "backward") for s in sites), t
     assert len([k for k in rep.kernels if rep.graph_records[k.graph].kind == "backward"]) == 1, t
     check_numerics(lambda *a: _grads(fn, n)(*a, None), args, got, context=t)
-
-
-@pytest.fixture
-def triton_on_cpu(monkeypatch):
-    """The Triton backend on CPU tensors, its kernel interpreted (as tests/test_slice_writes.py runs it)."""
-    pytest.importorskip("triton")
-    from triton_interpreted import interpreted
-
-    import rope_fusion.kernels.triton_kernel as tk
-    import rope_fusion.kernels.triton_launch as launching
-    import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the backend and the in-place kernel)
-    from rope_fusion.ops import slice_write
-
-    monkeypatch.setattr(launching, "rotary_kernel", interpreted(tk.rotary_kernel))
-    monkeypatch.setattr(launching, "INTERPRETED", True)
-    monkeypatch.setitem(slice_write.IN_PLACE, "cpu", slice_write.IN_PLACE["cuda"])
-    monkeypatch.setitem(slice_write.PLANNERS, "cpu", slice_write.PLANNERS["cuda"])
 
 
 def test_the_padded_backward_with_the_triton_kernel(triton_on_cpu):

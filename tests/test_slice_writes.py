@@ -19,7 +19,6 @@ pytest.importorskip("triton")
 
 from conftest import check_numerics, compile_with_pass, fp64_eval  # noqa: E402
 from torch._inductor.utils import run_and_get_code  # noqa: E402
-from triton_interpreted import interpreted  # noqa: E402
 
 import rope_fusion  # noqa: E402
 from rope_fusion.ops import slice_write  # noqa: E402
@@ -28,17 +27,7 @@ from rope_fusion.ops.reference import rotary_reference  # noqa: E402
 TEXT = 3
 
 
-@pytest.fixture
-def triton_on_cpu(monkeypatch):
-    """The Triton backend on CPU tensors: its kernel interpreted, in place for the slice op too."""
-    import rope_fusion.kernels.triton_kernel as tk
-    import rope_fusion.kernels.triton_launch as launching
-    import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the backend and the in-place kernel)
-
-    monkeypatch.setattr(launching, "rotary_kernel", interpreted(tk.rotary_kernel))
-    monkeypatch.setattr(launching, "INTERPRETED", True)
-    monkeypatch.setitem(slice_write.IN_PLACE, "cpu", slice_write.IN_PLACE["cuda"])
-    monkeypatch.setitem(slice_write.PLANNERS, "cpu", slice_write.PLANNERS["cuda"])
+pytestmark = pytest.mark.triton_on_cpu(serves=("slice_write",))  # the Triton backend, in place for the slice op too
 
 
 def rope(x, cos, sin):

@@ -19,25 +19,13 @@ import torch
 pytest.importorskip("triton")
 
 from conftest import check_numerics, compile_with_pass  # noqa: E402
-from triton_interpreted import interpreted  # noqa: E402
 
-from rope_fusion.ops import slice_write  # noqa: E402
 from rope_fusion.ops.overlap import dense_from_start, overlap_reason  # noqa: E402
 
 TEXT = 3
 
 
-@pytest.fixture
-def triton_on_cpu(monkeypatch):
-    """The Triton backend on CPU tensors: its kernel interpreted, in place for the slice op too."""
-    import rope_fusion.kernels.triton_kernel as tk
-    import rope_fusion.kernels.triton_launch as launching
-    import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the backend and the in-place kernel)
-
-    monkeypatch.setattr(launching, "rotary_kernel", interpreted(tk.rotary_kernel))
-    monkeypatch.setattr(launching, "INTERPRETED", True)
-    monkeypatch.setitem(slice_write.IN_PLACE, "cpu", slice_write.IN_PLACE["cuda"])
-    monkeypatch.setitem(slice_write.PLANNERS, "cpu", slice_write.PLANNERS["cuda"])
+pytestmark = pytest.mark.triton_on_cpu(serves=("slice_write",))  # the Triton backend, in place for the slice op too
 
 
 def rope(x, cos, sin):

@@ -173,42 +173,15 @@ class CountingPass(rope_fusion.RopeFusionPass):
 
 @contextlib.contextmanager
 def backend_on_cpu(options: dict):
-    """The Triton backend on CPU tensors where a case asks for it: its kernel interpreted (in place for the slice
-    op, the cat op's too), as the project's tests run it."""
+    """The Triton backend on CPU tensors where a case asks for it (tests/helpers/triton_cpu.py): its kernels
+    interpreted, in place for the slice op and for the cat op too, as the project's tests run it."""
     if options.get("backend") != "triton":
         yield
         return
-    import triton
-    from triton.runtime.interpreter import InterpretedFunction
+    from tests.helpers.triton_cpu import triton_on_cpu
 
-    import rope_fusion.kernels.triton_kernel as tk
-    import rope_fusion.kernels.triton_launch as launching
-    import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the backend and the in-place kernels)
-    from rope_fusion.ops import cat_rotary, slice_write
-    from tests.triton_interpreted import interpreted
-
-    saved = [(launching, "rotary_kernel", launching.rotary_kernel), (launching, "INTERPRETED", launching.INTERPRETED),
-             (triton.language, "sum", triton.language.sum)]
-    tables = [(slice_write.IN_PLACE, "cuda"), (slice_write.PLANNERS, "cuda"), (cat_rotary.DEVICE_IMPLS, "cuda"),
-              (cat_rotary.DEVICE_CHECKS, "cuda")]
-    before = [(t, t.get("cpu")) for t, _ in tables]
-    try:
-        launching.rotary_kernel = interpreted(tk.rotary_kernel)
-        launching.INTERPRETED = True
-        if not isinstance(triton.language.sum, InterpretedFunction):
-            triton.language.sum = InterpretedFunction(triton.language.sum.fn)
-        for t, key in tables:
-            if key in t:
-                t["cpu"] = t[key]
+    with triton_on_cpu(serves=("slice_write", "cat")):
         yield
-    finally:
-        for obj, name, value in saved:
-            setattr(obj, name, value)
-        for t, value in before:
-            if value is None:
-                t.pop("cpu", None)
-            else:
-                t["cpu"] = value
 
 
 class _ComputeDtypes(torch.utils._python_dispatch.TorchDispatchMode):

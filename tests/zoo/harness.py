@@ -19,7 +19,6 @@ pass every RoPE site shows such products; after it there must be none.
 from __future__ import annotations
 
 import collections
-import contextlib
 import copy
 import dataclasses
 import re
@@ -390,60 +389,6 @@ class Result:
     @property
     def numerics_ok(self) -> bool:
         return self.err_pass <= self.tol
-
-
-@contextlib.contextmanager
-def triton_on_cpu():
-    """The Triton backend on CPU tensors, for the rows that show what only it folds (slice writes, joint cats):
-    its kernel interpreted (tests/triton_interpreted.py), serving the in-place and the pieces' ops on the CPU too."""
-    import importlib
-
-    import rope_fusion.kernels.triton_kernel as tk
-    import rope_fusion.kernels.triton_launch as launching
-    import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the backend and its ops' kernels)
-    try:
-        from tests.triton_interpreted import interpreted
-    except ImportError:  # under pytest, tests/ itself is on the path
-        from triton_interpreted import interpreted
-
-    saved = [(launching, "rotary_kernel", launching.rotary_kernel), (launching, "INTERPRETED", launching.INTERPRETED)]
-    tables = []  # (device-type table, its "cpu" entry before)
-    for module, names in (("rope_fusion.ops.slice_write", ("IN_PLACE", "PLANNERS")),
-                          ("rope_fusion.ops.cat_rotary", ("DEVICE_IMPLS", "DEVICE_CHECKS"))):
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:
-            continue
-        for name in names:
-            table = getattr(mod, name, None)
-            if isinstance(table, dict) and "cuda" in table:
-                tables.append((table, table.get("cpu")))
-                table["cpu"] = table["cuda"]
-    import triton.language
-    from triton.runtime.interpreter import InterpretedFunction
-
-    # Triton's own reductions (`tl.sum`, a @jit function of its standard library, imported compiled) interpreted
-    # too; and the interpreter's patches of triton.language's builtins undone afterwards (tests/conftest.py)
-    modules = [m for m in (triton.language, triton.language.core, triton.language.math, triton.language.standard)]
-    before = [(m, dict(vars(m))) for m in modules]
-    if not isinstance(triton.language.sum, InterpretedFunction):
-        triton.language.sum = InterpretedFunction(triton.language.sum.fn)
-    launching.rotary_kernel = interpreted(tk.rotary_kernel)
-    launching.INTERPRETED = True
-    try:
-        yield
-    finally:
-        for obj, name, value in saved:
-            setattr(obj, name, value)
-        for m, attrs in before:
-            for k, v in attrs.items():
-                if vars(m).get(k, v) is not v:
-                    setattr(m, k, v)
-        for table, before in tables:
-            if before is None:
-                table.pop("cpu", None)
-            else:
-                table["cpu"] = before
 
 
 def run_entry(entry, dtype: torch.dtype, *, full: bool = False, backend: str = "auto",

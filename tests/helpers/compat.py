@@ -66,36 +66,26 @@ class KernelLaunches:
         return len(self.reads)
 
 
+# what the drop-ins run on CPU tensors: the `triton_on_cpu` fixture's settings for `kernel_on_cpu`
+ON_CPU = pytest.mark.triton_on_cpu(serves=("eager", "slice_write", "cat", "cat_planner", "join"), wrap=KernelLaunches)
+
+
 @pytest.fixture
-def kernel_on_cpu(monkeypatch):
+def kernel_on_cpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     """CPU tensors served as CUDA tensors are: the op's direct path, the in-place form (ops/slice_write.py), the
     cat ops (ops/cat_rotary.py) and the joins (ops/joins.py) plan the Triton kernels, which run interpreted and
-    recorded (`KernelLaunches`; the join kernel's as the `joins` attribute).
+    recorded (`KernelLaunches`; the join kernel's as the `joins` attribute), through the `triton_on_cpu` fixture
+    (tests/conftest.py) with the settings `ON_CPU` gives the test.
     The drop-ins' plans are dropped before and after, so none planned for another device serves a call here, nor
     one planned here a call after."""
-    import triton
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton_interpreted import interpreted
-
-    import rope_fusion.kernels.triton_join as tj
-    import rope_fusion.kernels.triton_kernel as tk
-    import rope_fusion.kernels.triton_launch as launching
-    import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the CUDA kernels)
     from rope_fusion.compat.direct import clear_plans
-    from rope_fusion.ops import cat_rotary, joins, library, slice_write
+    from rope_fusion.ops import library
 
-    launches = KernelLaunches(interpreted(tk.rotary_kernel))
-    launches.joins = KernelLaunches(interpreted(tj.join_kernel))  # the join kernel's launches: (a, b, out) read
-    monkeypatch.setattr(launching, "rotary_kernel", launches)
-    monkeypatch.setattr(tj, "join_kernel", launches.joins)
-    monkeypatch.setattr(launching, "INTERPRETED", True)
-    monkeypatch.setitem(library.DEVICE_KERNELS, "cpu", library.DEVICE_KERNELS["cuda"])
+    request.applymarker(ON_CPU)
+    kernels = request.getfixturevalue("triton_on_cpu")
+    launches = kernels.rotary
+    launches.joins = kernels.join  # the join kernel's launches: (a, b, out) read
     monkeypatch.setattr(library, "_EAGER_PLANS", {})
-    for registry in (slice_write.IN_PLACE, slice_write.PLANNERS, cat_rotary.DEVICE_IMPLS, cat_rotary.DEVICE_CHECKS,
-                     cat_rotary.DEVICE_PLANNERS, joins.JOIN_PLANNERS):
-        monkeypatch.setitem(registry, "cpu", registry["cuda"])
-    if not isinstance(triton.language.sum, InterpretedFunction):  # a norm's reduction runs interpreted too
-        monkeypatch.setattr(triton.language, "sum", InterpretedFunction(triton.language.sum.fn))
     clear_plans()
     yield launches
     clear_plans()

@@ -1,0 +1,104 @@
+"""The Triton backend serving CPU tensors, as every CPU test and the zoo and fuzz runs set it up.
+
+The kernel modules are imported compiled (the graph tests trace them on fake tensors, which an interpreted kernel
+cannot do), so a CPU run swaps the interpreted kernels in (tests/triton_interpreted.py), says the launcher runs
+interpreted, and interprets Triton's own `tl.sum` (a `@jit` function of its standard library, imported compiled)
+for the norms. What the CPU then serves with the CUDA implementations is chosen by name from `SERVES`, because
+each extra table changes what the pass and the ops decide (a served cat op folds a cat that is otherwise left).
+
+`install` does it on a `pytest.MonkeyPatch`: the `triton_on_cpu` fixture (tests/conftest.py) passes its own, so
+a test's later patches of the same names unwind in order; `triton_on_cpu` here is the context manager of the
+zoo's and the fuzz suite's runs outside a test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import pytest
+
+# name -> (module, its device-type tables whose "cpu" entry becomes the "cuda" one)
+SERVES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "eager": ("rope_fusion.ops.library", ("DEVICE_KERNELS",)),  # the public functions' direct path
+    "slice_write": ("rope_fusion.ops.slice_write", ("IN_PLACE", "PLANNERS")),  # rotations written into slices
+    "cat": ("rope_fusion.ops.cat_rotary", ("DEVICE_IMPLS", "DEVICE_CHECKS")),  # the cat ops read the pieces
+    "cat_planner": ("rope_fusion.ops.cat_rotary", ("DEVICE_PLANNERS",)),  # the cat ops' eager plans
+    "join": ("rope_fusion.ops.joins", ("JOIN_PLANNERS",)),  # the join kernel
+    "kv_cache": ("rope_fusion.ops.kv_cache_op", ("DEVICE_IMPLS",)),  # the KV-cache op
+}
+EVERYTHING = tuple(SERVES)
+
+_TRITON_LANGUAGE = ("triton.language", "triton.language.core", "triton.language.math", "triton.language.standard")
+
+
+@dataclasses.dataclass
+class TritonOnCpu:
+    """What a CPU run launches: the rotary and the join kernel as installed (interpreted, wrapped where asked)."""
+
+    rotary: Any
+    join: Any
+
+
+def install(mp: pytest.MonkeyPatch, serves: Iterable[str] = (), wrap: Callable[[Any], Any] | None = None
+            ) -> TritonOnCpu:
+    """Swap the interpreted kernels in on `mp` and serve `serves` (names of `SERVES`) on the CPU.
+
+    `wrap` wraps each interpreted kernel (a recorder of its launches); the rotary kernel is left bare without
+    one, since the launcher reads its `arg_names` to replay compiled launches."""
+    import triton.language
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import rope_fusion.kernels.triton_join as tj
+    import rope_fusion.kernels.triton_kernel as tk
+    import rope_fusion.kernels.triton_launch as launching
+    import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the CUDA implementations served here)
+    from tests.triton_interpreted import interpreted
+
+    unknown = sorted(set(serves) - set(SERVES))
+    if unknown:
+        raise ValueError(f"triton_on_cpu cannot serve {unknown}; it serves {sorted(SERVES)}")
+    wrap = wrap or (lambda kernel: kernel)
+    kernels = TritonOnCpu(wrap(interpreted(tk.rotary_kernel)), wrap(interpreted(tj.join_kernel)))
+    mp.setattr(launching, "rotary_kernel", kernels.rotary)
+    mp.setattr(tj, "join_kernel", kernels.join)
+    mp.setattr(launching, "INTERPRETED", True)
+    if not isinstance(triton.language.sum, InterpretedFunction):
+        mp.setattr(triton.language, "sum", InterpretedFunction(triton.language.sum.fn))
+    for name in serves:
+        module, tables = SERVES[name]
+        mod = importlib.import_module(module)
+        for table in tables:
+            mp.setitem(getattr(mod, table), "cpu", getattr(mod, table)["cuda"])
+    return kernels
+
+
+@contextlib.contextmanager
+def triton_language_kept() -> Iterator[None]:
+    """Triton's interpreter patches `triton.language`'s builtins while it runs a kernel, and some runs leave them
+    patched; a compiled kernel analysed later (torch's TTIR analysis) then fails. This gives the modules, and
+    the tensor class, back as they were."""
+    saved = [(mod, dict(vars(mod))) for mod in map(sys.modules.get, _TRITON_LANGUAGE) if mod is not None]
+    tensor = getattr(sys.modules.get("triton.language.core"), "tensor", None)
+    if tensor is not None:
+        saved.append((tensor, dict(vars(tensor))))
+    try:
+        yield
+    finally:
+        for obj, attrs in saved:
+            for k, v in attrs.items():
+                if vars(obj).get(k, v) is not v:
+                    setattr(obj, k, v)
+
+
+@contextlib.contextmanager
+def triton_on_cpu(serves: Iterable[str], wrap: Callable[[Any], Any] | None = None
+                  ) -> Iterator[TritonOnCpu]:
+    """`install` for a run outside a test (the zoo's rows, the fuzz cases), undone on the way out together with
+    whatever the interpreter left patched in `triton.language`."""
+    with triton_language_kept(), pytest.MonkeyPatch.context() as mp:
+        yield install(mp, serves, wrap)
