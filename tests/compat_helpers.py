@@ -90,7 +90,7 @@ def kernel_on_cpu(monkeypatch):
     monkeypatch.setattr(tj, "join_kernel", launches.joins)
     monkeypatch.setattr(launching, "INTERPRETED", True)
     monkeypatch.setitem(library.DEVICE_KERNELS, "cpu", library.DEVICE_KERNELS["cuda"])
-    monkeypatch.setattr(library, "_EAGER_PLANS", {})
+    rope_fusion.clear_caches()
     for registry in (slice_write.IN_PLACE, slice_write.PLANNERS, cat_rotary.DEVICE_IMPLS, cat_rotary.DEVICE_CHECKS,
                      cat_rotary.DEVICE_PLANNERS, joins.JOIN_PLANNERS):
         monkeypatch.setitem(registry, "cpu", registry["cuda"])

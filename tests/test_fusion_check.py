@@ -224,7 +224,7 @@ def triton_on_cpu(monkeypatch):
     monkeypatch.setattr(launching, "INTERPRETED", True)
     monkeypatch.setitem(slice_write.IN_PLACE, "cpu", slice_write.IN_PLACE["cuda"])
     monkeypatch.setitem(slice_write.PLANNERS, "cpu", slice_write.PLANNERS["cuda"])
-    monkeypatch.setattr(slice_write, "_PLANS", {})
+    rope_fusion.clear_caches()
 
 
 def _flipped_in_place(call, views) -> bool:
@@ -331,7 +331,7 @@ def test_auto_checks_the_fold_of_a_write_back(clock, triton_on_cpu, monkeypatch)
         if wrong:
             monkeypatch.setitem(slice_write.IN_PLACE, "cpu", _flipped_in_place)
             monkeypatch.delitem(slice_write.PLANNERS, "cpu")
-            monkeypatch.setattr(slice_write, "_PLANS", {})  # the first compile's plan of this geometry is gone
+            rope_fusion.clear_caches()  # the first compile's plan of this geometry is gone
         clock.calls = []
         shutil.rmtree(auto_decisions.cache_dir(), ignore_errors=True)  # measured anew, not read from the first
         before = fusion_check.STATS["refused"]

@@ -19,6 +19,7 @@ triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton_interpreted import interpreted  # noqa: E402
 
+import rope_fusion  # noqa: E402
 import rope_fusion.kernels.triton_kernel as tk  # noqa: E402
 import rope_fusion.kernels.triton_launch as launching  # noqa: E402
 from rope_fusion.kernels.triton_plan import default_row_tail, row_tail_fits  # noqa: E402
@@ -47,7 +48,7 @@ def kernel(monkeypatch):
     rec = Recorded(interpreted(tk.rotary_kernel))
     monkeypatch.setattr(launching, "rotary_kernel", rec)
     monkeypatch.setattr(launching, "INTERPRETED", True)
-    monkeypatch.setattr(launching, "_LAUNCH_CACHE", {})
+    rope_fusion.clear_caches()
     if not isinstance(triton.language.sum, InterpretedFunction):
         monkeypatch.setattr(triton.language, "sum", InterpretedFunction(triton.language.sum.fn))
     return rec

@@ -17,6 +17,7 @@ import torch
 import rope_fusion
 from rope_fusion.ops import library
 from rope_fusion.ops.optional_backends import load_backends
+from rope_fusion.ops.plan_cache import plan_cache
 from rope_fusion.ops.reference import rotary_reference
 from rope_fusion.ops.schema import RotaryCall, RotaryParams
 
@@ -188,7 +189,7 @@ def interpreted_kernel(monkeypatch):
     monkeypatch.setattr(launching, "rotary_kernel", interpreted(tk.rotary_kernel))
     monkeypatch.setattr(launching, "INTERPRETED", True)
     monkeypatch.setitem(library.DEVICE_KERNELS, "cpu", library.DEVICE_KERNELS["cuda"])
-    monkeypatch.setattr(library, "_EAGER_PLANS", {})
+    rope_fusion.clear_caches()
     return triton
 
 
@@ -205,7 +206,7 @@ def test_triton_kernel_interpreted(interpreted_kernel, interleaved, rotary_dim, 
         for a, b, w in zip(ops_out, direct, want):
             close(a, w, dtype)
             close(b, w, dtype)
-    assert len(library._EAGER_PLANS) == 1
+    assert len(plan_cache("rotary.direct")) == 1
 
 
 def test_triton_user_kernel_node():
