@@ -222,7 +222,7 @@ def host_profile(shape: tuple, device: str, calls: int) -> dict:
     import io
     import pstats
 
-    from rope_fusion.ops import library
+    from rope_fusion.ops.plan_cache import plan_cache
 
     site = make_site(*shape[:4], device=device, packed=shape[4])
     call = variants(site, device)["rope_fusion"][0]
@@ -239,7 +239,7 @@ def host_profile(shape: tuple, device: str, calls: int) -> dict:
     cf = torch.contiguous_format
     parts["two empty_like"] = host_us(
         lambda: (torch.empty_like(q, memory_format=cf), torch.empty_like(k, memory_format=cf)), device, calls)
-    plans = list(library._EAGER_PLANS.values())
+    plans = list(plan_cache("rotary.direct").values())
     plan = plans[-1] if plans else None
     runner = getattr(plan, "run", None)
     entries = getattr(runner, "entries", None)

@@ -26,7 +26,7 @@ import types
 from typing import Any
 
 from . import import_hooks, ops  # noqa: F401  (ops: defines the rope_fusion::* ops)
-from .ops import apply_rotary, apply_rotary_qk, apply_rotary_qk_kv_cache, apply_rotary_qkv
+from .ops import apply_rotary, apply_rotary_qk, apply_rotary_qk_kv_cache, apply_rotary_qkv, clear_caches
 
 # Public names defined in modules that load on first use: name -> module (relative to this package).
 _LAZY_NAMES = {
@@ -95,5 +95,5 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = ["RopeFusionPass", "Report", "apply_rotary", "apply_rotary_qk", "apply_rotary_qkv", "rms_norm_rope_qk",
-           "apply_rotary_qk_kv_cache", "compat", "inductor_options", "install", "installed", "uninstall", "vllm_pass",
-           "debug", "fx_pass", "FxPass", "backend", "__version__"]
+           "apply_rotary_qk_kv_cache", "clear_caches", "compat", "inductor_options", "install", "installed",
+           "uninstall", "vllm_pass", "debug", "fx_pass", "FxPass", "backend", "__version__"]

@@ -147,6 +147,15 @@ def triton_on_cpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.fixture(autouse=True)
+def _plans_forgotten():
+    """A test that serves CPU tensors with a stand-in kernel plans geometries that a later test, with the stand-in
+    gone, must not replay: every test leaves the library's plan caches empty (`rope_fusion.clear_caches`)."""
+    yield
+    rope_fusion.clear_caches()
+
+
+
+@pytest.fixture(autouse=True)
 def _triton_language_restored():
     """Some interpreted runs leave `triton.language`'s builtins patched (seen after tests/test_eager_op.py: 68
     builtins of triton.language.core), and a compiled kernel analysed later (torch's TTIR analysis of flash-attn's

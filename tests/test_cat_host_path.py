@@ -32,6 +32,7 @@ from triton.compiler import CompiledKernel  # noqa: E402
 import rope_fusion.kernels.triton_rotary  # noqa: E402,F401  (registers the backend and the cat ops' kernel)
 from rope_fusion.kernels import triton_cat, triton_launch  # noqa: E402
 from rope_fusion.ops import cat_rotary  # noqa: E402
+from rope_fusion.ops.plan_cache import plan_cache  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEADS, D = 2, 16
@@ -93,8 +94,6 @@ pytestmark = pytest.mark.triton_on_cpu(serves=("cat",), wrap=_Counting)  # the k
 def triton_on_cpu(triton_on_cpu, monkeypatch):
     """The Triton backend on CPU tensors serving the cat ops (tests/conftest.py), with empty plan caches and the
     planner's calls counted (`plans`)."""
-    monkeypatch.setattr(triton_cat, "_RUNNERS", {})
-    monkeypatch.setattr(triton_cat, "_PLANS", {})
     plans = []
     real = triton_cat.plan_cat
 
@@ -166,9 +165,9 @@ def test_repeated_calls_of_one_geometry_plan_once(triton_on_cpu, norm, positions
         args, kw = _inputs(dtype=dtype, norm=norm, positions=positions)
         with poisoned_outputs():  # outputs start as NaN: an element the kernel did not write shows
             _check(_launch(args, kw), args, kw)
-    assert len(triton_on_cpu) == 1 and len(triton_cat._RUNNERS) == 1, triton_on_cpu
+    assert len(triton_on_cpu) == 1 and len(plan_cache("cat.runners")) == 1, triton_on_cpu
     assert triton_launch.rotary_kernel.launches == 4
-    runner = next(iter(triton_cat._RUNNERS.values()))
+    runner = next(iter(plan_cache("cat.runners").values()))
     assert runner.replay is False  # the interpreter's launch returns no compiled kernel: the JIT launcher stays
 
 
@@ -189,7 +188,7 @@ def test_the_op_checks_a_geometry_once(triton_on_cpu, monkeypatch):
     # the op's parses, not the fp64 reference's (`_exact` parses its fp64 copies)
     monkeypatch.setattr(cat_rotary, "parse", lambda *a: (a[1][0].dtype != torch.float64 and checked.append(1))
                         or real(*a))
-    monkeypatch.setattr(cat_rotary, "_CHECKED", set())
+    rope_fusion.clear_caches()
     for _ in range(3):
         args, kw = _inputs()
         _check(cat_rotary.CAT_OPS[1](*args, **kw), args, kw)
@@ -208,7 +207,7 @@ def test_a_second_geometry_gets_its_own_plan(triton_on_cpu):
         for shape in shapes:
             args, kw = _inputs(**shape)
             _check(_launch(args, kw), args, kw)
-    assert len(triton_on_cpu) == 3 and len(triton_cat._RUNNERS) == 3, triton_on_cpu
+    assert len(triton_on_cpu) == 3 and len(plan_cache("cat.runners")) == 3, triton_on_cpu
     # the same shapes and strides at another alignment of the data are another geometry
     args, kw = _inputs()
     base = torch.randn(args[0].numel() + 1)
@@ -232,7 +231,7 @@ def test_every_tensor_of_a_call_is_read_per_call(triton_on_cpu, monkeypatch):
         outs = _launch(args, kw)
         _check(outs, args, kw)
         calls.append((args, kw, outs))
-    runner = next(iter(triton_cat._RUNNERS.values()))
+    runner = next(iter(plan_cache("cat.runners").values()))
     assert runner.checked and runner.replay, "the replay's check failed: it wrote other values than the JIT launch"
     assert kernel.jit_launches == 2 and len(kernel.replays) == 3  # calls 1, 2 JIT; calls 2, 3, 4 replayed
     assert len(triton_on_cpu) == 1
@@ -271,7 +270,7 @@ def test_a_replay_that_differs_keeps_the_jit_launcher(triton_on_cpu, monkeypatch
     for _ in range(4):
         args, kw = _inputs()
         _check(_launch(args, kw), args, kw)
-    runner = next(iter(triton_cat._RUNNERS.values()))
+    runner = next(iter(plan_cache("cat.runners").values()))
     assert runner.replay is False and not runner.checked
     assert "wrote other values than its JIT launcher" in caplog.text
 
@@ -311,13 +310,13 @@ def test_the_static_launchers_pointers_are_the_calls_tensors(monkeypatch):
     recorder = ptx_identity._Recorder()  # the launch as planned for CPU tensors, compiled below for the GPU
     monkeypatch.setattr(triton_launch, "rotary_kernel", recorder)
     monkeypatch.setattr(triton_launch, "INTERPRETED", True)
-    monkeypatch.setattr(triton_cat, "_RUNNERS", {})
+    rope_fusion.clear_caches()
     args, kw = _inputs(dtype=torch.bfloat16, norm="rms", positions=True)
     triton_cat.launch_cat(cat_rotary.parse(2, args, kw))
     (jit_args, jit_kwargs), = recorder.calls
     kernel = ptx_identity._kernel()
     names = list(kernel.arg_names)
-    runner = next(iter(triton_cat._RUNNERS.values()))
+    runner = next(iter(plan_cache("cat.runners").values()))
     layout = triton_cat.replay_layout(names, len(runner.scalars), runner.meta)
     assert layout is not None
     values, slots = layout
@@ -351,6 +350,7 @@ def test_the_interpreter_keeps_the_jit_launcher():
         import rope_fusion.kernels.triton_rotary  # noqa: F401
         from rope_fusion.kernels import triton_cat, triton_launch
         from rope_fusion.ops import cat_rotary
+        from rope_fusion.ops.plan_cache import plan_cache
         assert triton_launch.INTERPRETED
         cat_rotary.DEVICE_IMPLS["cpu"] = cat_rotary.DEVICE_IMPLS["cuda"]
         plans = []
@@ -368,7 +368,7 @@ def test_the_interpreter_keeps_the_jit_launcher():
                                     dict(kw, out_dtype=torch.float64, second_pieces=[q1.double(), k1.double()]))
             for out, exact in zip(outs, cat_rotary.reference(wide)):
                 assert (out.double() - exact).abs().max().item() < 1e-5
-        runner, = triton_cat._RUNNERS.values()
+        runner, = plan_cache("cat.runners").values()
         assert len(plans) == 1 and runner.replay is False, (plans, runner.replay)
         print("ok")
     """)
@@ -438,9 +438,9 @@ def host_time(calls: int = 200, rounds: int = 15) -> dict:
         out["parse"] = best(lambda: cat_rotary.parse(2, args, kw))
         for label, compiled in (("replay", NoOp()), ("jit", None)):
             triton_launch.rotary_kernel = Stub(compiled)
-            triton_cat._RUNNERS.clear()
+            rope_fusion.clear_caches()
             assert triton_cat.launch_cat(cat) is not None
-            runner = next(iter(triton_cat._RUNNERS.values()))
+            runner = next(iter(plan_cache("cat.runners").values()))
             if compiled is not None:
                 assert runner.replay
                 runner.checked = True  # the no-op writes nothing: its check is taken as passed
@@ -450,7 +450,7 @@ def host_time(calls: int = 200, rounds: int = 15) -> dict:
         triton_launch.rotary_kernel, triton_launch.INTERPRETED = saved[:2]
         cat_rotary.DEVICE_IMPLS.clear()
         cat_rotary.DEVICE_IMPLS.update(saved[2])
-        triton_cat._RUNNERS.clear()
+        rope_fusion.clear_caches()
     return out
 
 
@@ -470,12 +470,12 @@ def gpu_check(calls: int = 200) -> dict:
     launcher where this torch has one) after the first calls, eagerly and replayed in a CUDA graph; and the host
     time per op call (`rotary_qk_cat`: parse and launch_cat), replayed and through the JIT launcher."""
     op = cat_rotary.CAT_OPS[1]
-    triton_cat._RUNNERS.clear()
+    rope_fusion.clear_caches()
     out: dict = {}
     for _ in range(4):  # call 1 JIT, call 2 the replay checked against it, then the replay alone
         args, kw = _flux_call("cuda")
         _check(op(*args, **kw), args, kw)
-    runner, = triton_cat._RUNNERS.values()
+    runner, = plan_cache("cat.runners").values()
     out["replay"] = getattr(runner.replay, "__qualname__", runner.replay)
     out["checked"] = runner.checked
     args, kw = _flux_call("cuda")
@@ -515,7 +515,7 @@ def gpu_check(calls: int = 200) -> dict:
     out["graph replay: us/call"] = round((time.perf_counter() - t) / calls * 1e6, 1)
     runner.replay, runner.checked = False, False  # the JIT launcher on every call
     host("jit")
-    triton_cat._RUNNERS.clear()
+    rope_fusion.clear_caches()
     return out
 
 

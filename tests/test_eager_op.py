@@ -17,6 +17,7 @@ import torch
 
 import rope_fusion
 from rope_fusion.ops import library
+from rope_fusion.ops.plan_cache import plan_cache
 from rope_fusion.ops.reference import rotary_reference
 
 pytest.importorskip("triton")
@@ -48,7 +49,7 @@ def kernel_on_cpu(triton_on_cpu, monkeypatch):
         raise AssertionError("wrap_triton called on the eager path")
 
     monkeypatch.setattr(launching, "wrap_triton", no_wrap)
-    monkeypatch.setattr(library, "_EAGER_PLANS", {})
+    rope_fusion.clear_caches()
     return triton_on_cpu.rotary
 
 
@@ -91,7 +92,7 @@ def test_eager_call_launches_the_kernel_directly(kernel_on_cpu, name, qs, ks, kw
     # fresh inputs of the same geometry reuse the plan: one more launch, no new plan
     q2, k2 = torch.randn_like(q), torch.randn_like(k)
     qo2, ko2 = rope_fusion.apply_rotary_qk(q2, k2, cos, sin, **kw)
-    assert kernel_on_cpu.launches == 2 and len(library._EAGER_PLANS) == 1
+    assert kernel_on_cpu.launches == 2 and len(plan_cache("rotary.direct")) == 1
     close(qo2, oracle(q2, cos, sin, **full), torch.bfloat16)
     close(ko2, oracle(k2, cos, sin, **full), torch.bfloat16)
 
@@ -171,7 +172,7 @@ def test_traced_calls_go_through_the_op(kernel_on_cpu):
         fq, fc, fs = mode.from_tensor(q), mode.from_tensor(cos), mode.from_tensor(sin)
         out = rope_fusion.apply_rotary(fq, fc, fs, out_dtype=torch.bfloat16)
         assert out.shape == q.shape and out.dtype == torch.bfloat16
-    assert kernel_on_cpu.launches == 0 and not library._EAGER_PLANS
+    assert kernel_on_cpu.launches == 0 and not plan_cache("rotary.direct")
 
 
 def test_cpu_runs_the_reference():
@@ -198,7 +199,7 @@ def npu_on_cpu(monkeypatch):
     monkeypatch.setattr(bridge, "OP_NAMESPACE", nb.NS)
     monkeypatch.setattr(bridge, "_LOGGED", set())
     monkeypatch.setitem(library.DEVICE_KERNELS, "cpu", library.DeviceKernel(bridge._impl))
-    monkeypatch.setattr(library, "_EAGER_PLANS", {})
+    rope_fusion.clear_caches()
     nb.CALLS.clear()
     return nb.CALLS
 
@@ -253,7 +254,7 @@ def test_compiled_kernel_launcher_is_checked_once_against_the_jit_launcher(kerne
     kw = dict(interleaved=False, rotary_dim=32, full_tables=False)
     for write_zeros in (False, True):
         monkeypatch.setattr(launching, "_compiled_runner", runner_of(write_zeros))
-        library._EAGER_PLANS.clear()
+        rope_fusion.clear_caches()
         used.clear()
         kernel_on_cpu.launches = 0
         with caplog.at_level(logging.WARNING, logger="rope_fusion"):
@@ -276,7 +277,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 @cuda
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_cuda_direct_path_every_call_and_after_the_launcher_check(interleaved, monkeypatch):
-    monkeypatch.setattr(library, "_EAGER_PLANS", {})
+    rope_fusion.clear_caches()
     torch.manual_seed(6)
     t, d = 300, 80 if not interleaved else 128
     cos, sin = (x.cuda() for x in rand_tables((t, 1), d // 2))
@@ -287,7 +288,7 @@ def test_cuda_direct_path_every_call_and_after_the_launcher_check(interleaved, m
         qo, ko = rope_fusion.apply_rotary_qk(q, k, cos, sin, interleaved=interleaved)
         close(qo, oracle(q, cos, sin, **kw), torch.bfloat16)
         close(ko, oracle(k, cos, sin, **kw), torch.bfloat16)
-    plans = list(library._EAGER_PLANS.values())
+    plans = list(plan_cache("rotary.direct").values())
     assert len(plans) == 2  # aligned and not: two plans, each specialized as Triton compiled it
     for plan in plans:
         assert isinstance(plan.run, launching._DirectLaunches)
@@ -296,7 +297,7 @@ def test_cuda_direct_path_every_call_and_after_the_launcher_check(interleaved, m
 
 @cuda
 def test_cuda_direct_path_in_a_cuda_graph(monkeypatch):
-    monkeypatch.setattr(library, "_EAGER_PLANS", {})
+    rope_fusion.clear_caches()
     torch.manual_seed(7)
     q, k = torch.randn(64, 4, 64, device="cuda"), torch.randn(64, 2, 64, device="cuda")
     cos, sin = (x.cuda() for x in rand_tables((64, 1), 32))

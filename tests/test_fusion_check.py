@@ -213,14 +213,6 @@ def read_again(x, cos, sin):
     return z, y + 1.0
 
 
-@pytest.fixture
-def triton_on_cpu(triton_on_cpu, monkeypatch):
-    """The Triton backend on CPU tensors (tests/conftest.py), in place for the slice op too, with no plan of another
-    test."""
-    monkeypatch.setattr(slice_write, "_PLANS", {})
-    return triton_on_cpu
-
-
 def _flipped_in_place(call, views) -> bool:
     """An in-place kernel that writes the rotation by the opposite angle into the slices."""
     for view, out in zip(views, reference_outputs(_flipped(call))):
@@ -325,7 +317,7 @@ def test_auto_checks_the_fold_of_a_write_back(clock, triton_on_cpu, monkeypatch)
         if wrong:
             monkeypatch.setitem(slice_write.IN_PLACE, "cpu", _flipped_in_place)
             monkeypatch.delitem(slice_write.PLANNERS, "cpu")
-            monkeypatch.setattr(slice_write, "_PLANS", {})  # the first compile's plan of this geometry is gone
+            rope_fusion.clear_caches()  # the first compile's plan of this geometry is gone
         clock.calls = []
         shutil.rmtree(auto_decisions.cache_dir(), ignore_errors=True)  # measured anew, not read from the first
         before = fusion_check.STATS["refused"]

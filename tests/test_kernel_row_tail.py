@@ -44,8 +44,7 @@ pytestmark = pytest.mark.triton_on_cpu(wrap=Recorded)  # each launch's compile-t
 
 @pytest.fixture
 def kernel(triton_on_cpu, monkeypatch):
-    """The recorded interpreted kernel (tests/conftest.py), with no launch planned by another test."""
-    monkeypatch.setattr(launching, "_LAUNCH_CACHE", {})
+    """The recorded interpreted kernel (tests/conftest.py, which leaves no launch planned by another test)."""
     return triton_on_cpu.rotary
 
 

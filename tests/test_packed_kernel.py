@@ -21,8 +21,10 @@ pytest.importorskip("triton")
 import triton.runtime.interpreter as interpreter  # noqa: E402
 from test_triton_kernels import KERNEL, poisoned_outputs  # noqa: E402
 
+import rope_fusion  # noqa: E402
 import rope_fusion.kernels.triton_launch as launching  # noqa: E402
 from rope_fusion.ops.packed import unpacked  # noqa: E402
+from rope_fusion.ops.plan_cache import plan_cache  # noqa: E402
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
 from rope_fusion.ops.schema import RotaryCall, RotaryParams  # noqa: E402
 
@@ -219,7 +221,6 @@ def test_the_public_functions_direct_path_takes_packed_sequences_to_the_kernel(m
     """`apply_rotary_qk(..., cu_seqlens=)` eagerly: its plan launches the kernel with cu_seqlens (one launch a call,
     no positions derived by ATen ops once planned), every call of the geometry after the first replaying the plan; the
     results match the per-sequence fp64 rotation, with and without per-sequence offsets."""
-    import rope_fusion
     from rope_fusion.ops import library
 
     launches = []
@@ -231,7 +232,7 @@ def test_the_public_functions_direct_path_takes_packed_sequences_to_the_kernel(m
 
     monkeypatch.setattr(launching, "rotary_kernel", Counting())
     monkeypatch.setattr(launching, "INTERPRETED", True)
-    monkeypatch.setattr(library, "_EAGER_PLANS", {})
+    rope_fusion.clear_caches()
     monkeypatch.setitem(library.DEVICE_KERNELS, "cpu", library.DEVICE_KERNELS["cuda"])  # CPU tensors, the kernel's
     for call in range(3):
         (q, k), cu, offsets, cos, sin = random_case(20 + call, [3, 0, 5, 2], torch.int64, with_offsets)
@@ -245,4 +246,4 @@ def test_the_public_functions_direct_path_takes_packed_sequences_to_the_kernel(m
             want = expected(x, cos, sin, cu, offsets, None, interleaved=False, rotary_dim=x.shape[-1],
                             full_tables=False)
             torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
-    assert len(launches) == 3 and len(library._EAGER_PLANS) == 1  # one launch of q and k a call, one plan
+    assert len(launches) == 3 and len(plan_cache("rotary.direct")) == 1  # one launch of q and k a call, one plan

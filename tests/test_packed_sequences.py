@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import rope_fusion
-from rope_fusion.ops import library
 from rope_fusion.ops.optional_backends import load_backends
+from rope_fusion.ops.plan_cache import plan_cache
 from rope_fusion.ops.reference import rotary_reference
 from rope_fusion.ops.schema import RotaryCall, RotaryParams
 
@@ -180,8 +180,7 @@ def test_compiled_lowering_dynamic_token_count():
 @pytest.fixture
 def interpreted_kernel(triton_on_cpu, monkeypatch):
     """The CUDA device kernel (the Triton planner and launch) serving CPU tensors (tests/conftest.py), with no plan
-    of another test."""
-    monkeypatch.setattr(library, "_EAGER_PLANS", {})
+    of another test (tests/conftest.py clears them)."""
     return triton_on_cpu
 
 
@@ -198,7 +197,7 @@ def test_triton_kernel_interpreted(interpreted_kernel, interleaved, rotary_dim, 
         for a, b, w in zip(ops_out, direct, want):
             close(a, w, dtype)
             close(b, w, dtype)
-    assert len(library._EAGER_PLANS) == 1
+    assert len(plan_cache("rotary.direct")) == 1
 
 
 def test_triton_user_kernel_node():

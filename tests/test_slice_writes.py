@@ -22,6 +22,7 @@ from torch._inductor.utils import run_and_get_code  # noqa: E402
 
 import rope_fusion  # noqa: E402
 from rope_fusion.ops import slice_write  # noqa: E402
+from rope_fusion.ops.plan_cache import plan_cache  # noqa: E402
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
 
 TEXT = 3
@@ -172,7 +173,7 @@ def test_repeated_calls_run_the_plan_of_their_geometry(triton_on_cpu, monkeypatc
     planned = []
     real = slice_write.PLANNERS["cpu"]
     monkeypatch.setitem(slice_write.PLANNERS, "cpu", lambda call: planned.append(call) or real(call))
-    monkeypatch.setattr(slice_write, "_PLANS", {})
+    rope_fusion.clear_caches()
     kw = dict(interleaved=True, rotary_dim=32, full_tables=True, conjugate=False, out_dtype=torch.float32)
     for shape, (s, e) in (((2, 3, 9, 32), (2, 7)), ((2, 3, 9, 32), (4, 9)), ((2, 3, 9, 32), (0, 5)),
                           ((1, 3, 12, 32), (2, 7))):
@@ -187,7 +188,7 @@ def test_repeated_calls_run_the_plan_of_their_geometry(triton_on_cpu, monkeypatc
             torch.testing.assert_close(got[:, :, s:e].double(), want, rtol=1e-6, atol=1e-6)
             assert torch.equal(got[:, :, :s], x[:, :, :s]) and torch.equal(got[:, :, e:], x[:, :, e:])
     # one plan per geometry: the three [2, 3, 9, 32] calls rotate 5 rows each (one view geometry), the last is new
-    assert len(planned) == 2 and len(slice_write._PLANS) == 2
+    assert len(planned) == 2 and len(plan_cache("slice.runners")) == 2
     with pytest.raises(ValueError, match="out of range"):
         torch.ops.rope_fusion.rotary_qk_slice_(qb, kb, cos, sin, **kw, slice_dims=[2, 2], slice_starts=[9, 9],
                                                slice_ends=[14, 14])
@@ -417,14 +418,14 @@ def test_the_compiled_launchers_check_writes_a_slice_with_its_strides(triton_on_
     and the rows are the reference's."""
     import rope_fusion.kernels.triton_launch as launching
 
-    monkeypatch.setattr(slice_write, "_PLANS", {})
+    rope_fusion.clear_caches()
     torch.manual_seed(7)
     kw = dict(interleaved=True, rotary_dim=16, full_tables=True, conjugate=False, out_dtype=torch.float32)
     x = torch.randn(2, 2, 11, 16)
     cos, sin = torch.randn(11 - TEXT, 16), torch.randn(11 - TEXT, 16)
     bounds = dict(slice_dims=[2], slice_starts=[TEXT], slice_ends=[11])
     torch.ops.rope_fusion.rotary_slice_(x.clone(), cos, sin, **kw, **bounds)  # plans the geometry
-    (runner,) = slice_write._PLANS.values()
+    (runner,) = plan_cache("slice.runners").values()
     for entry in runner.entries:  # a compiled launcher that writes what the kernel writes
         entry[4] = (lambda *a, grid=entry[1], meta=entry[3]: launching.rotary_kernel[grid](*a, **meta))
     got = x.clone()

@@ -22,6 +22,7 @@ triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from triton_interpreted import interpreted  # noqa: E402
 
+import rope_fusion  # noqa: E402
 import rope_fusion.kernels.triton_kernel as tk  # noqa: E402
 import rope_fusion.kernels.triton_launch as launching  # noqa: E402
 import rope_fusion.kernels.triton_plan as planner  # noqa: E402
@@ -394,7 +395,7 @@ def test_gpu_norm_prologue(norm, interleaved, head_dim, dtype, head_i64, monkeyp
     wq, wk = (torch.randn(head_dim if norm == "rms" else (h, head_dim), dtype=dtype, device="cuda") for h in (16, 4))
     kw = opts(interleaved, head_dim, out_dtype=dtype)
     if head_i64:
-        monkeypatch.setattr(launching, "_LAUNCH_CACHE", {})
+        rope_fusion.clear_caches()
         monkeypatch.setattr(planner, "heads_fit_int32", lambda *a: False)
     real_empty = torch.empty  # outputs start as NaN (poisoned_outputs would swap in the interpreter's tl.sum)
 
@@ -604,7 +605,7 @@ def test_head_offsets_take_64_bits_only_where_32_could_overflow(monkeypatch):
     w = torch.randn(64)
     with poisoned_outputs():
         narrow = tr.launch([q, k], cos, sin, params, None, [w, w], kernel=KERNEL)
-        monkeypatch.setattr(launching, "_LAUNCH_CACHE", {})
+        rope_fusion.clear_caches()
         monkeypatch.setattr(planner, "heads_fit_int32", lambda *a: False)
         wide_out = tr.launch([q, k], cos, sin, params, None, [w, w], kernel=KERNEL)
     for a, b in zip(narrow, wide_out):
@@ -1050,7 +1051,7 @@ def test_single_head_rows_take_several_tokens_a_program(style, norm, rotary_dim,
     """A tensor of one head (MLA's k_pe [B, 1, T, 64]) takes ROW_TOKENS tokens a program, as one (tokens, lanes)
     tile with a table row per token (picked by positions too); against the fp64 reference, and the plan says so."""
     monkeypatch.setattr(planner, "MIN_PROGRAMS", 2)
-    monkeypatch.setattr(launching, "_LAUNCH_CACHE", {})
+    rope_fusion.clear_caches()
     torch.manual_seed(18)
     k = torch.randn(2, 1, 24, 64, dtype=torch.bfloat16) * 2
     pos = None

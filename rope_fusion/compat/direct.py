@@ -15,12 +15,12 @@ through the public functions, so tracers and autograd see `rope_fusion::*` as th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
 from ..ops.library import tensor_geometry
+from ..ops.plan_cache import PlanCache
 
 
 def call_key(tensors: Sequence[torch.Tensor | None], scalars: tuple) -> tuple | None:
@@ -48,31 +48,15 @@ def call_key(tensors: Sequence[torch.Tensor | None], scalars: tuple) -> tuple | 
     return out
 
 
-class Plans:
-    """Runners by call key, bounded: a process that calls a drop-in with ever new shapes (every sequence length
-    of a serving run) starts over rather than growing without end. Every instance is listed in `ALL_PLANS`, so
-    that `clear_plans` can drop them all when the device kernels they captured change."""
+class Plans(PlanCache):
+    """A drop-in's runners by call key (`plan_cache.PlanCache`: bounded, least recently used evicted), listed in
+    `ALL_PLANS` too, so that `clear_plans` drops the drop-ins' alone."""
 
-    def __init__(self, limit: int = 4096) -> None:
-        self._runners: dict = {}
-        self._limit = limit
+    __slots__ = ()
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"compat.{name}")
         ALL_PLANS.append(self)
-
-    def get(self, key: Hashable | None) -> Callable[..., Any] | None:
-        return self._runners.get(key) if key is not None else None
-
-    def put(self, key: Hashable | None, runner: Callable[..., Any]) -> Callable[..., Any]:
-        if key is not None:
-            if len(self._runners) >= self._limit:
-                self._runners.clear()
-            self._runners[key] = runner
-        return runner
-
-    def clear(self) -> None:
-        self._runners.clear()
-
-    def __len__(self) -> int:
-        return len(self._runners)
 
 
 ALL_PLANS: list[Plans] = []

@@ -35,8 +35,8 @@ from ..ops.optional_backends import load_backends
 from ..ops.schema import FLOAT_DTYPES, RotaryCall, RotaryParams, check_call
 from .direct import Plans, call_key
 
-_QK_PLANS = Plans()
-_JOINT_PLANS = Plans()
+_QK_PLANS = Plans("qk_norm_rope")
+_JOINT_PLANS = Plans("joint_qk_norm_rope")
 
 
 def _params(dtype: torch.dtype, rotary_dim: int, interleaved: bool, eps: float) -> RotaryParams:

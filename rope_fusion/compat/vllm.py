@@ -52,7 +52,7 @@ def _check_cache(cos_sin_cache: torch.Tensor, head_size: int, rope_dim_offset: i
                          f"{head_size} - rope_dim_offset={rope_dim_offset}, got {tuple(cos_sin_cache.shape)}")
 
 
-_IN_PLACE = Plans()  # rotary_embedding's call geometries -> their in-place runners
+_IN_PLACE = Plans("vllm_rotary_embedding")  # rotary_embedding's call geometries -> their in-place runners
 
 
 def _plan_in_place(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None, head_size: int,

@@ -71,7 +71,7 @@ def sides(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (x,)
 
 
-_PLANS = Plans()  # apply_rotary_emb's call geometries -> their runners
+_PLANS = Plans("vllm_apply_rotary_emb")  # apply_rotary_emb's call geometries -> their runners
 
 
 def _plan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams) -> Callable | None:

@@ -23,12 +23,13 @@ import torch
 
 from ..ops.cat_rotary import CatCall, register_cat_kernel
 from ..ops.library import tensor_geometry
+from ..ops.plan_cache import PlanCache
 from . import triton_launch
 from .triton_plan import KERNEL_FIELDS, Tables, heads_fit_int32, is_true, launch_args, norm_fits, per_lane, plan_launch
 
 log = logging.getLogger("rope_fusion")
 
-_PLANS: dict = {}  # `_launch`'s calls: the pieces' geometry, tables and params -> the planned launch
+_PLANS = PlanCache("cat.launches")  # `_launch`'s calls: the pieces' geometry, tables and params -> the planned launch
 
 
 @dataclasses.dataclass
@@ -107,10 +108,7 @@ def launch_cat(cat: CatCall) -> list | None:
             return None
         if key is None:  # symbolic sizes, or a tensor without storage: planned on every call
             return _launch(cat)
-        runner = _plan_runner(cat)
-        if len(_RUNNERS) > 4096:
-            _RUNNERS.clear()
-        _RUNNERS[key] = runner
+        runner = _RUNNERS.put(key, _plan_runner(cat))
     if runner.__class__ is _CatRunner:
         if runner.host_only and not triton_launch.INTERPRETED:
             return None
@@ -120,7 +118,7 @@ def launch_cat(cat: CatCall) -> list | None:
     return None  # why the kernel does not take this geometry
 
 
-_RUNNERS: dict = {}  # a call's geometry -> its `_CatRunner`, `_GENERAL`, or why the kernel does not take it (a str)
+_RUNNERS = PlanCache("cat.runners")  # a call's geometry -> its `_CatRunner`, `_GENERAL`, or why not (a str)
 _GENERAL = object()  # a geometry whose pieces are copied first (lanes with a stride): `_launch` on every call
 _CAT_POINTERS = ("q2_ptr", "k2_ptr", "wq2_ptr", "wk2_ptr")  # the joined form's tensors, after the constexprs
 
@@ -188,10 +186,7 @@ def _launch(cat: CatCall) -> list | None:
     key = (tuple(geo), tuple(cat.dims), Tables(call.cos, call.sin, call.positions, weights).key(), call.params)
     planned = _PLANS.get(key)
     if planned is None:
-        planned = plan_cat(cat, outs)
-        if len(_PLANS) > 4096:
-            _PLANS.clear()
-        _PLANS[key] = planned
+        planned = _PLANS.put(key, plan_cat(cat, outs))
     if isinstance(planned, str):
         return None
     kernel = triton_launch.rotary_kernel  # read per call: the tests interpret the module's kernel

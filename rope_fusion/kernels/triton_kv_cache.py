@@ -24,6 +24,7 @@ import torch
 from ..ops.kv_cache import FP8_CACHE_DTYPES, CacheCall, cache_geometry
 from ..ops.kv_cache_op import register_cache_kernel
 from ..ops.library import tensor_geometry
+from ..ops.plan_cache import PlanCache
 from . import triton_launch
 from .triton_plan import (
     INT32_MAX,
@@ -168,7 +169,7 @@ def launch_planned(plan: CacheLaunch, cc: CacheCall, kernel: Any = None) -> torc
     return q_out
 
 
-_PLANS: dict = {}  # a call's geometry -> its CacheLaunch, or why the kernel does not take it
+_PLANS = PlanCache("kv_cache.launches")  # a call's geometry -> its CacheLaunch, or why the kernel does not take it
 _LOGGED: set = set()
 
 
@@ -193,11 +194,7 @@ def launch_cache(cc: CacheCall) -> torch.Tensor | None:
     key = _key(cc)
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
-        plan = plan_cache_launch(cc)
-        if key is not None:
-            if len(_PLANS) > 4096:
-                _PLANS.clear()
-            _PLANS[key] = plan
+        plan = _PLANS.put(key, plan_cache_launch(cc))
     if isinstance(plan, str):
         if plan not in _LOGGED:
             _LOGGED.add(plan)

@@ -17,6 +17,7 @@ import torch
 from torch.library import wrap_triton
 
 from ..ops.packed import eager_op, packed_positions
+from ..ops.plan_cache import PlanCache
 from ..ops.reference import gather_rows
 from ..ops.schema import RotaryCall, RotaryParams
 from .triton_kernel import rotary_kernel
@@ -55,7 +56,7 @@ def _prepare(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-_LAUNCH_CACHE: dict = {}  # geometry key -> launches; keeps the host side of a repeated call to a few us
+_LAUNCH_CACHE = PlanCache("rotary.launches")  # geometry key -> launches: a repeated call's host side, a few us
 
 
 def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams, positions: Any = None,
@@ -91,10 +92,7 @@ def launch(xs: list, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams,
     launches = _LAUNCH_CACHE.get(key) if key is not None else None
     if launches is None:
         launches = make_launches(xs, outs, tables, params, **tiles)
-        if launches is not None and key is not None:
-            if len(_LAUNCH_CACHE) > 4096:
-                _LAUNCH_CACHE.clear()
-            _LAUNCH_CACHE[key] = launches
+        _LAUNCH_CACHE.put(key, launches)
     if launches is NORM_FIRST:
         return _normed_first(xs, cos, sin, params, positions, weights, tuning)
     if launches is not None:

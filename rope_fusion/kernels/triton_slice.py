@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..ops.library import tensor_geometry
+from ..ops.plan_cache import PlanCache
 from ..ops.schema import RotaryCall
 from ..ops.slice_write import register_in_place
 from . import triton_launch
@@ -27,7 +28,7 @@ from .triton_plan import KERNEL_FIELDS, Tables, is_true, make_launches, per_lane
 
 log = logging.getLogger("rope_fusion")
 
-_PLANS: dict = {}  # a call's geometry -> its `plan_in_place` runner (the plan once, not per call)
+_PLANS = PlanCache("slice.kernel_runners")  # a call's geometry -> its `plan_in_place` runner (planned once)
 
 
 def rotate_in_place(call: RotaryCall, views: list) -> bool:
@@ -52,11 +53,7 @@ def rotate_in_place(call: RotaryCall, views: list) -> bool:
         key = None
     runner = _PLANS.get(key) if key is not None else None
     if runner is None:
-        runner = plan_in_place(call, views)
-        if key is not None and runner is not None:
-            if len(_PLANS) > 4096:
-                _PLANS.clear()
-            _PLANS[key] = runner
+        runner = _PLANS.put(key, plan_in_place(call, views))
     if runner is None:  # not one pass over each row: into fresh buffers, then copied into the slices
         outs = triton_launch.launch(list(xs), call.cos, call.sin, call.params, call.positions, call.norm_weights)
         for view, out in zip(views, outs):

@@ -22,6 +22,7 @@ from .library import (  # noqa: F401
     define_rotary_ops,
     register_device_kernel,
 )
+from .plan_cache import clear_caches  # noqa: F401
 from .reference import rotary_reference  # noqa: F401
 from .schema import RotaryParams, check_args, math_dtype  # noqa: F401
 

@@ -23,6 +23,7 @@ import torch
 
 from .library import LIBRARY, reference_only, tensor_geometry
 from .optional_backends import load_backends
+from .plan_cache import PlanCache
 from .reference import rms_norm, rotary_reference
 from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, check_call, math_dtype, op_schema
 
@@ -168,8 +169,7 @@ def _fake(arity: int) -> Callable[..., Any]:
     return fake
 
 
-_CHECKED: set = set()  # the geometries (`_check_key`) whose calls passed `parse`'s checks
-_MAX_CHECKED = 4096
+_CHECKED = PlanCache("cat.checked")  # the geometries (`_check_key`) whose calls passed `parse`'s checks: True
 
 
 def _check_key(arity: int, args: tuple, kw: dict) -> tuple | None:
@@ -195,10 +195,7 @@ def _parsed(arity: int, args: tuple, kw: dict) -> CatCall:
     key = _check_key(arity, args, kw)
     if key is None or key not in _CHECKED:
         cat = parse(arity, args, kw)
-        if key is not None:
-            if len(_CHECKED) >= _MAX_CHECKED:
-                _CHECKED.clear()
-            _CHECKED.add(key)
+        _CHECKED.put(key, True)
         return cat
     kw = dict(kw)
     seconds, weights, dims = (list(kw.pop(n)) for n in CAT_ARGS)

@@ -30,6 +30,8 @@ import dataclasses
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .plan_cache import on_clear
+
 # integer dtypes of each element width: a table's bits, compared as integers
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -108,6 +110,9 @@ def cached_tables() -> int:
 
 def clear_cache() -> None:
     _CACHE.clear()
+
+
+on_clear(clear_cache)
 
 
 __all__ = ["HostTableCache", "cached_tables", "clear_cache", "host_table_to_device"]

@@ -16,6 +16,7 @@ import torch
 from .kv_cache import check, parse_joint, parse_separate
 from .kv_cache_op import KV_CACHE_OP, MLA_CACHE_OP, run
 from .library import direct_key, option_parameters, rotary_call
+from .plan_cache import PlanCache
 
 # the cache's keywords and their defaults, after the rotary ones
 CACHE_KEYWORDS: dict[str, Any] = {"k_scale": None, "v_scale": None, "v_norm_weight": None, "kv_layout": "NHD"}
@@ -30,8 +31,7 @@ _CACHE_DOCS = {
 }
 _TENSORS = ("q", "k", "v", "cos", "sin", "k_cache", "v_cache", "slot_mapping")
 _KEYWORDS = frozenset(p.name for p in option_parameters(2)) | frozenset(CACHE_KEYWORDS)
-_CHECKED: set = set()  # the direct keys of calls that passed the checks
-_MAX_CHECKED = 4096
+_CHECKED = PlanCache("kv_cache.direct_checked")  # the direct keys of calls that passed the checks: True
 
 
 def _op_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -72,9 +72,7 @@ def apply_rotary_qk_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     cc = parse(args, kw)
     if key not in _CHECKED:
         check(cc)
-        if len(_CHECKED) >= _MAX_CHECKED:
-            _CHECKED.clear()
-        _CHECKED.add(key)
+        _CHECKED.put(key, True)
     return run(cc)
 
 

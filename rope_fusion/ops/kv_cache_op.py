@@ -19,6 +19,7 @@ from .kv_cache import JOINT_SCHEMA, SEPARATE_SCHEMA, CacheCall, check, parse_joi
 from .kv_cache_reference import reference
 from .library import LIBRARY, tensor_geometry
 from .optional_backends import load_backends
+from .plan_cache import PlanCache
 
 # impl(cc) -> q rotated ([T, Hq, Dq]) after writing the caches, or None where the kernel does not take the call (the
 # reference then runs)
@@ -42,8 +43,7 @@ def run(cc: CacheCall) -> torch.Tensor:
 
 
 Parse = Callable[[Sequence[Any], dict], CacheCall]
-_CHECKED: set = set()  # (parser, geometry) of the calls that passed `check`
-_MAX_CHECKED = 4096
+_CHECKED = PlanCache("kv_cache.checked")  # (parser, geometry) of the calls that passed `check`: True
 
 
 def geometry_key(args: Sequence[Any], kw: dict) -> tuple | None:
@@ -68,10 +68,7 @@ def checked(parse: Parse, args: Sequence[Any], kw: dict) -> CacheCall:
         key = (parse.__name__, key)
     if key is None or key not in _CHECKED:
         check(cc)
-        if key is not None:
-            if len(_CHECKED) >= _MAX_CHECKED:
-                _CHECKED.clear()
-            _CHECKED.add(key)
+        _CHECKED.put(key, True)
     return cc
 
 

@@ -26,6 +26,7 @@ import torch
 
 from .optional_backends import load_backends
 from .packed import eager_op, packed_positions, unpacked
+from .plan_cache import PlanCache
 from .reference import partner_lanes, rotary_reference, table_grads
 from .schema import (
     OP_NAMES,
@@ -364,8 +365,7 @@ class _Eager:
         self.params, self.run, self.kwargs = params, run, params.kwargs()
 
 
-_EAGER_PLANS: dict = {}  # call key -> _Eager: validation and launch planning once per geometry
-_MAX_PLANS = 4096
+_EAGER_PLANS = PlanCache("rotary.direct")  # call key -> _Eager: validation and launch planning once per geometry
 
 
 def _resolve(xs: Sequence[torch.Tensor], options: dict) -> RotaryParams:
@@ -477,10 +477,7 @@ def _apply(xs: tuple, cos: torch.Tensor, sin: torch.Tensor, options: dict) -> An
             return _via_op(call)  # traced, fake, a subclass, autograd: the op runs (and checks) this call
         check_call(call)
         load_backends()  # device kernels (Triton on CUDA) register on import
-        plan = _Eager(call.params, device_runner(call))
-        if len(_EAGER_PLANS) >= _MAX_PLANS:
-            _EAGER_PLANS.clear()
-        _EAGER_PLANS[key] = plan
+        plan = _EAGER_PLANS.put(key, _Eager(call.params, device_runner(call)))
     outs = plan.run(xs, cos, sin, positions, weights, cu_seqlens, offsets)
     return outs[0] if arity == 1 else tuple(outs)
 

@@ -30,6 +30,7 @@ from .library import LIBRARY, reference_only, reference_outputs, tensor_geometry
 from .optional_backends import load_backends
 from .overlap import overlap_reason
 from .packed import unpacked
+from .plan_cache import PlanCache
 from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, check_call, op_schema
 
 # the keyword arguments that say where each tensor's rotated slice lies
@@ -48,8 +49,7 @@ InPlacePlanner = Callable[[RotaryCall], Callable | None]
 PLANNERS: dict[str, InPlacePlanner] = {}
 """Device type -> its planner of repeated calls (the Triton kernel's for CUDA)."""
 
-_PLANS: dict = {}  # a call's geometry (`_plan_key`) -> (runner, arity): the calls Inductor's graph repeats
-_MAX_PLANS = 4096
+_PLANS = PlanCache("slice.runners")  # a call's geometry (`_plan_key`) -> runner: the calls Inductor's graph repeats
 
 
 def slice_schema(arity: int) -> str:
@@ -220,9 +220,7 @@ def _eager(arity: int) -> Callable[..., None]:
         if key is not None and planner is not None and call.cu_seqlens is None:
             runner = planner(call)
             if runner is not None:
-                if len(_PLANS) >= _MAX_PLANS:
-                    _PLANS.clear()
-                _PLANS[key] = runner
+                _PLANS.put(key, runner)
                 _run_plan(runner, arity, views, rest)
                 return
         call = unpacked(call)
@@ -259,9 +257,7 @@ def _into_eager(arity: int) -> Callable[..., None]:
         if key is not None and planner is not None and call.cu_seqlens is None:
             runner = planner(call, views)
             if runner is not None:
-                if len(_PLANS) >= _MAX_PLANS:
-                    _PLANS.clear()
-                _PLANS[key] = runner
+                _PLANS.put(key, runner)
                 _run_plan(runner, arity, xs, tail, views)
                 return
         call = unpacked(call)

@@ -79,13 +79,10 @@ def kernel_on_cpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     The drop-ins' plans are dropped before and after, so none planned for another device serves a call here, nor
     one planned here a call after."""
     from rope_fusion.compat.direct import clear_plans
-    from rope_fusion.ops import library
-
     request.applymarker(ON_CPU)
     kernels = request.getfixturevalue("triton_on_cpu")
     launches = kernels.rotary
     launches.joins = kernels.join  # the join kernel's launches: (a, b, out) read
-    monkeypatch.setattr(library, "_EAGER_PLANS", {})
     clear_plans()
     yield launches
     clear_plans()

@@ -74,6 +74,7 @@ def install(mp: pytest.MonkeyPatch, serves: Iterable[str] = (), wrap: Callable[[
         mod = importlib.import_module(module)
         for table in tables:
             mp.setitem(getattr(mod, table), "cpu", getattr(mod, table)["cuda"])
+    rope_fusion.clear_caches()  # no plan made for another device, or by another run, serves a call here
     return kernels
 
 

@@ -1,0 +1,139 @@
+"""Host time per call of each op family's eager op, repeated at one tiny geometry, with the Triton kernel's launch
+replaced by a no-op: what the library itself costs the host on a call it has planned before.
+
+Families: the public function's direct path (`apply_rotary_qk`), the op through the dispatcher (`rotary_qk`), the
+slice op (`rotary_qk_slice_`), the into op (`rotary_qk_into_`), the cat op (`rotary_qk_cat`), the join runner
+(`ops.joins.plan_join`'s) and the KV-cache op (`rotary_qk_kv_cache`). CPU tensors are served as CUDA tensors are (the
+Triton backend's planners and runners registered for the CPU, the kernel `INTERPRETED`), and the kernels'
+`kernel[grid](...)` does nothing: no compiled kernel comes back, so every replay goes through the JIT launcher's
+call, as on a Triton without a compiled-kernel launcher. On the GPU the launch itself adds its driver call.
+
+    python -m benchmarks.op_families            # every family, median of 5 rounds of 2000 calls
+    python -m benchmarks.op_families --quick    # 3 rounds of 500 calls
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import torch  # noqa: E402
+
+import rope_fusion  # noqa: E402
+
+T, HQ, HK, D = 8, 4, 2, 32  # tokens, q heads, k heads, head dim: a tiny geometry
+
+
+class NoLaunch:
+    """A kernel whose `kernel[grid](*args, **kw)` launches nothing: the host path without the device's work."""
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        return _nothing
+
+
+def _nothing(*args: Any, **kw: Any) -> None:
+    return None
+
+
+@contextmanager
+def kernels_on_cpu() -> Iterator[None]:
+    """CPU tensors served by the Triton backend's host path with the launches replaced by `NoLaunch`."""
+    import rope_fusion.kernels.triton_join as tj
+    import rope_fusion.kernels.triton_launch as launching
+    import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the CUDA kernels)
+    from rope_fusion.ops import cat_rotary, joins, kv_cache_op, library, slice_write
+
+    saved = (launching.rotary_kernel, launching.INTERPRETED, tj.join_kernel)
+    launching.rotary_kernel, launching.INTERPRETED, tj.join_kernel = NoLaunch(), True, NoLaunch()
+    tables = (library.DEVICE_KERNELS, slice_write.IN_PLACE, slice_write.PLANNERS, cat_rotary.DEVICE_IMPLS,
+              cat_rotary.DEVICE_CHECKS, cat_rotary.DEVICE_PLANNERS, joins.JOIN_PLANNERS, kv_cache_op.DEVICE_IMPLS)
+    for table in tables:
+        table["cpu"] = table["cuda"]
+    kernel = library.DEVICE_KERNELS["cuda"]  # the op's dispatcher too: its CPU kernel stays registered
+    library.register_device_kernel("cpu", kernel.impl, kernel.plan, kernel.takes_packed)
+    rope_fusion.clear_caches()
+    try:
+        yield
+    finally:
+        for table in tables:
+            table.pop("cpu", None)
+        launching.rotary_kernel, launching.INTERPRETED, tj.join_kernel = saved
+        rope_fusion.clear_caches()
+
+
+def _calls() -> dict[str, Callable[[], Any]]:
+    """Each family's repeated call, its tensors made once."""
+    from rope_fusion.ops.joins import plan_join
+
+    r = torch.randn
+    ops = torch.ops.rope_fusion
+    q, k, v = r(T, HQ, D), r(T, HK, D), r(T, HK, D)
+    cos, sin = r(T, 1, D // 2), r(T, 1, D // 2)
+    opts = dict(interleaved=False, rotary_dim=D, full_tables=False, conjugate=False, out_dtype=torch.float32)
+    bases = [r(T + 4, HQ, D), r(T + 4, HK, D)]
+    bounds = dict(slice_dims=[0, 0], slice_starts=[4, 4], slice_ends=[T + 4, T + 4])
+    halves = [r(2, HQ, D), r(2, HK, D)]
+    seconds = [r(T - 2, HQ, D), r(T - 2, HK, D)]
+    cat = dict(opts, second_pieces=seconds, second_norm_weights=[None, None], cat_dims=[0, 0])
+    a, b = r(T, HK, 2 * D)[..., :D], r(T, HK, 2 * D)[..., :D]
+    join = plan_join(a, b, 0)
+    caches = [torch.zeros(4, 4, HK, D) for _ in range(2)]
+    slots = torch.arange(T) * 2
+    return {
+        "apply_rotary_qk (direct)": lambda: rope_fusion.apply_rotary_qk(q, k, cos, sin),
+        "rotary_qk (op)": lambda: ops.rotary_qk(q, k, cos, sin, **opts),
+        "rotary_qk_slice_": lambda: ops.rotary_qk_slice_(*bases, cos, sin, **opts, **bounds),
+        "rotary_qk_into_": lambda: ops.rotary_qk_into_(*bases, q, k, cos, sin, **opts, **bounds),
+        "rotary_qk_cat": lambda: ops.rotary_qk_cat(*halves, cos, sin, **cat),
+        "join (planned runner)": lambda: join(a, b),
+        "apply_rotary_qk_kv_cache": lambda: rope_fusion.apply_rotary_qk_kv_cache(q, k, v, cos, sin, *caches, slots),
+        "rotary_qk_kv_cache (op)": lambda: ops.rotary_qk_kv_cache(q, k, v, cos, sin, *caches, slots, **opts),
+    }
+
+
+def host_us(fn: Callable[[], Any], calls: int) -> float:
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t) / calls * 1e6
+
+
+def measure(calls: int = 2000, rounds: int = 5) -> dict[str, float]:
+    """Median host us per call of each family, rounds taken family after family (a round high at every family is
+    the host's noise)."""
+    with torch.no_grad(), kernels_on_cpu():
+        fns = _calls()
+        for fn in fns.values():
+            for _ in range(5):  # planned, then replayed
+                fn()
+        times: dict[str, list] = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                times[name].append(host_us(fn, calls))
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def print_table(result: dict[str, float]) -> None:
+    print(f"host us per call, {T} tokens x {HQ}/{HK} heads x {D}, fp32, CPU, kernel launch a no-op:")
+    print("| family | us/call |\n|---|---|")
+    for name, us in result.items():
+        print(f"| {name} | {us:.1f} |")
+
+
+def main(quick: bool = False) -> dict[str, float]:
+    result = measure(calls=500 if quick else 2000, rounds=3 if quick else 5)
+    print_table(result)
+    return result
+
+
+if __name__ == "__main__":
+    main(quick="--quick" in sys.argv)
