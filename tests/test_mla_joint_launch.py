@@ -311,7 +311,8 @@ def test_auto_costs_the_pair_as_one_launch(monkeypatch):
 
     specs = []
     choose = RopeFusionPass._choose
-    monkeypatch.setattr(RopeFusionPass, "_choose", lambda self, spec: specs.append(spec) or choose(self, spec))
+    monkeypatch.setattr(RopeFusionPass, "_choose",
+                        lambda self, spec, facts: specs.append(spec) or choose(self, spec, facts))
     q, k, cos, sin, positions = inputs(torch.bfloat16, seed=9)
     c, s = cos[positions].to(torch.bfloat16), sin[positions].to(torch.bfloat16)
     compile_with_pass(lambda q, k, c, s: mla(q, k, c, s, True), q, k, c, s)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..ops.backends import Backend, SiteSpec, emit_op_call, register_backend
+from ..ops.backends import Backend, Refusal, SiteSpec, emit_op_call, register_backend
 from ..ops.library import define_rotary_ops, register_device_kernel
 from ..ops.schema import RotaryCall
 from . import (  # noqa: F401  (the slice, cat, join and KV-cache ops' CUDA kernels register)
@@ -55,7 +55,7 @@ def supports(spec: SiteSpec) -> str | None:
     return None
 
 
-def _emit(emitter: Any, call: RotaryCall, like: Any) -> list | None:
+def _emit(emitter: Any, call: RotaryCall, like: Any) -> list | Refusal:
     """Inductor's own user-kernel node where the launch can be planned for the node's sizes (launched from
     generated code, no op dispatch per call). Where it cannot (sizes symbolic beyond what the node takes),
     `auto` declines the site, and the lowering takes it: the opaque op would pay the dispatcher on every call.
@@ -65,12 +65,11 @@ def _emit(emitter: Any, call: RotaryCall, like: Any) -> list | None:
         if outs is not None:
             return outs
     if emitter.requested == "auto":
-        emitter.declined = "its user-kernel node cannot be planned for these symbolic sizes"
-        return None
+        return Refusal("its user-kernel node cannot be planned for these symbolic sizes")
     return emit_op_call(TRITON_OPS, emitter, call, like)
 
 
-register_backend(Backend("triton", supports, _emit))
+register_backend(Backend("triton", supports, _emit, folds=("slice write", "cat", "joined write")))
 register_device_kernel("cuda", launch_call, plan_eager, takes_packed=True)  # the kernel searches cu_seqlens
 
 __all__ = ["ROTARY_TRITON", "ROTARY_QK_TRITON", "ROTARY_QKV_TRITON", "TRITON_OPS", "launch", "plan_eager", "supports"]

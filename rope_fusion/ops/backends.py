@@ -68,11 +68,18 @@ class SiteSpec:
         return total
 
 
-# emit(emitter, call, like) -> output nodes, one per x; `call` is a RotaryCall whose tensors are graph nodes.
-# The emitter (passes/emission.py) creates nodes with fake values: `emitter.call(target, args, kwargs, like=)`.
-# Under `auto` (`emitter.requested`) a backend may decline a site it cannot emit well: it sets
-# `emitter.declined` to the reason and returns None, and the lowering takes the site.
-Emit = Callable[[Any, RotaryCall, Any], "list | None"]
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """What a backend's `emit` returns for a site it cannot emit well (under `auto` only): the pass's chooser names
+    what takes the site instead, and the report says why with this reason."""
+
+    reason: str
+
+
+# emit(emitter, call, like) -> output nodes, one per x, or a Refusal; `call` is a RotaryCall whose tensors are graph
+# nodes. The emitter (passes/emission.py) creates nodes with fake values: `emitter.call(target, args, kwargs, like=)`;
+# `emitter.requested` is the backend the pass was asked for.
+Emit = Callable[[Any, RotaryCall, Any], "list | Refusal"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +87,9 @@ class Backend:
     name: str
     supports: Callable[[SiteSpec], str | None]  # None when the backend takes the site, else the reason
     emit: Emit
+    # the folds (passes/fold_registry.py, by name) whose data movement this backend's node takes over: those
+    # Inductor cannot fuse with an opaque node, where the lowering fuses them already
+    folds: tuple[str, ...] = ()
 
 
 _BACKENDS: dict[str, Backend] = {}

@@ -96,7 +96,10 @@ class AutoSite:
     group: tuple
     call: Any  # RotaryCall whose tensors are nodes of the graph
     writes: list | None = None  # per member its slice_writes.SliceWrite, where the group is a fold of them
-    joins: Any = None  # emission.JoinPlan: the cat op's call on the pieces, where x is a join the kernel reads
+    joins: Any = None  # fold_cat.JoinPlan: the cat op's call on the pieces, where x is a join the kernel reads
+    # the fold that claimed the group (passes/fold_registry.py): a candidate whose backend takes it is timed by the
+    # fold's runner, or as the plain kernel where it has none
+    fold: Any = None
 
     @property
     def outputs(self) -> list:
@@ -240,15 +243,9 @@ def build(site: AutoSite, cuda_graphs: bool) -> _Built:
 
 
 def _cat_after(site: AutoSite) -> bool:
-    """Whether a `cat` after the rotation is a consumer to time: not where the kernel would write the rotation
-    into the join itself (passes/joined_writes.py; until the joined write has a runner of its own, such a site is
-    timed without the join, as before)."""
-    from .joined_writes import group_joined_writes
-
-    try:
-        return not isinstance(group_joined_writes(site.group, site.call.xs), list)
-    except Exception:  # the join stays out of the timed region, as it always was
-        return False
+    """Whether a `cat` after the rotation is a consumer to time: not where a fold claimed the group (the joined
+    write, which has no runner of its own: such a site is timed without the join, and the report says so)."""
+    return site.fold is None
 
 
 def _written_back(write: Any) -> bool:
@@ -271,12 +268,35 @@ def _clones(write: Any) -> bool:
 
 
 def _runner(name: str, built: _Built, site: AutoSite, real: dict) -> Callable[[], Any] | None:
-    """The compiled candidate as a no-argument call, None where the candidate cannot take the site."""
-    from ..ops.library import OPS
-    from ..ops.schema import RotaryCall
-
+    """The compiled candidate as a no-argument call: "left", else the fold's runner where the candidate's backend
+    takes the fold that claimed the site, else the backend's plain runner."""
     if name == "left":
         return _compile(built.left, [real[n] for n in built.left_inputs])
+    from ..ops.backends import get_backend
+
+    backend = get_backend(name)
+    if site.fold is not None and site.fold.runner is not None and backend is not None \
+            and site.fold.name in backend.folds:
+        return site.fold.runner(built, site, real)
+    plain = _PLAIN_RUNNERS.get(name)
+    if plain is None:
+        raise NotMeasured(f"no way to time the candidate {name!r}")
+    return plain(built, site, real)
+
+
+def _lowering_runner(built: _Built, site: AutoSite, real: dict) -> Callable[[], Any]:
+    """The op after the same input nodes, lowered by Inductor: one graph, as in the fused compile."""
+    from ..ops.library import OPS
+
+    down = [real[n] for n in built.down.inputs] if built.down else []
+    return _compile(_with_op(built, site, OPS), [real[n] for n in built.upstream_inputs] + down)
+
+
+def _device_kernel_runner(built: _Built, site: AutoSite, real: dict) -> Callable[[], Any]:
+    """The op's device kernel (the Triton kernel on CUDA) launched directly after the nodes of its inputs, then the
+    consumers after it."""
+    from ..ops.schema import RotaryCall
+
     arity = len(site.call.xs)
     has_weights = site.call.norm_weights is not None
 
@@ -284,18 +304,12 @@ def _runner(name: str, built: _Built, site: AutoSite, real: dict) -> Callable[[]
         vals = [outs[i] if i is not None else None for i in built.call_slots]
         return RotaryCall(vals[:arity], vals[arity], vals[arity + 1], site.call.params, vals[arity + 2],
                           vals[arity + 3:] if has_weights else None)
+    return _after(built, real, _kernel_runner(built, [real[n] for n in built.upstream_inputs], call_of))
 
-    if name == "inductor":
-        # the op after the same input nodes, lowered by Inductor: one graph, as in the fused compile
-        down = [real[n] for n in built.down.inputs] if built.down else []
-        return _compile(_with_op(built, site, OPS), [real[n] for n in built.upstream_inputs] + down)
-    if name == "triton" and site.writes:
-        return _fold_runner(built, site, [real[n] for n in built.upstream_inputs])
-    if name == "triton" and site.joins is not None:
-        return _joins_runner(built, site, [real[n] for n in built.pieces_inputs])
-    if name == "triton":
-        return _after(built, real, _kernel_runner(built, [real[n] for n in built.upstream_inputs], call_of))
-    raise NotMeasured(f"no way to time the candidate {name!r}")
+
+# per backend, how its candidate runs where no fold of its takes the site
+_PLAIN_RUNNERS: dict[str, Callable[[_Built, AutoSite, dict], Callable[[], Any]]] = {
+    "inductor": _lowering_runner, "triton": _device_kernel_runner}
 
 
 def _kernel_runner(built: _Built, args: list, call_of: Callable) -> Callable[[], Any]:
@@ -330,7 +344,7 @@ def _after(built: _Built, real: dict, run: Callable[[], Any]) -> Callable[[], An
     return lambda: consumers(*built.down.shaped(list(run())), *others)
 
 
-def _fold_runner(built: _Built, site: AutoSite, args: list) -> Callable[[], Any]:
+def slice_write_runner(built: _Built, site: AutoSite, args: list) -> Callable[[], Any]:
     """The slice-write fold as the graph runs it: the upstream nodes, then the in-place op on the bases (a clone of
     a base that Inductor would clone). The op goes through the dispatcher, as Inductor's fallback kernel calls it.
     The bases are written on every call, so their values drift; nothing reads them but the next call."""
@@ -357,7 +371,7 @@ def _fold_runner(built: _Built, site: AutoSite, args: list) -> Callable[[], Any]
     return fold_run
 
 
-def _joins_runner(built: _Built, site: AutoSite, args: list) -> Callable[[], Any]:
+def cat_runner(built: _Built, site: AutoSite, args: list) -> Callable[[], Any]:
     """The cat fold as the graph runs it: the pieces' nodes (compiled by Inductor unless they are views of the
     inputs), then the cat op on them through the dispatcher, as Inductor's fallback kernel calls it."""
     from ..ops.cat_rotary import CAT_OPS
@@ -531,5 +545,5 @@ def _text(how: str, d: Decision) -> str:
     return f"{how} {d.describe()}, chose {d.choice} ({rule}){refused}"
 
 
-__all__ = ["AutoSite", "MARGIN", "NotMeasured", "Outcome", "STATS", "TIMER", "decide", "enabled", "measure",
-           "measured_device", "measuring", "pick", "region"]
+__all__ = ["AutoSite", "MARGIN", "NotMeasured", "Outcome", "STATS", "TIMER", "cat_runner", "decide", "enabled",
+           "measure", "measured_device", "measuring", "pick", "region", "slice_write_runner"]

@@ -4,7 +4,7 @@ Flux and Flux.2 norm the text and image q (and k) apart, join them along the seq
 `rope(cat([norm_t(q_txt), norm_i(q_img)], 1))`. The op's lowering fuses the cat, the norms and the rotation into
 one Inductor kernel, so nothing is gained there; an opaque kernel cannot fuse: the cat is a read and a write of q
 and k of its own beside the rotation, and each piece's norm stays in the graph too (the norm fold sees the cat, not
-a norm). For such a backend (`emission.FOLDS_CATS`: the Triton kernel) a group whose every x is such a cat becomes
+a norm). For a backend whose `folds` name it (the Triton kernel) a group whose every x is such a cat becomes
 one call of `rope_fusion::rotary*_cat` (ops/cat_rotary.py), which reads the pieces and writes the joined rotation;
 each piece's RMSNorm folds into it (its own weight) where every piece's would fold on its own (passes/norms.py's
 proof, one norm kind and eps for all), and stays in the graph otherwise, the cat still folded.

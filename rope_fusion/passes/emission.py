@@ -18,19 +18,18 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..ops.backends import AUTO_ORDER, Backend, SiteSpec, get_backend
-from ..ops.cat_rotary import why_not as cat_why_not
+from ..ops.backends import AUTO_ORDER, Refusal, SiteSpec, get_backend
 from ..ops.schema import OP_NAMES, TENSOR_NAMES, RotaryCall, RotaryParams
+from . import fold_planning
 from .auto_timing import AutoSite
-from .cat_pieces import JoinedFold, cat_call, describe, emit_cat, group_joins, piece_norms
+from .choosers import Choice
+from .fold_registry import Fold, Folded, FoldSite, folds
 from .fx_util import CASTS, PASS_THROUGH, as_int, chain_back
 from .gathers import gather_of, op_positions
 from .grouping import arithmetic_dtype, launch_params
-from .joined_writes import emit_joined_write, finish_joins, group_joined_writes
 from .norms import NormPrologue, dies_with, norm_prologue
 from .site import KernelTables, Site, TableRef
 from .site_costs import site_spec
-from .slice_writes import emit_slice_write, group_writes
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -92,10 +91,9 @@ class Emitter:
     def __init__(self, graph: fx.Graph, requested: str | None = None):
         self.graph = graph
         self.fake_mode = _graph_fake_mode(graph)
-        # the backend the pass was asked for: under "auto" a backend may decline a site at emission (its
-        # emit returns None) and the lowering takes it; a backend asked for by name emits what it can
+        # the backend the pass was asked for: under "auto" a backend may refuse a site at emission (its emit
+        # returns a Refusal) and what the choice names instead takes it; a backend asked for by name emits what it can
         self.requested = requested
-        self.declined = ""  # why the last backend that declined a site did
         self._made: dict = {}
         # cat node -> the joined tensor as the last group that writes into it left it (passes/joined_writes.py)
         self.joins: dict = {}
@@ -316,7 +314,7 @@ def x_input(em: Emitter, nodes: dict, m: Site, source: fx.Node | None = None) ->
     return em.call(aten.reshape.default, (flat, sizes), like=m.node)
 
 
-def _unflatten(em: Emitter, out: fx.Node, m: Site) -> fx.Node:
+def unflatten(em: Emitter, out: fx.Node, m: Site) -> fx.Node:
     shape = m.node.meta["val"].shape
     if tuple(out.meta["val"].shape) == tuple(shape):
         return out
@@ -331,15 +329,24 @@ class PlannedGroup:
     xs: list  # per match, x as the op reads it
     finals: list  # per match, the node that replaces it
     op_name: str
-    backend: str
-    fallback: str  # why the backend asked for did not take the site ("" when it did)
+    choice: Choice  # the backend that emitted the group, how it was chosen, and why not the one asked for
     cos: fx.Node
     sin: fx.Node
     anchor: fx.Node
     params: RotaryParams  # what the op was called with: the sites' own, and a folded norm or angle tables
     norm: str = ""  # what happened to a QK-norm before the rotation
-    replaced: list | None = None  # per match, the node whose uses `finals` take (the site's, or its slice_scatter)
-    fold: str = ""  # a slice write folded into the node, or why one was not
+    replaced: list | None = None  # per match, the node whose uses `finals` take (the site's, or a consumer of it)
+    fold: str = ""  # the report's fold line: what the node folded, or why the folds that applied did not
+    folded: Fold | None = None  # the fold that emitted the group
+
+    @property
+    def backend(self) -> str:
+        return self.choice.backend.name
+
+    @property
+    def fallback(self) -> str:
+        """Why the backend asked for did not take the site ("" when it did)."""
+        return self.choice.fallback
 
 
 def fold_norms(group: tuple, nodes: dict, depends_on: Callable) -> tuple[list | None, str]:
@@ -364,7 +371,7 @@ def fold_norms(group: tuple, nodes: dict, depends_on: Callable) -> tuple[list | 
     return found, ""
 
 
-def _raw_x(em: Emitter, norm: NormPrologue, like: fx.Node) -> fx.Node:
+def raw_x(em: Emitter, norm: NormPrologue, like: fx.Node) -> fx.Node:
     """The norm's input with the layout ops between the norm and the rotation applied to it."""
     return _replay(em, norm.raw, norm.views, like)
 
@@ -376,7 +383,7 @@ def _replay(em: Emitter, x: fx.Node, views, like: fx.Node) -> fx.Node:
     return x
 
 
-def _norm_weight(em: Emitter, norm: NormPrologue, m: Site) -> fx.Node | None:
+def norm_weight(em: Emitter, norm: NormPrologue, m: Site) -> fx.Node | None:
     """The weight as the op reads it: [D] for a norm per head, [H, D] for one across the heads, its lanes
     permuted as the layout between the norm and the rotation permutes the normed lanes (norms.norm_prologue)."""
     w = norm.weight
@@ -391,204 +398,104 @@ def _norm_weight(em: Emitter, norm: NormPrologue, m: Site) -> fx.Node | None:
     return em.call(aten.reshape.default, (w, list(norm.weight_shape)), like=m.node)
 
 
-def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node,
-               choose: Callable[[SiteSpec], tuple[Backend, str]], depends_on: Callable) -> PlannedGroup:
-    """New nodes for one site or q/k pair, inserted before `anchor`; no existing use changes. `choose` picks
-    the backend from the site as the op reads it, and says why when it is not the one asked for."""
+def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node, choose: Callable[[SiteSpec], Choice],
+               depends_on: Callable) -> PlannedGroup:
+    """New nodes for one site or q/k pair, inserted before `anchor`; no existing use changes. The folds are asked
+    first (passes/fold_planning.py), so that `choose` sees the site as it would run; then the chosen backend's
+    first fold that holds emits the group, else the backend itself (or what the choice names where it refuses)."""
     m0 = group[0]
     _check_inputs_precede(group, nodes, depends_on)
     norms, norm_note = fold_norms(group, nodes, depends_on)
     with em.graph.inserting_before(anchor):
-        if norms is not None:
-            xs = inputs = [x_input(em, nodes, m, _raw_x(em, norm, m.node)) for m, norm in zip(group, norms)]
-            weights = [_norm_weight(em, norm, m) for m, norm in zip(group, norms)]
+        site = fold_site(em, group, nodes, norms, depends_on)
+        call = site.call
+        found = fold_planning.search(em, site, lambda fold: _may_take(em, call, fold))
+        spec = dataclasses.replace(site_spec(call.xs, call.cos, call.sin, call.params, m0, call.positions,
+                                             found.reads_pieces), measure=AutoSite(group, call, **found.timed()))
+        choice = choose(spec)
+        taken = fold_planning.after_choice(em, site, choice.backend, found)
+        if isinstance(taken, tuple):
+            fold, plan = taken
+            folded = fold.emit(em, site, plan)
         else:
-            xs = inputs = [x_input(em, nodes, m) for m in group]
-            weights = None
-        positions = cu_seqlens = seqlen_offsets = None
-        # (cos, sin, positions), or with packed sequences (cos, sin, None, cu_seqlens, seqlen_offsets)
-        if isinstance(m0.tables, KernelTables):
-            gathered = m0.tables.emit(em, m0, nodes)
-        else:
-            gathered = gathered_tables(em, nodes, m0, m0.node)
-        if gathered is not None:
-            cos, sin, positions, *packed = gathered
-            cu_seqlens, seqlen_offsets = packed or (None, None)
-        params = launch_params(group)
-        # the dtype the graph computes the rotation in; under a folded norm the op cannot round as the graph's
-        # norm does (plain compile's does not either) and keeps fp64 wherever the subgraph has it (`wide`):
-        # in fp32 it was then less accurate than eager at times, which the contract does not allow
-        computes = _group_arithmetic_dtype(group, nodes, depends_on) if norms is None else None
-        wide = m0.wide if computes is None else computes == torch.float64
-        fp64_math = wide and params.out_dtype in (torch.float32, torch.float64)
-        if gathered is None:
-            angles = angle_source(nodes, m0.tables.cos, m0.tables.sin)
-            if angles is not None and angles.angle.meta["val"].dtype == torch.float64 and not fp64_math:
-                angles = None  # an fp32 op would round fp64 angles first: it reads the tables the graph casts
-            if angles is not None:  # one view of the angles serves as both
-                params = params.replace(angle_tables=True)
-                cos = sin = angle_view(em, nodes, angles, m0.tables.cos, m0)
-            else:
-                cos, sin = (table_view(em, nodes, t, m0.x.blocks, m0.node, params.interleaved, params.rotary_blocks)
-                            for t in (m0.tables.cos, m0.tables.sin))
-        if norms is not None:
-            params = params.replace(norm=norms[0].kind, norm_eps=norms[0].eps)
-        if fp64_math:
-            dts = {x.meta["val"].dtype for x in xs} | {cos.meta["val"].dtype, sin.meta["val"].dtype}
-            if torch.float64 not in dts:  # the subgraph computed in fp64: so does the op
-                xs = [em.call(prims.convert_element_type.default, (x, torch.float64), like=m0.node) for x in xs]
-        elif computes is not None and computes != torch.float64:
-            # fp64 data that the graph computes on in fp32 or narrower: the op takes it as fp32, the cast the
-            # graph makes (one rounding), so that its math is fp32 as well and the result is eager's
-            xs, cos, sin = ([_narrowed(em, t, m0.node) for t in xs], _narrowed(em, cos, m0.node),
-                            _narrowed(em, sin, m0.node) if sin is not cos else None)
-            sin = cos if sin is None else sin
-        call = RotaryCall(xs, cos, sin, params, positions, weights, cu_seqlens, seqlen_offsets)
-        # rotations written back into their slices: `auto` times the fold itself, and the scatter it removes
-        found = group_writes(group, xs)
-        folding = found if found and not isinstance(found, str) else None
-        # a joined x that a backend of FOLDS_CATS reads from its pieces: its cost drops the join's write and read
-        joins = group_joins(group, xs, inputs, depends_on) if norms is None and folding is None else None
-        # the cat op's call on the pieces, planned before the choice where a backend that folds it may be
-        # chosen, so that `auto` times it as it would run (the pieces' norm proofs are not paid elsewhere)
-        joining = joins
-        if isinstance(joins, list) and _may_fold_joins(em, xs[0].meta["val"].device.type):
-            joining = _plan_joins(em, group, call, joins, depends_on)
-        spec = dataclasses.replace(site_spec(xs, cos, sin, params, m0, positions, isinstance(joins, list)),
-                                   measure=AutoSite(group, call, folding,
-                                                    joining if isinstance(joining, JoinPlan) else None))
-        backend, fallback = choose(spec)
-        writes = found if backend.name in FOLDS_SLICE_WRITES else []
-        folds_writes = bool(writes) and not isinstance(writes, str)
-        joined = None  # a joined x read from its pieces (passes/cat_pieces.py): the fold, or why not
-        if backend.name in FOLDS_CATS and not folds_writes:
-            if isinstance(joining, list):
-                joining = _plan_joins(em, group, call, joining, depends_on)
-            joined = _emit_joins(em, call, joining, m0.node) if isinstance(joining, JoinPlan) else joining
-        cat_norm, join_updates = "", {}
-        if folds_writes:  # the rotation written into the bases' slices in place
-            finals = emit_slice_write(em, call, writes, m0.node)
-            replaced = [w.scatter for w in writes]
-            fold = "slice write: " + ", ".join(w.describe() for w in writes)
-        elif isinstance(joined, JoinedFold):  # the pieces read, the joined rotation written once
-            finals = [_unflatten(em, o, m) for o, m in zip(joined.outs, group)]
-            replaced = [m.node for m in group]
-            params, fold, cat_norm = joined.params, joined.fold, joined.norm
-        else:
-            # a rotation joined after it: written into its rows of the join (passes/joined_writes.py)
-            after = group_joined_writes(group, xs) if backend.name in FOLDS_JOINED_WRITES else None
-            if isinstance(after, list):
-                rows, join_updates = emit_joined_write(em, em.joins, call, after, m0.node)
-                finals = [_unflatten(em, r, m) for r, m in zip(rows, group)]  # a member's own tensor: x's shape
-                fold = "joined write: " + ", ".join(w.describe() for w in after)
-            else:
-                outs = backend.emit(em, call, m0.node)
-                if outs is None:  # declined at emission (under auto only): the lowering, never a slower opaque call
-                    fallback = f"{backend.name}: {em.declined or 'declined at emission'}; the lowering instead"
-                    backend = get_backend("inductor")
-                    outs = backend.emit(em, call, m0.node)
-                finals = [_unflatten(em, o, m) for o, m in zip(outs, group)]
-                fold = f"slice write not folded: {writes}" if isinstance(writes, str) and _writes_back(group) else ""
-                if isinstance(joined, str):
-                    fold = f"cat not folded: {joined}"
-                elif isinstance(after, str):
-                    fold = f"joined write not folded: {after}"
-            replaced = [m.node for m in group]
-    em.joins.update(join_updates)  # the group is planned: later groups write into what it wrote
+            fold = None
+            folded, choice = _emit_plain(em, site, choice, taken)
     op_name = f"rope_fusion.{OP_NAMES[len(group)]}"
-    norm = cat_norm or (f"{params.norm} folded" if norms is not None else
-                        (f"left in the graph: {norm_note}" if norm_note else ""))
-    return PlannedGroup(group, inputs, finals, op_name, backend.name, fallback, cos, sin, anchor, params, norm,
-                        replaced, fold)
+    norm = folded.norm or (f"{call.params.norm} folded" if norms is not None else
+                           (f"left in the graph: {norm_note}" if norm_note else ""))
+    return PlannedGroup(group, site.inputs, folded.finals, op_name, choice, call.cos, call.sin, anchor,
+                        folded.params or call.params, norm, folded.replaced, folded.line, fold)
 
 
-# Backends whose fused node Inductor cannot fuse with a `slice_scatter` after it: a rotation written into a slice
-# is folded into their node (passes/slice_writes.py). The lowering fuses with the scatter, and Inductor writes each
-# row once already.
-FOLDS_SLICE_WRITES = ("triton",)
+def fold_site(em: Emitter, group: tuple, nodes: dict, norms: list | None, depends_on: Callable) -> FoldSite:
+    """The op's call on graph nodes for a group: x (its norm's input where the norm folds), the tables as the op
+    reads them (gathered, the angles, or strided views) and the dtype it computes in."""
+    m0 = group[0]
+    if norms is not None:
+        xs = inputs = [x_input(em, nodes, m, raw_x(em, norm, m.node)) for m, norm in zip(group, norms)]
+        weights = [norm_weight(em, norm, m) for m, norm in zip(group, norms)]
+    else:
+        xs = inputs = [x_input(em, nodes, m) for m in group]
+        weights = None
+    positions = cu_seqlens = seqlen_offsets = None
+    # (cos, sin, positions), or with packed sequences (cos, sin, None, cu_seqlens, seqlen_offsets)
+    if isinstance(m0.tables, KernelTables):
+        gathered = m0.tables.emit(em, m0, nodes)
+    else:
+        gathered = gathered_tables(em, nodes, m0, m0.node)
+    if gathered is not None:
+        cos, sin, positions, *packed = gathered
+        cu_seqlens, seqlen_offsets = packed or (None, None)
+    params = launch_params(group)
+    # the dtype the graph computes the rotation in; under a folded norm the op cannot round as the graph's
+    # norm does (plain compile's does not either) and keeps fp64 wherever the subgraph has it (`wide`):
+    # in fp32 it was then less accurate than eager at times, which the contract does not allow
+    computes = _group_arithmetic_dtype(group, nodes, depends_on) if norms is None else None
+    wide = m0.wide if computes is None else computes == torch.float64
+    fp64_math = wide and params.out_dtype in (torch.float32, torch.float64)
+    if gathered is None:
+        angles = angle_source(nodes, m0.tables.cos, m0.tables.sin)
+        if angles is not None and angles.angle.meta["val"].dtype == torch.float64 and not fp64_math:
+            angles = None  # an fp32 op would round fp64 angles first: it reads the tables the graph casts
+        if angles is not None:  # one view of the angles serves as both
+            params = params.replace(angle_tables=True)
+            cos = sin = angle_view(em, nodes, angles, m0.tables.cos, m0)
+        else:
+            cos, sin = (table_view(em, nodes, t, m0.x.blocks, m0.node, params.interleaved, params.rotary_blocks)
+                        for t in (m0.tables.cos, m0.tables.sin))
+    if norms is not None:
+        params = params.replace(norm=norms[0].kind, norm_eps=norms[0].eps)
+    if fp64_math:
+        dts = {x.meta["val"].dtype for x in xs} | {cos.meta["val"].dtype, sin.meta["val"].dtype}
+        if torch.float64 not in dts:  # the subgraph computed in fp64: so does the op
+            xs = [em.call(prims.convert_element_type.default, (x, torch.float64), like=m0.node) for x in xs]
+    elif computes is not None and computes != torch.float64:
+        # fp64 data that the graph computes on in fp32 or narrower: the op takes it as fp32, the cast the
+        # graph makes (one rounding), so that its math is fp32 as well and the result is eager's
+        xs, cos, sin = ([_narrowed(em, t, m0.node) for t in xs], _narrowed(em, cos, m0.node),
+                        _narrowed(em, sin, m0.node) if sin is not cos else None)
+        sin = cos if sin is None else sin
+    call = RotaryCall(xs, cos, sin, params, positions, weights, cu_seqlens, seqlen_offsets)
+    return FoldSite(group, xs, inputs, call, norms, depends_on)
 
 
-# Backends whose fused node Inductor cannot fuse with a `cat` before it: a joined x is read from its pieces by
-# their node (passes/cat_pieces.py). The lowering fuses the cat, the pieces' norms and the rotation already.
-FOLDS_CATS = ("triton",)
+def _emit_plain(em: Emitter, site: FoldSite, choice: Choice, refusals: list) -> tuple[Folded, Choice]:
+    """The chosen backend's own nodes (or, where it refuses the site, those of what the choice names instead:
+    under `auto` the lowering, never a slower opaque call); the fold line says why the folds that applied did not."""
+    outs = choice.backend.emit(em, site.call, site.like)
+    if isinstance(outs, Refusal):
+        choice = choice.refused(outs)
+        outs = choice.backend.emit(em, site.call, site.like)
+    finals = [unflatten(em, o, m) for o, m in zip(outs, site.group)]
+    return Folded(finals, [m.node for m in site.group], "; ".join(r.line() for r in refusals)), choice
 
 
-# Backends whose fused node Inductor cannot write into a `cat` after it: a rotation joined after it is written into
-# its rows of the join by their node (passes/joined_writes.py). Inductor's cat has the lowering's kernels write
-# into the joined tensor already.
-FOLDS_JOINED_WRITES = ("triton",)
-
-
-@dataclasses.dataclass
-class JoinPlan:
-    """The cat op's call on a group's pieces, as graph nodes (passes/cat_pieces.py): per member its two pieces and,
-    with a norm folded, their weights; the op's parameters, the joins' dims, the report's fold line and what
-    happened to the pieces' norms. Planned before the backend is chosen (`auto` times it), emitted after."""
-
-    firsts: list
-    seconds: list
-    weights: list | None
-    second_weights: list
-    params: Any
-    dims: list
-    fold: str
-    norm: str
-
-
-def _may_fold_joins(em: Emitter, device_type: str) -> bool:
-    """Whether a backend that folds joins may take a site on this device: the one asked for, or under `auto` one
+def _may_take(em: Emitter, call: RotaryCall, fold: Fold) -> bool:
+    """Whether a backend that takes `fold` may take a site on this device: the one asked for, or under `auto` one
     of the device's candidates."""
+    device_type = call.xs[0].meta["val"].device.type
     names = AUTO_ORDER.get(device_type, ["inductor"]) if em.requested in (None, "auto") else [em.requested]
-    return any(n in FOLDS_CATS for n in names)
-
-
-def _plan_joins(em: Emitter, group: tuple, call: RotaryCall, joins: list, depends_on: Callable) -> JoinPlan | str:
-    """The cat op's call on the pieces of every member's join, each piece's norm folded where all fold (and the
-    kernel takes them: else they stay in the graph), or why the kernel takes no call of these pieces. The nodes of
-    a plan not emitted are dead: the pass removes them."""
-    dims = [j.dim for j in joins]
-    plain = ([j.first for j in joins], [j.second for j in joins], None, [None] * len(joins), call.params)
-    tries = []
-    found = piece_norms(group, joins, depends_on)
-    if found.norms is not None:
-        pairs = list(zip(group, found.norms))
-        kind, eps = found.norms[0][0].kind, found.norms[0][0].eps
-        tries.append(([_raw_x(em, f[0], m.node) for m, f in pairs], [_raw_x(em, f[1], m.node) for m, f in pairs],
-                      [_norm_weight(em, f[0], m) for m, f in pairs], [_norm_weight(em, f[1], m) for m, f in pairs],
-                      call.params.replace(norm=kind, norm_eps=eps)))
-    tries.append(plain)
-    why = ""
-    for firsts, seconds, weights, second_weights, params in tries:
-        c = dataclasses.replace(call, params=params)
-        reason = cat_why_not(cat_call(c, firsts, seconds, weights, second_weights, dims))
-        if reason is None:
-            if params.norm != "none":
-                norm = f"{params.norm} folded"
-            elif why or found.why:
-                norm = f"left in the graph: {why or found.why}"
-            else:
-                norm = ""
-            return JoinPlan(firsts, seconds, weights, second_weights, params, dims, describe(joins), norm)
-        why = why or f"the kernel does not take the pieces' norms ({reason})"
-        last = reason
-    return last
-
-
-def _emit_joins(em: Emitter, call: RotaryCall, plan: JoinPlan, like: fx.Node) -> JoinedFold:
-    """The planned cat op's call: the pieces read, the joined rotation written once."""
-    c = dataclasses.replace(call, params=plan.params)
-    outs = emit_cat(em, c, plan.firsts, plan.seconds, plan.weights, plan.second_weights, plan.dims, like)
-    return JoinedFold(outs, plan.params, plan.fold, plan.norm)
-
-
-def _writes_back(group: tuple) -> bool:
-    """Whether a member's result flows into a slice_scatter (through a copy): a write the fold did not take."""
-    for m in group:
-        for u in m.node.users:
-            if u.target is aten.slice_scatter.default or u.target is aten.copy.default and any(
-                    w.target is aten.slice_scatter.default for w in u.users):
-                return True
-    return False
+    return any(b is not None and fold.name in b.folds for b in map(get_backend, names))
 
 
 def _group_arithmetic_dtype(group: tuple, nodes: dict, depends_on: Callable) -> torch.dtype | None:
@@ -650,18 +557,19 @@ def commit(planned: list[PlannedGroup]) -> None:
             old.replace_all_uses_with(new)
 
 
-def commit_joins(em: Emitter) -> None:
-    """After `commit`: every cat the groups wrote into replaced by what they wrote, with the pieces none wrote."""
-    if em.joins:
-        finish_joins(em, em.joins)
+def finish_folds(em: Emitter) -> None:
+    """After `commit`: each fold finishes the graph (the joined write replaces every cat the groups wrote into)."""
+    for fold in folds():
+        if fold.finish is not None:
+            fold.finish(em)
 
 
 def finish(graph: fx.Graph, planned: list[PlannedGroup], order: dict) -> None:
-    """Restore topological order where a group's nodes were placed after users of a site it replaces, or groups
-    write into a join (passes/joined_writes.py: a group may write into what a group placed after it wrote, and the
-    pieces are scattered before the cat)."""
-    joined = any(p.fold.startswith("joined write:") for p in planned)
-    moved = joined or any(order.get(u, 1 << 62) < order.get(p.anchor, 1 << 62) for p in planned for f in p.finals
+    """Restore topological order where a group's nodes were placed after users of a site it replaces, or a fold
+    that took a group reorders the graph (the joined write: a group may write into what a group placed after it
+    wrote, and the pieces are scattered before the cat)."""
+    reordered = any(p.folded is not None and p.folded.reorders for p in planned)
+    moved = reordered or any(order.get(u, 1 << 62) < order.get(p.anchor, 1 << 62) for p in planned for f in p.finals
                           for u in f.users)
     if moved:
         from torch._inductor.pattern_matcher import stable_topological_sort

@@ -39,9 +39,10 @@ from typing import Any
 
 import torch.fx as fx
 
-from ..ops.backends import Backend, LeftToInductor, SiteSpec, emit_op_call, load_backends
+from ..ops.backends import Backend, LeftToInductor, Refusal, SiteSpec, emit_op_call, load_backends
 from ..ops.library import OPS
 from . import aten_form
+from .choosers import Choice, Chooser, GraphFacts
 from .provenance import source_line
 from .report import Miss
 from .rope_pass import RopeFusionPass
@@ -94,9 +95,7 @@ class FxPass(RopeFusionPass):
 
     def __init__(self, fuse_qk: bool = True, cache_host_tables: bool = True, npu_ops: bool = True) -> None:
         self.npu_ops = bool(npu_ops)
-        super().__init__(backend="auto", fuse_qk=fuse_qk, cache_host_tables=cache_host_tables)
-        self._ge = False
-        self._chosen: dict = {}  # the replaced node of a group -> (backend name, why not the NPU ops)
+        super().__init__(backend="auto", fuse_qk=fuse_qk, cache_host_tables=cache_host_tables, chooser=FX_CHOOSER)
         self._unread: tuple | None = None  # (aten_form.Finding, error) of a graph not brought into the rules' form
 
     def __call__(self, gm: fx.GraphModule | fx.Graph, example_inputs: Any = None, config: Any = None, *,
@@ -104,13 +103,11 @@ class FxPass(RopeFusionPass):
         graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
         if isinstance(graph, fx.Graph) and dynamo_graph(graph):
             raise TypeError(NOT_A_BACKEND)
-        self._ge = ge_mode(config)
-        self._chosen.clear()
         load_backends()  # the op's device kernels (Triton on CUDA) register when their module imports
         misses = len(self.report.misses)
         work, traced = self._readable(graph, example_inputs)
         try:
-            super().__call__(work, is_inference=is_inference)
+            super().__call__(work, is_inference=is_inference, config=config)
         finally:
             self._unread = None
         for m in self.report.misses[misses:]:
@@ -139,17 +136,17 @@ class FxPass(RopeFusionPass):
             return graph, None
         return traced.graph, traced
 
-    def _fuse(self, graph: fx.Graph, index: int) -> list:
+    def _fuse(self, graph: fx.Graph, index: int, config: Any = None) -> list:
         """The analysis, after a near miss for a graph that could not be brought into the form it reads."""
         if self._unread is None:
-            return super()._fuse(graph, index)
+            return super()._fuse(graph, index, config)
         finding, error = self._unread
         node = finding.mutation or finding.undecomposed or finding.foreign_value
         left = ("not analysed: its writes would be unseen" if finding.mutation is not None else
                 "analysed as it is")
         self.report.misses.append(Miss(index, node.name, f"the graph {finding.describe()}, and tracing it functional "
                                        f"and decomposed failed ({error}): {left}", source_line(node)))
-        return [] if finding.mutation is not None else super()._fuse(graph, index)
+        return [] if finding.mutation is not None else super()._fuse(graph, index, config)
 
     @staticmethod
     def _emitted_ops() -> set:
@@ -157,36 +154,8 @@ class FxPass(RopeFusionPass):
 
         return {*OPS, *npu_graph.op_targets()}
 
-    # -- what a site becomes -----------------------------------------------------------------------------
-    def _choose(self, spec: SiteSpec):
-        if self.npu_ops and spec.device_type in NPU_DEVICE_TYPES:
-            return Backend("npu", lambda s: None, self._emit_npu), ""
-        return _OP, ""
-
-    def _emit_npu(self, em, call, like: fx.Node) -> list:
-        from ..kernels import npu_graph
-
-        try:
-            outs = npu_graph.emit(em, call, like, ge=self._ge)
-        except npu_graph.NotTaken as e:
-            if self._ge:
-                raise LeftInGraph(f"{LeftInGraph.PREFIX}TorchAir's graph mode converts torch_npu's ops but not "
-                                  f"rope_fusion's, and {e}") from None
-            self._chosen[like] = (_OP.name, f"npu: {e}; the rope_fusion op (its eager kernel) instead")
-            return emit_op_call(OPS, em, call, like)
-        self._chosen[like] = ("npu", "")
-        return outs
-
-    def _backend_of(self, p) -> tuple[str, str]:
-        """What `_choose` emitted: torch_npu's ops, or the rope_fusion op with why not them."""
-        return self._chosen.get(p.group[0].node) or super()._backend_of(p)
-
     def uuid(self) -> Any:
         return f"{super().uuid()}-fx{int(self.npu_ops)}"
-
-    def _decisions_key(self) -> str:
-        """Its choice is fixed (`_choose`): neither measured nor read from `auto`'s decisions on disk."""
-        return ""
 
     def __getstate__(self) -> dict:
         return {"fuse_qk": self.fuse_qk, "cache_host_tables": self.cache_host_tables, "npu_ops": self.npu_ops}
@@ -198,6 +167,36 @@ class FxPass(RopeFusionPass):
 
 # The rope_fusion op as such: its eager kernel runs (Triton on CUDA, the NPU bridge, the reference on the CPU).
 _OP = Backend("op", lambda spec: None, lambda em, call, like: emit_op_call(OPS, em, call, like))
+
+
+def _npu_ops(ge: bool) -> Backend:
+    """torch_npu's ops as graph nodes (kernels/npu_graph.py). A site they cannot take is refused (the rope_fusion op
+    takes it), except under TorchAir's graph mode, which converts torch_npu's ops but not ours: there it is left."""
+
+    def emit(em: Any, call: Any, like: fx.Node) -> list | Refusal:
+        from ..kernels import npu_graph
+
+        try:
+            return npu_graph.emit(em, call, like, ge=ge)
+        except npu_graph.NotTaken as e:
+            if ge:
+                raise LeftInGraph(f"{LeftInGraph.PREFIX}TorchAir's graph mode converts torch_npu's ops but not "
+                                  f"rope_fusion's, and {e}") from None
+            return Refusal(str(e))
+    return Backend("npu", lambda spec: None, emit)
+
+
+def _fx_choose(p: Any, spec: SiteSpec, facts: GraphFacts) -> Choice:
+    """A fixed choice, no cost model (nothing here compiles the model's own code into fused kernels): torch_npu's ops
+    on an NPU graph (where `npu_ops`), else the rope_fusion op."""
+    if p.npu_ops and spec.device_type in NPU_DEVICE_TYPES:
+        return Choice(_npu_ops(ge_mode(facts.config)), "rule", instead=_OP,
+                      instead_words="the rope_fusion op (its eager kernel)")
+    return Choice(_OP, "rule")
+
+
+FX_CHOOSER = Chooser("fx", _fx_choose, reads_decisions=False)
+"""What a site becomes outside Inductor: neither measured nor read from `auto`'s decisions on disk."""
 
 def reshape_views_after(graph: fx.Graph, fused: list) -> int:
     """`view` of a value computed from a fused result becomes `reshape`; returns how many changed.
@@ -229,5 +228,5 @@ def reshape_views_after(graph: fx.Graph, fused: list) -> int:
 fx_pass = FxPass()
 """The shared instance: `rope_fusion.fx_pass(gm, example_inputs, config)`; `rope_fusion.fx_pass.report`."""
 
-__all__ = ["FxPass", "LeftInGraph", "NOT_A_BACKEND", "NPU_DEVICE_TYPES", "dynamo_graph", "fx_pass", "ge_mode",
-           "reshape_views_after"]
+__all__ = ["FX_CHOOSER", "FxPass", "LeftInGraph", "NOT_A_BACKEND", "NPU_DEVICE_TYPES", "dynamo_graph", "fx_pass",
+           "ge_mode", "reshape_views_after"]

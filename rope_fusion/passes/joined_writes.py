@@ -4,7 +4,7 @@ HunyuanVideo's dual-stream blocks rotate the image q and k and then join the tex
 `cat([rope(q_img), q_txt], 2)`; Qwen-Image rotates both streams, each with its own tables, and joins them,
 `cat([rope(q_txt), rope(q_img)], 1)`. The op's lowering is pointwise, and Inductor's cat writes each piece's kernel
 straight into the joined buffer. An opaque kernel cannot be fused so: it writes the rotation, and the cat reads it
-and writes it once more. For such a backend (`emission.FOLDS_JOINED_WRITES`: the Triton kernel) a group whose every
+and writes it once more. For a backend whose `folds` name it (the Triton kernel) a group whose every
 member's rotation is read by a cat alone becomes one `auto_functionalized` call of `rope_fusion::rotary*_into_`
 (ops/slice_write.py), which writes each rotation into its rows of the joined tensor. The joined tensor starts as
 `empty` in the cat's shape and strides; the groups that write into one cat are chained (each writes into the

@@ -14,7 +14,6 @@ per instance, and a copy starts with an empty one).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import gc
 import hashlib
 import logging
@@ -25,8 +24,9 @@ from typing import Any
 
 import torch.fx as fx
 
-from ..ops.backends import BACKEND_NAMES, LeftToInductor, SiteSpec, choose_backend
-from . import auto_budget, auto_timing, emission, fusion_check
+from ..ops.backends import BACKEND_NAMES, LeftToInductor, SiteSpec
+from . import auto_timing, emission, fusion_check
+from .choosers import AUTO_CHOOSER, Choice, Chooser, GraphFacts
 from .emission import Emitter, GraphTransaction
 from .fx_util import hint_reads
 from .grouping import pair_up
@@ -149,7 +149,8 @@ class RopeFusionPass(PassBase):
     """Find every RoPE it can prove in a post-grad graph and replace it (or each q/k pair) with one fused op."""
 
     def __init__(self, backend: str = "auto", fuse_qk: bool = True, cache_host_tables: bool = True,
-                 cuda_graphs: bool | None = None, measure: bool | str = "auto", verify: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, measure: bool | str = "auto", verify: bool | None = None,
+                 chooser: Chooser = AUTO_CHOOSER) -> None:
         if isinstance(backend, (fx.Graph, fx.GraphModule)):  # the class was configured where an instance goes
             raise TypeError(_misconfigured(backend, "the class RopeFusionPass"))
         if not isinstance(backend, str) or backend not in BACKEND_NAMES:
@@ -174,13 +175,16 @@ class RopeFusionPass(PassBase):
         # every fused group evaluated eagerly against the code it replaces before it is committed
         # (passes/fusion_check.py); None reads ROPE_FUSION_VERIFY
         self.verify = verify
-        self._choices: dict = {}  # the first replaced node of a group -> how `auto` chose it (the report)
-        self._host_bound = False  # the graph being fused waits on the host (set per graph)
+        # how a site's backend is picked (passes/choosers.py): the backend asked for or `auto`, unless a pass for
+        # another compile stack names its own
+        self.chooser = chooser
         self.report = Report(refresh=take_in_cache_replays)
         self._logged: set = set()
 
     # -- CustomGraphPass -------------------------------------------------------------------------
-    def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
+    def __call__(self, graph: fx.Graph, is_inference: bool | None = None, *, config: Any = None) -> None:
+        """`config`: the compiler's config where one called the pass (npugraph_ex, TorchAir), which its chooser
+        may read; Inductor passes none."""
         if not isinstance(graph, fx.Graph):
             raise TypeError(_misconfigured(graph, "a RopeFusionPass"))
         if auto_timing.measuring():  # a candidate's standalone compile inside this pass: plain Inductor
@@ -197,7 +201,7 @@ class RopeFusionPass(PassBase):
         collecting = gc.isenabled()
         gc.disable()
         try:
-            self._run(graph, index, record)
+            self._run(graph, index, record, config)
         finally:
             if collecting:
                 gc.enable()
@@ -235,12 +239,12 @@ class RopeFusionPass(PassBase):
 
         return bool(config.triton.cudagraphs)
 
-    def _run(self, graph: fx.Graph, index: int, record: GraphRecord) -> None:
+    def _run(self, graph: fx.Graph, index: int, record: GraphRecord, config: Any = None) -> None:
         mark = self._mark()
         tx = GraphTransaction(graph)
         try:
             with hint_reads():  # the analysis reads symbolic sizes without guarding (fx_util)
-                planned = self._fuse(graph, index)
+                planned = self._fuse(graph, index, config)
         except Exception as e:  # the failure policy: never break a compile
             try:
                 tx.rollback()
@@ -267,8 +271,7 @@ class RopeFusionPass(PassBase):
             record.outcome = "fused"
         self._log_graph(record)
 
-    def _fuse(self, graph: fx.Graph, index: int) -> list:
-        self._choices.clear()
+    def _fuse(self, graph: fx.Graph, index: int, config: Any = None) -> list:
         merge_padded_sums(graph)  # a rotation's backward padded with zero rows becomes one node (padded_sums.py)
         matches, misses, acc = find_sites(graph)
         kernel_sites, kernel_misses = claim_kernel_sites(graph)
@@ -280,10 +283,7 @@ class RopeFusionPass(PassBase):
                                            named_values(str(reason), named)))
         if not matches:
             return []
-        try:  # only graphs with sites to cost: the scan of the graph's inputs is not paid by the others
-            self._host_bound = not self.replayed_in_cuda_graphs() and graph_host_bound(graph)
-        except Exception:  # an input to the cost model, never a reason to fail: the GPU's costs then
-            self._host_bound = False
+        facts = GraphFacts(self._host_bound(graph), config)
         nodes, order = acc.interp.nodes, acc.order
         # never a guard: a site whose proof read a symbolic size is left
         matches, held = hold_symbolic(matches, nodes, acc.interp.values)
@@ -298,7 +298,8 @@ class RopeFusionPass(PassBase):
             start = anchor.prev  # a group's nodes all go between start and anchor
             joins = dict(em.joins)
             try:
-                p = emission.plan_group(em, group, nodes, anchor, self._choose, acc.depends_on)
+                p = emission.plan_group(em, group, nodes, anchor, lambda spec: self._choose(spec, facts),
+                                        acc.depends_on)
                 if known is not None:
                     fusion_check.verify_group(p, known, f"graph {index}: the fused {p.op_name} of {group[0].node}")
                 planned.append(p)
@@ -318,61 +319,24 @@ class RopeFusionPass(PassBase):
                                "rope_fusion graph %d: a site was left unfused after an internal error: %s: %s",
                                index, type(e).__name__, e)
         emission.commit(planned)
-        emission.commit_joins(em)
+        emission.finish_folds(em)
         check_none_needed([n for p in planned for m in p.group for n in site_roots(m, nodes)], acc.interp.values)
         emission.finish(graph, planned, order)
         for p in planned:
             self._record(index, p)
         return planned
 
-    def _choose(self, spec: SiteSpec):
-        if spec.cost is not None:
-            spec = dataclasses.replace(spec, cost=dataclasses.replace(spec.cost, host_bound=self._host_bound))
-        decision = self._auto_decision(spec)
-        backend, reasons = choose_backend(self.backend, spec, decision)
-        fallback = "; ".join(reasons)
-        if fallback:
-            self._log_once(("fallback", fallback), logging.WARNING,
-                           "rope_fusion: backend %r did not take a site, using %r (%s)", self.backend,
-                           backend.name, fallback)
-        return backend, fallback
+    def _host_bound(self, graph: fx.Graph) -> bool:
+        """Whether a compiled call of the graph waits on the host (only graphs with sites to cost: the scan of the
+        graph's inputs is not paid by the others)."""
+        try:
+            return not self.replayed_in_cuda_graphs() and graph_host_bound(graph)
+        except Exception:  # an input to the cost model, never a reason to fail: the GPU's costs then
+            return False
 
-    def _auto_decision(self, spec: SiteSpec) -> tuple[str, str] | None:
-        """Under `auto` on a device that measures (CUDA): the measured or cached choice, else the factor table's
-        (a calibrated one where present), with why it was not measured. None elsewhere: the fixed order."""
-        site = spec.measure
-        if self.backend != "auto" or site is None or not auto_timing.measured_device(spec.device_type):
-            return None
-        from ..ops.backends import AUTO_ORDER, get_backend
-        from ..ops.cost_model import cheapest
-        from .auto_decisions import calibrated_factors
-
-        device = site.call.xs[0].meta["val"].device
-        on, why_not = auto_timing.enabled(self.measure)
-        if on:
-            candidates = [n for n in AUTO_ORDER.get(spec.device_type, ["inductor"])
-                          if get_backend(n) is not None and get_backend(n).supports(spec) is None]
-            # what to measure: passes/auto_budget.py
-            budget = auto_budget.plan(spec.cost, candidates, self.measure, calibrated_factors(device))
-            if budget.measure:
-                outcome = auto_timing.decide(site, device, list(budget.candidates), self.replayed_in_cuda_graphs(),
-                                             self.measure)
-            else:
-                auto_timing.STATS["clear"] += 1
-                outcome = auto_timing.Outcome(budget.choice, "table", budget.why)
-            if outcome.choice is not None:
-                self._choices[site.group[0].node] = outcome.why
-                return outcome.choice, outcome.why
-            why_not = outcome.why
-        else:
-            auto_timing.STATS["table"] += 1
-        if spec.cost is None or device.type != "cuda":  # the table is a GPU's: elsewhere the fixed order
-            self._choices[site.group[0].node] = f"fixed order, not measured: {why_not}"
-            return None
-        best, why = cheapest(spec.cost, calibrated_factors(device))
-        why = f"{why}; table, not measured: {why_not}"
-        self._choices[site.group[0].node] = why
-        return best, why
+    def _choose(self, spec: SiteSpec, facts: GraphFacts) -> Choice:
+        """One site's backend, by the pass's chooser."""
+        return self.chooser.choose(self, spec, facts)
 
     def _record(self, index: int, p: emission.PlannedGroup) -> None:
         """The report's records of a planned group: its sites with the parameters the op was called with."""
@@ -387,13 +351,7 @@ class RopeFusionPass(PassBase):
                 table_dtype=dtype_name(p.cos.meta["val"].dtype), shape=tuple(str(s) for s in val.shape),
                 source=rotation_source(m.node), params=params, kernel=kernel, role=role(m.node), origin=m.origin,
                 graph_kind=self.report.graph_records[index].kind, norm=p.norm))
-        backend, fallback = self._backend_of(p)
-        choice = self._choices.pop(p.group[0].node, "")
-        self.report.kernels.append(Kernel(index, p.op_name, backend, ids, fallback, choice, p.fold))
-
-    def _backend_of(self, p: emission.PlannedGroup) -> tuple[str, str]:
-        """The backend that took a group, and why not the one asked for ("" when it was)."""
-        return p.backend, p.fallback
+        self.report.kernels.append(Kernel(index, p.op_name, p.backend, ids, p.fallback, p.choice.why, p.fold))
 
     def _cache_tables(self, graph: fx.Graph, index: int, planned: list) -> None:
         """Host tables of fused sites: cached device copies (their own transaction: a failure keeps the sites)."""
@@ -440,7 +398,7 @@ class RopeFusionPass(PassBase):
     def _decisions_key(self) -> str:
         """What `auto` could read from disk and compile by (measured decisions, calibrated tables: their content
         hash) and whether it measures: a graph compiled under other decisions must not be served."""
-        if self.backend != "auto":
+        if self.backend != "auto" or not self.chooser.reads_decisions:
             return ""
         from .auto_decisions import fingerprint
 
@@ -449,7 +407,8 @@ class RopeFusionPass(PassBase):
 
     def _options_key(self) -> str:
         graphs = "" if self.cuda_graphs is None else f"-g{int(self.cuda_graphs)}"  # None: in Inductor's key
-        return (f"rope_fusion-{source_hash()[:32]}-{self.backend}-{int(self.fuse_qk)}"
+        chooser = "" if self.chooser is AUTO_CHOOSER else f"-{self.chooser.name}"
+        return (f"rope_fusion-{source_hash()[:32]}-{self.backend}{chooser}-{int(self.fuse_qk)}"
                 f"-{int(self.cache_host_tables)}{graphs}{_MEASURE_KEYS[self.measure]}"
                 f"{'-verify' if fusion_check.enabled(self.verify) else ''}")
 
@@ -460,8 +419,9 @@ class RopeFusionPass(PassBase):
 
     # -- copying and pickling: options travel, the report does not --------------------------------
     def __getstate__(self) -> dict:
-        return {"backend": self.backend, "fuse_qk": self.fuse_qk, "cache_host_tables": self.cache_host_tables,
-                "cuda_graphs": self.cuda_graphs, "measure": self.measure, "verify": self.verify}
+        state = {"backend": self.backend, "fuse_qk": self.fuse_qk, "cache_host_tables": self.cache_host_tables,
+                 "cuda_graphs": self.cuda_graphs, "measure": self.measure, "verify": self.verify}
+        return state if self.chooser is AUTO_CHOOSER else {**state, "chooser": self.chooser}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)

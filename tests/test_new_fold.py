@@ -1,0 +1,56 @@
+"""A new fold is a record: registered with `register_fold` and named in a backend's `folds`, it is planned,
+emitted and reported with no edit of the planning code, `auto`'s timing or the pass. The registry's order is the
+order the folds are asked in."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import rope_fusion
+from rope_fusion.ops import backends
+from rope_fusion.ops.backends import emit_op_call
+from rope_fusion.ops.library import OPS
+from rope_fusion.passes import fold_registry
+from rope_fusion.passes.emission import unflatten
+from rope_fusion.passes.fold_registry import Fold, Folded, FoldSite
+
+
+def _rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def _find(site: FoldSite) -> list:
+    return [m.node.name for m in site.group]
+
+
+def _emit(em, site: FoldSite, names: list) -> Folded:
+    outs = emit_op_call(OPS, em, site.call, site.like)
+    finals = [unflatten(em, o, m) for o, m in zip(outs, site.group)]
+    return Folded(finals, [m.node for m in site.group], "dummy: " + ", ".join(names))
+
+
+def test_a_fold_registered_as_a_record_is_planned_emitted_and_reported(monkeypatch):
+    dummy = Fold("dummy", _find, _emit)  # no runner: `auto` would time it as the plain kernel, and say so
+    monkeypatch.setattr(fold_registry, "_FOLDS", [*fold_registry.folds(), dummy])
+    inductor = backends.get_backend("inductor")
+    monkeypatch.setitem(backends._BACKENDS, "inductor", dataclasses.replace(inductor, folds=("dummy",)))
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 4, 32, dtype=torch.float64)
+    ang = torch.randn(8, 1, 32, dtype=torch.float64)
+    cos, sin = ang.cos(), ang.sin()
+    p = rope_fusion.RopeFusionPass(backend="inductor")
+    torch._dynamo.reset()
+    out = torch.compile(_rope, options={"post_grad_custom_post_pass": p})(x, cos, sin)
+    torch.testing.assert_close(out, _rope(x, cos, sin), rtol=1e-12, atol=1e-12)
+    assert len(p.report.kernels) == 1, p.report.table()
+    assert p.report.kernels[0].fold.startswith("dummy: "), p.report.table(verbose=True)
+    assert "dummy: " in p.report.table(verbose=True)
+
+
+def test_the_registry_holds_the_built_in_folds_in_order():
+    names = [f.name for f in fold_registry.folds()]
+    assert names[:3] == ["slice write", "cat", "joined write"]
+    assert [f.runner is None for f in fold_registry.folds()][:3] == [False, False, True]
