@@ -138,3 +138,42 @@ def test_token_bound_under_auto():
     fold, why = decide("auto", MAX_TOKENS + 1)
     assert "past the bound" in why
     assert decide("inductor", 10 * MAX_TOKENS)[0]
+
+
+class StandInFlashFp8Impl(StandInFlashImpl):
+    """FlashAttention's FP8 write: reshape_and_cache_flash with kv_cache_dtype "fp8" stores x / scale as e4m3 bytes."""
+
+    kv_cache_dtype = "fp8"
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slots):
+        kc, vc = kv_cache.view(torch.float8_e4m3fn).transpose(1, 2).split(self.head_size, dim=-1)
+        for t, s in enumerate(slots.tolist()):
+            if s >= 0:
+                kc[s // BS, s % BS] = (key[t] / layer._k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+                vc[s // BS, s % BS] = (value[t] / layer._v_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def test_fp8_cache_within_e4m3_rounding(vllm_parts):
+    from torch._inductor.compile_fx import compile_fx
+
+    register_attention_cache(AttentionCache(f"{__name__}.StandInFlashFp8Impl", FLASH_ATTENTION.split))
+    rope, fc, name = vllm_parts
+    fn = _fn(rope, name)
+    p = rope_fusion.RopeFusionPass()
+    pos, qkv = torch.randint(0, 128, (T,)), torch.randn(T, (HQ + 2 * HK) * D)
+    slots = torch.tensor([3, -1, 17, 40, 5])
+    scale = torch.tensor(0.05)
+    layer = types.SimpleNamespace(impl=StandInFlashFp8Impl(), kv_cache=torch.zeros(BLOCKS, HK, BS, 2 * D,
+                                  dtype=torch.uint8), _k_scale=scale, _v_scale=scale)
+    ctx = fc.ForwardContext(no_compile_layers={LAYER: layer}, attn_metadata=None, slot_mapping={LAYER: slots})
+    torch._dynamo.reset()
+    with fc.override_forward_context(ctx), torch._inductor.config.patch(fx_graph_cache=False):
+        torch.compile(fn, fullgraph=True, backend=lambda gm, ex: compile_fx(gm, ex, config_patches={
+            "post_grad_custom_post_pass": p}))(pos, qkv)
+        fused = layer.kv_cache.view(torch.float8_e4m3fn).float()
+        layer.kv_cache.zero_()
+        fn(pos, qkv)
+        ref = layer.kv_cache.view(torch.float8_e4m3fn).float()
+    assert p.report.kernels[0].op == "rope_fusion.rotary_qk_into_layer_cache"
+    # one e4m3 step (3 mantissa bits) where the unfused path's first rounding crosses a tie
+    torch.testing.assert_close(fused, ref, atol=0.0, rtol=2 ** -3)
