@@ -259,6 +259,7 @@ class RopeFusionPass(PassBase):
                            type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
             return
         self._cache_tables(graph, index, planned)
+        self._fold_kv_cache(graph, index, planned, mark["kernels"])
         try:
             graph.eliminate_dead_code()
         except Exception:  # dead nodes are harmless; Inductor removes them too
@@ -372,6 +373,33 @@ class RopeFusionPass(PassBase):
                            index, type(e).__name__, e)
             return
         self.report.host_tables += [f"{index}:{name}" for name in names]
+
+    def _fold_kv_cache(self, graph: fx.Graph, index: int, planned: list, first_kernel: int) -> None:
+        """vLLM's KV-cache writes of the fused rotations' k (passes/kv_cache_fold.py), in their own transaction: a
+        failure keeps the sites fused and the writes as they were. Each outcome is its kernel's `fold` line, or a
+        near miss where no fused rotation feeds the write."""
+        from .kv_cache_fold import fold_kv_cache_writes, rotation_of_group
+
+        kernels = {rotation_of_group(p): first_kernel + i for i, p in enumerate(planned)}  # before the fold erases
+        tx = GraphTransaction(graph)
+        try:
+            outcomes = fold_kv_cache_writes(graph, self.backend)
+        except Exception as e:
+            tx.rollback()
+            self.report.errors.append(GraphError(index, f"KV-cache fold: {type(e).__name__}: {e}",
+                                                 "cache writes left as they were; the sites are fused"))
+            self._log_once(("kvfold", type(e).__name__), logging.WARNING,
+                           "rope_fusion graph %d: KV-cache writes left as they were after an internal error: %s: %s",
+                           index, type(e).__name__, e)
+            return
+        for o in outcomes:
+            line = f"kv-cache write of {o.layer}: " + ("folded" if o.folded else "not folded") + f" ({o.why})"
+            if o.rotation in kernels:
+                self.report.kernels[kernels[o.rotation]].fold = line
+                if o.folded:
+                    self.report.kernels[kernels[o.rotation]].op = "rope_fusion.rotary_qk_into_layer_cache"
+            else:
+                self.report.misses.append(Miss(index, o.update, line, "", o.layer))
 
     def _mark(self) -> dict:
         return {f: len(getattr(self.report, f)) for f in ("sites", "kernels", "misses", "host_tables")}
