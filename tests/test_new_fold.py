@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 import rope_fusion
@@ -32,11 +33,18 @@ def _emit(em, site: FoldSite, names: list) -> Folded:
     return Folded(finals, [m.node for m in site.group], "dummy: " + ", ".join(names))
 
 
-def test_a_fold_registered_as_a_record_is_planned_emitted_and_reported(monkeypatch):
-    dummy = Fold("dummy", _find, _emit)  # no runner: `auto` would time it as the plain kernel, and say so
-    monkeypatch.setattr(fold_registry, "_FOLDS", [*fold_registry.folds(), dummy])
+@pytest.fixture
+def dummy_fold():
+    """The dummy fold registered, and named by the inductor backend's record, through the registries' own API."""
     inductor = backends.get_backend("inductor")
-    monkeypatch.setitem(backends._BACKENDS, "inductor", dataclasses.replace(inductor, folds=("dummy",)))
+    fold_registry.register_fold(Fold("dummy", _find, _emit))  # no runner: `auto` times it as the plain kernel
+    backends.register_backend(dataclasses.replace(inductor, folds=("dummy",)))
+    yield
+    fold_registry.unregister_fold("dummy")
+    backends.register_backend(inductor)
+
+
+def test_a_fold_registered_as_a_record_is_planned_emitted_and_reported(dummy_fold):
     torch.manual_seed(0)
     x = torch.randn(2, 8, 4, 32, dtype=torch.float64)
     ang = torch.randn(8, 1, 32, dtype=torch.float64)
@@ -54,3 +62,6 @@ def test_the_registry_holds_the_built_in_folds_in_order():
     names = [f.name for f in fold_registry.folds()]
     assert names[:3] == ["slice write", "cat", "joined write"]
     assert [f.runner is None for f in fold_registry.folds()][:3] == [False, False, True]
+    # the KV-cache write acts after the groups are committed: an epilogue record, never asked about a group
+    assert [f.name for f in fold_registry.epilogues()] == ["kv-cache write"]
+    assert "kv-cache write" not in names

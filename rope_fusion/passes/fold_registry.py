@@ -8,6 +8,11 @@ nodes that `auto` times before the choice), how it emits the group (`emit`), how
 timed as the plain kernel, which the report names), how it finishes the graph once every group is committed
 (`finish`, `reorders`) and how it reads in the report (`name`, and the line its `emit` returns).
 
+A fold may instead act on what the fused nodes feed once the groups are committed (`epilogue`: the KV-cache write
+of vLLM's layers, passes/kv_cache_fold.py). It claims no group (no `find`); it reads the graph the pass left, in a
+transaction of its own, so a failure keeps the sites fused. Its outcomes (`FoldOutcome`) become the fold line of the
+fused node they name, or a near miss where no fused node feeds the place.
+
 Planning (passes/emission.py `plan_group`) asks the folds in registry order: before the backend is chosen, the
 first fold whose plan holds claims the group (`auto` times that fold); after the choice, the first of the chosen
 backend's folds whose plan holds emits it. A fold whose plan looks at the site's consumers (a node after the site)
@@ -26,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 # the built-in folds, in the registry's order (each module registers its record when imported)
-_BUILTIN = ("fold_slice_write", "fold_cat", "fold_joined_write")
+_BUILTIN = ("fold_slice_write", "fold_cat", "fold_joined_write", "kv_cache_fold")
 
 
 @dataclasses.dataclass
@@ -73,6 +78,19 @@ class Folded:
 
 
 @dataclasses.dataclass(frozen=True)
+class FoldOutcome:
+    """What an epilogue fold did at one place of the graph: the fused node whose result it read (its kernel's fold
+    line; None or a node the pass did not emit: a near miss at `where`), the node it looked at (`where`) and what it
+    acts on (`subject`), its line, and the op now in the fused node's place where it folded."""
+
+    fused: Any
+    where: str
+    subject: str
+    line: str
+    op_name: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Fold:
     """One fold. `find(site)` is pure analysis: its plan, a NotFolded, or None where the fold does not apply.
     `prepare(em, site, found)` (optional) turns a found plan into graph nodes before the choice, where a backend that
@@ -80,17 +98,19 @@ class Fold:
     `auto_timing.AutoSite` its timed region needs; `runner(built, site, real)` is its candidate's compiled call
     (None: `auto` times the plain kernel, and the report says so). `finish(em)` runs once all groups are committed;
     `reorders`: the graph needs a stable topological sort after the fold. `reads_pieces`: the kernel reads x's
-    pieces itself, so the cost model drops the join's write and read (ops/cost_model.py)."""
+    pieces itself, so the cost model drops the join's write and read (ops/cost_model.py). `epilogue(graph, backend)`:
+    a fold that acts after every group is committed instead (no `find`, `emit`), returning its `FoldOutcome`s."""
 
     name: str
-    find: Callable[[FoldSite], Any]
-    emit: Callable[[Any, FoldSite, Any], Folded]
+    find: Callable[[FoldSite], Any] | None = None
+    emit: Callable[[Any, FoldSite, Any], Folded] | None = None
     prepare: Callable[[Any, FoldSite, Any], Any] | None = None
     runner: Callable[[Any, Any, dict], Callable[[], Any]] | None = None
     timed_as: Callable[[Any], dict] = lambda plan: {}
     finish: Callable[[Any], None] | None = None
     reorders: bool = False
     reads_pieces: bool = False
+    epilogue: Callable[[Any, str], list[FoldOutcome]] | None = None
 
 
 _FOLDS: list[Fold] = []
@@ -119,9 +139,15 @@ def _load() -> None:
 
 
 def folds() -> tuple[Fold, ...]:
-    """The registered folds, in order."""
+    """The registered folds that claim groups, in order."""
     _load()
-    return tuple(_FOLDS)
+    return tuple(f for f in _FOLDS if f.find is not None)
+
+
+def epilogues() -> tuple[Fold, ...]:
+    """The registered folds that act after every group is committed, in order."""
+    _load()
+    return tuple(f for f in _FOLDS if f.epilogue is not None)
 
 
 def taken_by(backend: Any) -> tuple[Fold, ...]:
@@ -129,4 +155,27 @@ def taken_by(backend: Any) -> tuple[Fold, ...]:
     return tuple(f for f in folds() if f.name in backend.folds)
 
 
-__all__ = ["Fold", "FoldSite", "Folded", "NotFolded", "folds", "register_fold", "taken_by", "unregister_fold"]
+def fused_node(planned: Any) -> Any:
+    """The fused op node behind a planned group's results (passes/emission.py `PlannedGroup`): what an epilogue's
+    `FoldOutcome.fused` names. Views of a getitem of one multi-output node are read through; None where the
+    results do not come from one node."""
+    import operator
+
+    import torch
+    from torch import fx
+
+    aten = torch.ops.aten
+    views = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.alias.default)
+    sources = set()
+    for final in planned.finals:
+        node = final
+        while isinstance(node, fx.Node) and node.target in views:
+            node = node.args[0]
+        if not (isinstance(node, fx.Node) and node.target is operator.getitem):
+            return None
+        sources.add(node.args[0])
+    return sources.pop() if len(sources) == 1 else None
+
+
+__all__ = ["Fold", "FoldOutcome", "FoldSite", "Folded", "NotFolded", "epilogues", "folds", "fused_node",
+           "register_fold", "taken_by", "unregister_fold"]

@@ -8,7 +8,9 @@ from the matcher. A cache update is folded where its k is the rotation's k outpu
 shape), v is a `[tokens, heads, head_dim]` tensor defined before the update, and the layer name is a constant or a
 graph input of vLLM's `LayerName` type. The attention backend, the cache's layout and dtype are the forward
 context's, known only at run time: the op decides there (ops/layer_caches.py). `auto` folds by a token bound
-(passes/kv_cache_fold_auto.py). `fold_kv_cache_writes` is the entry point; each outcome is one `KvFold`.
+(passes/kv_cache_fold_auto.py). `fold_kv_cache_writes` is the entry point; each outcome is one `KvFold`. The fold
+is the registry's epilogue record `KV_CACHE_WRITE` (passes/fold_registry.py): the pass runs it after every group
+is committed, and reports its outcomes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import fx
 
 from ..ops.library import OPS
 from ..ops.schema import optional_tensor_names
+from .fold_registry import Fold, FoldOutcome, register_fold
 from .kv_cache_fold_auto import decide
 
 _VIEWS = (torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
@@ -70,14 +73,6 @@ def _rotation_of(k_arg: Any) -> tuple[fx.Node, fx.Node] | None:
     if found is None or tuple(k_arg.meta["val"].shape) != tuple(found[1].meta["val"].shape):
         return None
     return found
-
-
-def rotation_of_group(planned: Any) -> fx.Node | None:
-    """The rotary_qk node behind a planned group's k (passes/emission.py `PlannedGroup`), where it is one."""
-    if len(planned.finals) != 2:
-        return None
-    found = _source_rotation(planned.finals[1])
-    return found[0] if found is not None else None
 
 
 def _layer_type(layer: Any) -> str | None:
@@ -177,3 +172,15 @@ def fold_kv_cache_writes(graph: fx.Graph, backend: str) -> list[KvFold]:
 
         stable_topological_sort(graph)
     return outcomes
+
+
+def _epilogue(graph: fx.Graph, backend: str) -> list[FoldOutcome]:
+    """The fold's outcomes as the registry reports them: a folded update names the new op."""
+    return [FoldOutcome(o.rotation, o.update, o.layer,
+                        f"kv-cache write of {o.layer}: " + ("folded" if o.folded else "not folded") + f" ({o.why})",
+                        "rope_fusion.rotary_qk_into_layer_cache" if o.folded else None)
+            for o in fold_kv_cache_writes(graph, backend)]
+
+
+KV_CACHE_WRITE = Fold("kv-cache write", epilogue=_epilogue)
+register_fold(KV_CACHE_WRITE)

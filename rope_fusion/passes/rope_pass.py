@@ -259,7 +259,7 @@ class RopeFusionPass(PassBase):
                            type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
             return
         self._cache_tables(graph, index, planned)
-        self._fold_kv_cache(graph, index, planned, mark["kernels"])
+        self._run_epilogues(graph, index, planned, mark["kernels"])
         try:
             graph.eliminate_dead_code()
         except Exception:  # dead nodes are harmless; Inductor removes them too
@@ -374,32 +374,36 @@ class RopeFusionPass(PassBase):
             return
         self.report.host_tables += [f"{index}:{name}" for name in names]
 
-    def _fold_kv_cache(self, graph: fx.Graph, index: int, planned: list, first_kernel: int) -> None:
-        """vLLM's KV-cache writes of the fused rotations' k (passes/kv_cache_fold.py), in their own transaction: a
-        failure keeps the sites fused and the writes as they were. Each outcome is its kernel's `fold` line, or a
-        near miss where no fused rotation feeds the write."""
-        from .kv_cache_fold import fold_kv_cache_writes, rotation_of_group
-
-        kernels = {rotation_of_group(p): first_kernel + i for i, p in enumerate(planned)}  # before the fold erases
-        tx = GraphTransaction(graph)
-        try:
-            outcomes = fold_kv_cache_writes(graph, self.backend)
-        except Exception as e:
-            tx.rollback()
-            self.report.errors.append(GraphError(index, f"KV-cache fold: {type(e).__name__}: {e}",
-                                                 "cache writes left as they were; the sites are fused"))
-            self._log_once(("kvfold", type(e).__name__), logging.WARNING,
-                           "rope_fusion graph %d: KV-cache writes left as they were after an internal error: %s: %s",
-                           index, type(e).__name__, e)
+    def _run_epilogues(self, graph: fx.Graph, index: int, planned: list, first_kernel: int) -> None:
+        """The folds that act on what the fused nodes feed (passes/fold_registry.py `epilogues`), each in its own
+        transaction: a failure keeps the sites fused and the graph around them as it was. Each outcome is its
+        fused node's kernel's fold line, or a near miss where no fused node feeds the place."""
+        if not planned:
             return
-        for o in outcomes:
-            line = f"kv-cache write of {o.layer}: " + ("folded" if o.folded else "not folded") + f" ({o.why})"
-            if o.rotation in kernels:
-                self.report.kernels[kernels[o.rotation]].fold = line
-                if o.folded:
-                    self.report.kernels[kernels[o.rotation]].op = "rope_fusion.rotary_qk_into_layer_cache"
-            else:
-                self.report.misses.append(Miss(index, o.update, line, "", o.layer))
+        from .fold_registry import epilogues, fused_node
+
+        kernels = {fused_node(p): first_kernel + i for i, p in enumerate(planned)}  # before a fold erases them
+        kernels.pop(None, None)
+        for fold in epilogues():
+            tx = GraphTransaction(graph)
+            try:
+                outcomes = fold.epilogue(graph, self.backend)
+            except Exception as e:
+                tx.rollback()
+                self.report.errors.append(GraphError(index, f"{fold.name} fold: {type(e).__name__}: {e}",
+                                                     "left as it was; the sites are fused"))
+                self._log_once((fold.name, type(e).__name__), logging.WARNING,
+                               "rope_fusion graph %d: %s fold left after an internal error: %s: %s", index,
+                               fold.name, type(e).__name__, e)
+                continue
+            for o in outcomes:
+                kernel = kernels.get(o.fused)
+                if kernel is None:
+                    self.report.misses.append(Miss(index, o.where, o.line, "", o.subject))
+                    continue
+                self.report.kernels[kernel].fold = o.line
+                if o.op_name is not None:
+                    self.report.kernels[kernel].op = o.op_name
 
     def _mark(self) -> dict:
         return {f: len(getattr(self.report, f)) for f in ("sites", "kernels", "misses", "host_tables")}
