@@ -177,3 +177,82 @@ def test_fp8_cache_within_e4m3_rounding(vllm_parts):
     assert p.report.kernels[0].op == "rope_fusion.rotary_qk_into_layer_cache"
     # one e4m3 step (3 mantissa bits) where the unfused path's first rounding crosses a tie
     torch.testing.assert_close(fused, ref, atol=0.0, rtol=2 ** -3)
+
+
+def _compile_and_check(vllm_parts, counts, dynamic=False, compile_range=None):
+    """Each token count of `counts` through one compiled function (the count marked dynamic where asked, vLLM's
+    compile range set around the compile where given): q, k and the cache checked against the graph run eagerly,
+    vLLM's own write included. Returns the pass and how many graphs were compiled."""
+    from torch._inductor.compile_fx import compile_fx
+
+    p = rope_fusion.RopeFusionPass()
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": p})
+
+    rope, _, name = vllm_parts
+    torch._dynamo.reset()
+    compiled = torch.compile(_fn(rope, name), fullgraph=True, backend=backend)
+    for tokens in counts:
+        _check_call(vllm_parts, compiled, tokens, dynamic, compile_range)
+    return p, len(compiles)
+
+
+def _check_call(vllm_parts, compiled, tokens, dynamic, compile_range):
+    import contextlib
+
+    rope, fc, name = vllm_parts
+    fn = _fn(rope, name)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    blocks = tokens // BS + 2
+    pos = torch.randint(0, 128, (tokens,), generator=g)
+    qkv = torch.randn(tokens, (HQ + 2 * HK) * D, generator=g)
+    slots = torch.randperm(blocks * BS, generator=g)[:tokens]
+    slots[::3] = -1  # padding tokens write nothing
+    layer = types.SimpleNamespace(impl=StandInFlashImpl(), kv_cache=torch.zeros(blocks, HK, BS, 2 * D))
+    ctx = fc.ForwardContext(no_compile_layers={LAYER: layer}, attn_metadata=None, slot_mapping={LAYER: slots})
+    if dynamic:
+        torch._dynamo.mark_dynamic(pos, 0)
+        torch._dynamo.mark_dynamic(qkv, 0)
+    if compile_range is not None:
+        from vllm.compilation.passes.inductor_pass import pass_context
+        from vllm.config.utils import Range
+
+        ranged = pass_context(Range(*compile_range))
+    else:
+        ranged = contextlib.nullcontext()
+    with fc.override_forward_context(ctx), torch._inductor.config.patch(fx_graph_cache=False):
+        with ranged:
+            out = compiled(pos, qkv)
+        fused_cache = layer.kv_cache.clone()
+        layer.kv_cache.zero_()
+        ref = fn(pos, qkv)
+    for o, r in zip(out[:2], ref[:2]):
+        torch.testing.assert_close(o, r)
+    torch.testing.assert_close(fused_cache, layer.kv_cache)
+    assert fused_cache.any()
+
+
+def test_auto_leaves_the_write_past_the_token_bound(vllm_parts):
+    """300 tokens, past vLLM's 256: the rotation fuses, the cache write stays vLLM's, and the fold line says why."""
+    p, _ = _compile_and_check(vllm_parts, [300])
+    (kernel,) = p.report.kernels
+    assert kernel.op != "rope_fusion.rotary_qk_into_layer_cache"
+    assert "not folded (300 tokens, past the bound" in kernel.fold, p.report.table(verbose=True)
+
+
+@pytest.mark.parametrize("compile_range, folded", [(None, False), ((1, 256), True), ((1, 8192), False)],
+                         ids=["no_range", "range_within_bound", "range_past_bound"])
+def test_symbolic_token_count_folds_by_vllms_compile_range(vllm_parts, compile_range, folded):
+    """A token count marked dynamic: folded only where vLLM's compile range lies within the bound; never a guard
+    on the count (the same graph serves another count)."""
+    p, graphs = _compile_and_check(vllm_parts, [7, 12], dynamic=True, compile_range=compile_range)
+    assert graphs == 1
+    (kernel,) = p.report.kernels
+    assert (kernel.op == "rope_fusion.rotary_qk_into_layer_cache") is folded, p.report.table(verbose=True)
+    want = "no compile range known" if compile_range is None else f"compile range [{compile_range[0]}, " \
+        f"{compile_range[1]}] tokens"
+    assert want in kernel.fold, kernel.fold
+
