@@ -179,13 +179,14 @@ def test_fp8_cache_within_e4m3_rounding(vllm_parts):
     torch.testing.assert_close(fused, ref, atol=0.0, rtol=2 ** -3)
 
 
-def _compile_and_check(vllm_parts, counts, dynamic=False, compile_range=None):
+def _compile_and_check(vllm_parts, counts, dynamic=False, compile_range=None, p=None):
     """Each token count of `counts` through one compiled function (the count marked dynamic where asked, vLLM's
-    compile range set around the compile where given): q, k and the cache checked against the graph run eagerly,
-    vLLM's own write included. Returns the pass and how many graphs were compiled."""
+    compile range set around the compile where given) with the pass `p` (`auto` by default): q, k and the cache
+    checked against the graph run eagerly, vLLM's own write included. Returns the pass and how many graphs were
+    compiled."""
     from torch._inductor.compile_fx import compile_fx
 
-    p = rope_fusion.RopeFusionPass()
+    p = p or rope_fusion.RopeFusionPass()
     compiles = []
 
     def backend(gm, example_inputs):
@@ -256,3 +257,45 @@ def test_symbolic_token_count_folds_by_vllms_compile_range(vllm_parts, compile_r
         f"{compile_range[1]}] tokens"
     assert want in kernel.fold, kernel.fold
 
+
+def _triton_chosen():
+    """`auto` asked for, with a chooser that takes the Triton kernel for every site: what `auto` picks on a GPU
+    where the kernel measures fastest, on the CPU's interpreted kernel."""
+    from rope_fusion.ops.backends import get_backend
+    from rope_fusion.passes.choosers import Choice, Chooser
+
+    triton, inductor = get_backend("triton"), get_backend("inductor")
+
+    def choose(p, spec, facts):
+        return Choice(triton, "rule", "the test's chooser", instead=inductor)
+
+    return rope_fusion.RopeFusionPass(chooser=Chooser("triton-always", choose, reads_decisions=False))
+
+
+@pytest.mark.triton_on_cpu(serves=("eager", "kv_cache"))
+@pytest.mark.parametrize("tokens", [5, 300])
+def test_triton_chosen_folds_within_the_token_bound(vllm_parts, triton_on_cpu, tokens):
+    """Where `auto` takes the Triton kernel, the backend would emit a node of its own (the user-kernel node on a GPU),
+    which the epilogue cannot read: a pair whose k feeds the cache update is emitted as the op call where the token
+    bound folds it, then folded (the cache written by the interpreted kernel); past the bound the fold line says
+    why, and the backend's own emission stands (on CPU tensors the kernel's node is not planned, so the lowering
+    takes the site, as `auto` does on a GPU for sizes the node cannot take). No near miss either way."""
+    p, _ = _compile_and_check(vllm_parts, [tokens], p=_triton_chosen())
+    (kernel,) = p.report.kernels
+    assert not p.report.misses, p.report.table(verbose=True)
+    if tokens <= 256:
+        assert kernel.op == "rope_fusion.rotary_qk_into_layer_cache", p.report.table(verbose=True)
+        assert kernel.backend == "triton" and f"folded ({tokens} tokens" in kernel.fold, kernel.fold
+    else:
+        assert kernel.op == "rope_fusion.rotary_qk", p.report.table(verbose=True)
+        assert kernel.fold.startswith("kv-cache write not folded: 300 tokens, past the bound"), kernel.fold
+
+
+@pytest.mark.triton_on_cpu(serves=("eager", "kv_cache"))
+def test_triton_backend_asked_for_folds(vllm_parts, triton_on_cpu):
+    """The backend asked for by name emits its own op (`rotary_qk_triton`) for the sites it takes; the pair that
+    feeds the cache update is folded all the same, at any token count."""
+    p, _ = _compile_and_check(vllm_parts, [300], p=rope_fusion.RopeFusionPass(backend="triton"))
+    (kernel,) = p.report.kernels
+    assert kernel.op == "rope_fusion.rotary_qk_into_layer_cache" and not p.report.misses, p.report.table(verbose=True)
+    assert "backend 'triton' asked for" in kernel.fold

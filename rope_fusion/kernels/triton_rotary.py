@@ -69,7 +69,7 @@ def _emit(emitter: Any, call: RotaryCall, like: Any) -> list | Refusal:
     return emit_op_call(TRITON_OPS, emitter, call, like)
 
 
-register_backend(Backend("triton", supports, _emit, folds=("slice write", "cat", "joined write")))
+register_backend(Backend("triton", supports, _emit, folds=("slice write", "cat", "joined write", "kv-cache write")))
 register_device_kernel("cuda", launch_call, plan_eager, takes_packed=True)  # the kernel searches cu_seqlens
 
 __all__ = ["ROTARY_TRITON", "ROTARY_QK_TRITON", "ROTARY_QKV_TRITON", "TRITON_OPS", "launch", "plan_eager", "supports"]

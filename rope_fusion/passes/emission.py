@@ -476,7 +476,7 @@ def fold_site(em: Emitter, group: tuple, nodes: dict, norms: list | None, depend
                         _narrowed(em, sin, m0.node) if sin is not cos else None)
         sin = cos if sin is None else sin
     call = RotaryCall(xs, cos, sin, params, positions, weights, cu_seqlens, seqlen_offsets)
-    return FoldSite(group, xs, inputs, call, norms, depends_on)
+    return FoldSite(group, xs, inputs, call, norms, depends_on, em.requested or "auto")
 
 
 def _emit_plain(em: Emitter, site: FoldSite, choice: Choice, refusals: list) -> tuple[Folded, Choice]:

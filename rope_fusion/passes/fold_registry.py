@@ -46,6 +46,7 @@ class FoldSite:
     call: Any  # RotaryCall whose tensors are graph nodes
     norms: list | None
     depends_on: Callable
+    requested: str = "auto"  # the backend the pass was asked for (a fold's decision may depend on it)
 
     @property
     def like(self) -> Any:
@@ -80,14 +81,16 @@ class Folded:
 @dataclasses.dataclass(frozen=True)
 class FoldOutcome:
     """What an epilogue fold did at one place of the graph: the fused node whose result it read (its kernel's fold
-    line; None or a node the pass did not emit: a near miss at `where`), the node it looked at (`where`) and what it
-    acts on (`subject`), its line, and the op now in the fused node's place where it folded."""
+    line, where it folded or no group fold wrote one; None or a node the pass did not emit: a near miss at `where`),
+    the node it looked at (`where`) and what it acts on (`subject`), its line, the op now in the fused node's place
+    where it folded, and the source line of `where`."""
 
     fused: Any
     where: str
     subject: str
     line: str
     op_name: str | None = None
+    source: str = ""  # the model's source line of `where`
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,13 +4,18 @@ cache in one launch where its attention backend has a cache record, and runs vLL
 
 It runs after the pass has emitted its sites, on the `rope_fusion::rotary_qk` nodes it emitted (any spelling the
 pass proves: vLLM's RotaryEmbedding, its `_C.rotary_embedding` op, a model's own arithmetic), so it needs nothing
-from the matcher. A cache update is folded where its k is the rotation's k output (through views that keep its
-shape), v is a `[tokens, heads, head_dim]` tensor defined before the update, and the layer name is a constant or a
-graph input of vLLM's `LayerName` type. The attention backend, the cache's layout and dtype are the forward
-context's, known only at run time: the op decides there (ops/layer_caches.py). `auto` folds by a token bound
+from the matcher. A backend that emits a node of its own (the Triton kernel's user-kernel node, which Inductor
+launches from its generated code) would hide the op from it: such a backend takes this fold by name, and a q/k
+pair whose k feeds a cache update and that the token bound folds is then emitted as the op call (`_find`,
+`_emit`), which the epilogue replaces.
+
+A cache update is folded where its k is the rotation's k output (through views that keep its shape), v is a
+`[tokens, heads, head_dim]` tensor defined before the update, and the layer name is a constant or a graph input of
+vLLM's `LayerName` type. The attention backend, the cache's layout and dtype are the forward context's, known only
+at run time: the op decides there (ops/layer_caches.py). `auto` folds by a token bound
 (passes/kv_cache_fold_auto.py). `fold_kv_cache_writes` is the entry point; each outcome is one `KvFold`. The fold
-is the registry's epilogue record `KV_CACHE_WRITE` (passes/fold_registry.py): the pass runs it after every group
-is committed, and reports its outcomes.
+is the registry's record `KV_CACHE_WRITE` (passes/fold_registry.py): its epilogue runs after every group is
+committed, and the pass reports its outcomes.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ from torch import fx
 
 from ..ops.library import OPS
 from ..ops.schema import optional_tensor_names
-from .fold_registry import Fold, FoldOutcome, register_fold
+from .fold_registry import Fold, Folded, FoldOutcome, FoldSite, NotFolded, register_fold
 from .kv_cache_fold_auto import decide
+from .provenance import source_line
 
 _VIEWS = (torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
           torch.ops.aten.alias.default)
@@ -37,7 +43,7 @@ _ARITY = 4 + len(optional_tensor_names(2))  # q, k, cos, sin and the optional te
 class KvFold:
     """One cache update next to a fused rotation: folded (`node`: the new op) or not, and why."""
 
-    rotation: fx.Node  # the fused rotary_qk node the update's k came from (erased when folded)
+    rotation: Any  # the node behind the update's k (a fused rotary_qk node, erased when folded)
     update: str  # the cache update's node name
     layer: str  # the layer name, or the graph input that holds it
     folded: bool
@@ -56,6 +62,12 @@ def _strip_views(node: Any) -> Any:
     while isinstance(node, fx.Node) and node.target in _VIEWS:
         node = node.args[0]
     return node
+
+
+def _producer(node: Any) -> Any:
+    """The node behind `node` through views and one getitem: a multi-output node where k is one of its results."""
+    got = _strip_views(node)
+    return got.args[0] if isinstance(got, fx.Node) and got.target is operator.getitem else got
 
 
 def _source_rotation(node: Any) -> tuple[fx.Node, fx.Node] | None:
@@ -159,7 +171,7 @@ def fold_kv_cache_writes(graph: fx.Graph, backend: str) -> list[KvFold]:
         found = _why_not(update, order)
         layer = str(update.args[2].name if isinstance(update.args[2], fx.Node) else update.args[2])
         if isinstance(found, str):
-            outcomes.append(KvFold(_strip_views(update.args[0]), update.name, layer, False, found))
+            outcomes.append(KvFold(_producer(update.args[0]), update.name, layer, False, found))
             continue
         rotation, k_get, v, layer_type = found
         fold, why = decide(backend, rotation.args[0].meta["val"].shape[0])
@@ -176,11 +188,54 @@ def fold_kv_cache_writes(graph: fx.Graph, backend: str) -> list[KvFold]:
 
 def _epilogue(graph: fx.Graph, backend: str) -> list[FoldOutcome]:
     """The fold's outcomes as the registry reports them: a folded update names the new op."""
-    return [FoldOutcome(o.rotation, o.update, o.layer,
-                        f"kv-cache write of {o.layer}: " + ("folded" if o.folded else "not folded") + f" ({o.why})",
-                        "rope_fusion.rotary_qk_into_layer_cache" if o.folded else None)
-            for o in fold_kv_cache_writes(graph, backend)]
+    updates = {n.name: n for n in graph.nodes}
+    outcomes = []
+    for o in fold_kv_cache_writes(graph, backend):
+        line = f"kv-cache write of {o.layer}: " + ("folded" if o.folded else "not folded") + f" ({o.why})"
+        where = updates.get(o.update)
+        outcomes.append(FoldOutcome(o.rotation, o.update, o.layer, line,
+                                    "rope_fusion.rotary_qk_into_layer_cache" if o.folded else None,
+                                    source_line(where) if where is not None else ""))
+    return outcomes
 
 
-KV_CACHE_WRITE = Fold("kv-cache write", epilogue=_epilogue)
+def _cache_update_of(k: fx.Node) -> fx.Node | None:
+    """The cache update whose k is `k` or a view of it, where vLLM registered the op."""
+    update_op = cache_update_op()
+    if update_op is None:
+        return None
+    frontier = [k]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.target is update_op and user.args[0] is node:
+                return user
+            if user.target in _VIEWS:
+                frontier.append(user)
+    return None
+
+
+def _find(site: FoldSite) -> Any:
+    """A q/k pair whose k feeds a cache update: the update, where the token bound folds it (else why not)."""
+    if len(site.group) != 2:
+        return None
+    update = _cache_update_of(site.group[1].node)
+    if update is None:
+        return None
+    fold, why = decide(site.requested, site.xs[0].meta["val"].shape[0])
+    return update if fold else NotFolded(NAME, why)
+
+
+def _emit(em: Any, site: FoldSite, update: fx.Node) -> Folded:
+    """The pair as the op call (not the backend's own node), which the epilogue folds with the update; the
+    kernel's fold line is the epilogue's."""
+    from ..ops.backends import emit_op_call
+    from .emission import unflatten
+
+    outs = emit_op_call(OPS, em, site.call, site.like)
+    return Folded([unflatten(em, o, m) for o, m in zip(outs, site.group)], [m.node for m in site.group], "")
+
+
+NAME = "kv-cache write"
+KV_CACHE_WRITE = Fold(NAME, _find, _emit, epilogue=_epilogue)
 register_fold(KV_CACHE_WRITE)

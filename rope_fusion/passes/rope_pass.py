@@ -399,11 +399,11 @@ class RopeFusionPass(PassBase):
             for o in outcomes:
                 kernel = kernels.get(o.fused)
                 if kernel is None:
-                    self.report.misses.append(Miss(index, o.where, o.line, "", o.subject))
-                    continue
-                self.report.kernels[kernel].fold = o.line
-                if o.op_name is not None:
-                    self.report.kernels[kernel].op = o.op_name
+                    self.report.misses.append(Miss(index, o.where, o.line, o.source, o.subject))
+                elif o.op_name is not None:
+                    self.report.kernels[kernel].fold, self.report.kernels[kernel].op = o.line, o.op_name
+                elif not self.report.kernels[kernel].fold:  # a group fold's own refusal says more
+                    self.report.kernels[kernel].fold = o.line
 
     def _mark(self) -> dict:
         return {f: len(getattr(self.report, f)) for f in ("sites", "kernels", "misses", "host_tables")}
