@@ -39,9 +39,9 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..fx_sizes import as_int
 from ..ops import packed
 from ..ops.schema import RotaryCall
-from ..passes.fx_util import as_int
 from . import npu
 
 aten = torch.ops.aten

@@ -30,6 +30,7 @@ from torch._higher_order_ops.triton_kernel_wrap import (
     triton_kernel_wrapper_mutation,
 )
 
+from ..fx_nodes import chain_back
 from ..ops.schema import RotaryCall
 from .triton_kernel import rotary_kernel
 from .triton_launch import launch
@@ -148,8 +149,6 @@ def _same_address(node: fx.Node) -> fx.Node:
     """The farthest view ancestor of `node` that shares its storage and storage offset (the same data
     address; the kernel reads it with the strides its launch planned), else the node itself."""
     from torch.multiprocessing.reductions import StorageWeakRef
-
-    from ..passes.fx_util import chain_back
 
     def address(n: fx.Node) -> tuple | None:
         val = n.meta.get("val")

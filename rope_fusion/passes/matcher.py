@@ -15,9 +15,11 @@ import math
 import torch
 import torch.fx as fx
 
+from ..fx_nodes import chain_back, meta, nearest_upstream
+from ..fx_sizes import as_int, concrete_ints, same_dim
 from ..ops.schema import RotaryParams
 from . import lanes, pair_matrix, poly
-from .fx_util import PASS_THROUGH, as_int, chain_back, concrete_ints, meta, nearest_upstream, same_dim
+from .fx_util import PASS_THROUGH
 from .site import GraphTables, Site, TableRef, XView
 
 aten = torch.ops.aten

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch.fx as fx
 
+from ..fx_sizes import hint_reads
 from ..ops.backends import BACKEND_NAMES, LeftToInductor, SiteSpec
 from . import auto_timing, emission, fusion_check
 from .cache_ledger import LEDGER, take_in_cache_replays
 from .choosers import AUTO_CHOOSER, Choice, Chooser, GraphFacts
 from .emission import Emitter, GraphTransaction
-from .fx_util import hint_reads
 from .grouping import pair_up
 from .kernel_scan import claim_kernel_sites
 from .padded_sums import merge_padded_sums
@@ -141,7 +141,7 @@ class RopeFusionPass(PassBase):
         mark = self._mark()
         tx = GraphTransaction(graph)
         try:
-            with hint_reads():  # the analysis reads symbolic sizes without guarding (fx_util)
+            with hint_reads():  # the analysis reads symbolic sizes without guarding (fx_sizes)
                 planned = self._fuse(graph, index, config)
         except Exception as e:  # the failure policy: never break a compile
             try:
