@@ -10,12 +10,18 @@ import collections
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .rope_pass import RopeFusionPass
+from typing import Any, Protocol
 
 log = logging.getLogger("rope_fusion")
+
+
+class ReplayTaker(Protocol):
+    """What the ledger needs of a pass (RopeFusionPass): the tag its records carry, and where a replay goes. Named
+    so, the ledger does not import the pass, which imports the ledger."""
+
+    tag: str
+
+    def take_replay(self, payload: str) -> None: ...
 
 # Counter keys that carry one graph's records: the prefix, the options' tag, the records as JSON.
 PAYLOAD_PREFIX = "rope_fusion_graph:"
@@ -69,7 +75,7 @@ class CacheLedger:
             c[key] += 1
             self.seen[key] += 1
 
-    def asked(self, p: RopeFusionPass) -> None:
+    def asked(self, p: ReplayTaker) -> None:
         """Inductor (or vLLM, or a chain) asked `p` for its uuid: a compile with `p` may follow."""
         with self.lock:
             self.settle()
