@@ -152,7 +152,7 @@ class RopeFusionPass(PassBase):
             self._truncate(mark)
             self.report.errors.append(GraphError(index, f"{type(e).__name__}: {e}", outcome))
             record.outcome = "unchanged after an error"
-            self._log_once(("error", type(e).__name__), logging.WARNING,
+            self.log_once(("error", type(e).__name__), logging.WARNING,
                            "rope_fusion graph %d: %s after an internal error: %s: %s", index, outcome,
                            type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
             return
@@ -214,7 +214,7 @@ class RopeFusionPass(PassBase):
                 emission.erase_between(graph, start, anchor)
                 self.report.errors.append(GraphError(index, f"{group[0].node.name}: {type(e).__name__}: {e}",
                                                      "site left unfused"))
-                self._log_once(("site", type(e).__name__), logging.WARNING,
+                self.log_once(("site", type(e).__name__), logging.WARNING,
                                "rope_fusion graph %d: a site was left unfused after an internal error: %s: %s",
                                index, type(e).__name__, e)
         emission.commit(planned)
@@ -266,7 +266,7 @@ class RopeFusionPass(PassBase):
             tx.rollback()
             self.report.errors.append(GraphError(index, f"host tables: {type(e).__name__}: {e}",
                                                  "host-table copies left as they were; the sites are fused"))
-            self._log_once(("host", type(e).__name__), logging.WARNING,
+            self.log_once(("host", type(e).__name__), logging.WARNING,
                            "rope_fusion graph %d: host tables left as they were after an internal error: %s: %s",
                            index, type(e).__name__, e)
             return
@@ -286,7 +286,7 @@ class RopeFusionPass(PassBase):
             tx.rollback()
             self.report.errors.append(GraphError(index, f"KV-cache fold: {type(e).__name__}: {e}",
                                                  "cache writes left as they were; the sites are fused"))
-            self._log_once(("kvfold", type(e).__name__), logging.WARNING,
+            self.log_once(("kvfold", type(e).__name__), logging.WARNING,
                            "rope_fusion graph %d: KV-cache writes left as they were after an internal error: %s: %s",
                            index, type(e).__name__, e)
             return
@@ -306,7 +306,9 @@ class RopeFusionPass(PassBase):
         for f, n in mark.items():
             del getattr(self.report, f)[n:]
 
-    def _log_once(self, key: Any, level: int, msg: str, *args: Any, **kw: Any) -> None:
+    def log_once(self, key: Any, level: int, msg: str, *args: Any, **kw: Any) -> None:
+        """Log a message once per key for this pass: a problem met at every graph of a model (a backend that
+        cannot take its sites, say) is said once, not once a graph; the report holds each occurrence."""
         if key not in self._logged:
             self._logged.add(key)
             log.log(level, msg, *args, **kw)
