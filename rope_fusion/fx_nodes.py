@@ -7,7 +7,7 @@ launch reads); this module sits below both packages.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch.fx as fx
@@ -27,6 +27,21 @@ def chain_back(node: fx.Node, through) -> list:
         node = node.args[0]
         out.append(node)
     return out
+
+
+def upstream(roots: Iterable[fx.Node], follow: Callable[[fx.Node], bool] = lambda n: True) -> Iterator[fx.Node]:
+    """Each of `roots` and every node they are computed from, once each (depth first). A node's inputs are
+    followed only where `follow` holds for it, so a walk can stop where a node's own record says enough."""
+    seen: set = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        yield node
+        if follow(node):
+            stack.extend(node.all_input_nodes)
 
 
 def nearest_upstream(node: fx.Node, found: Callable[[fx.Node], bool], limit: int) -> fx.Node | None:

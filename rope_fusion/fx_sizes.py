@@ -27,6 +27,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import guard_int, is_concrete_int, statically_known_true
 
+from .fx_nodes import upstream
+
 
 class SymbolicSizeError(ValueError):
     """A size that has to be a concrete int is symbolic (raised by `concrete_ints`)."""
@@ -81,16 +83,8 @@ class HintReads:
         (on the safe side: a read of the matcher counts for every site that shares a symbol with it)."""
         roots = list(roots)
         exprs: set = set()
-        seen: set = set()
-        stack = list(roots)
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
+        for n in upstream(roots, lanes_of):
             exprs |= self.by_node.get(n, set())
-            if lanes_of(n):
-                stack.extend(n.all_input_nodes)
         if self.loose:
             symbols = _symbols_upstream(roots)
             exprs |= {e for e in self.loose if e.free_symbols & symbols}
@@ -133,14 +127,7 @@ def hint_reads_needed_by(roots: Iterable[fx.Node], lanes_of: Callable[[fx.Node],
 def _symbols_upstream(roots: Iterable[fx.Node]) -> set:
     """The free symbols of the sizes (and SymInt values) of `roots` and every node they are computed from."""
     symbols: set = set()
-    seen: set = set()
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
+    for node in upstream(roots):
         val = node.meta.get("val")
         for v in val if isinstance(val, (list, tuple)) else (val,):
             sizes = (*v.shape, *v.stride()) if isinstance(v, torch.Tensor) else (v,)
