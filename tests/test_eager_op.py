@@ -291,7 +291,7 @@ def test_cuda_direct_path_every_call_and_after_the_launcher_check(interleaved, m
     plans = list(plan_cache("rotary.direct").values())
     assert len(plans) == 2  # aligned and not: two plans, each specialized as Triton compiled it
     for plan in plans:
-        assert isinstance(plan.run, launching._DirectLaunches)
+        assert isinstance(plan.run, launching.DirectLaunches)
         assert all(entry[5] for entry in plan.run.entries), "the compiled kernel's launcher is not in use"
 
 

@@ -16,7 +16,8 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from rope_fusion.passes import fx_util, lane_rules, lanes
+from rope_fusion import fx_nodes, fx_sizes
+from rope_fusion.passes import lane_rules, lanes
 from rope_fusion.passes.lanes import LaneInterpreter, LaneValue
 
 aten = torch.ops.aten
@@ -662,24 +663,24 @@ def test_grid_helpers():
         assert sum(i * s for i, s in zip(index, lanes.row_major_strides((2, 3, 4)), strict=True)) == flat
 
 
-def test_fx_util_helpers(g):
+def test_fx_node_and_size_helpers(g):
     x = g.input("x", 2, 4)
-    assert fx_util.meta(x) is x.meta["val"]
-    assert fx_util.meta(3) is None
-    assert fx_util.as_int(5) == 5
-    assert fx_util.same_dim(4, 4) and not fx_util.same_dim(4, 5)
-    assert fx_util.concrete_ints((2, 4)) == [2, 4]
-    assert fx_util.norm_dim(-1, 3) == 2 and fx_util.norm_dim(1, 3) == 1
+    assert fx_nodes.meta(x) is x.meta["val"]
+    assert fx_nodes.meta(3) is None
+    assert fx_sizes.as_int(5) == 5
+    assert fx_sizes.same_dim(4, 4) and not fx_sizes.same_dim(4, 5)
+    assert fx_sizes.concrete_ints((2, 4)) == [2, 4]
+    assert fx_sizes.norm_dim(-1, 3) == 2 and fx_sizes.norm_dim(1, 3) == 1
     with pytest.raises(lanes.Unsupported):
         lanes.lane_dims([None])
 
 
-def test_fx_util_symbolic_sizes():
+def test_fx_sizes_symbolic():
     graph = make_fx(lambda x: x * 2, tracing_mode="symbolic")(torch.randn(6, 4)).graph
     s0, s1 = next(iter(graph.nodes)).meta["val"].shape
-    assert fx_util.as_int(s0) is None
-    assert fx_util.same_dim(s0, s0) and not fx_util.same_dim(s0, s1)
-    with pytest.raises(fx_util.SymbolicSizeError):
-        fx_util.concrete_ints((s0, 4))
-    assert isinstance(fx_util.SymbolicSizeError("x"), ValueError)
-    assert fx_util.as_int(s1, specialize=True) == 4  # fixed at its hint
+    assert fx_sizes.as_int(s0) is None
+    assert fx_sizes.same_dim(s0, s0) and not fx_sizes.same_dim(s0, s1)
+    with pytest.raises(fx_sizes.SymbolicSizeError):
+        fx_sizes.concrete_ints((s0, 4))
+    assert isinstance(fx_sizes.SymbolicSizeError("x"), ValueError)
+    assert fx_sizes.as_int(s1, specialize=True) == 4  # fixed at its hint

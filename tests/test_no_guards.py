@@ -1,7 +1,7 @@
 """The pass adds no guards, so dynamic shapes compile exactly as often as without it.
 
 The analysis reads sizes that it needs as ints (lane counts) at their example values without guarding on them
-(passes/fx_util.py, `hint_reads`). A site whose proof read a symbolic size is left unfused and reported, naming the
+(fx_sizes.py, `hint_reads`). A site whose proof read a symbolic size is left unfused and reported, naming the
 size (passes/symbolic_sizes.py): fused, it would hold for that value only. Before, such sizes were guarded: a Conv1d
 block with time last compiled 8 graphs (and fell back to eager at the recompile limit) for 10 sizes under
 `dynamic=True`, a write-back `q[:, :, t:] = rope(q[:, :, t:])` compiled one graph per text length, another head dim

@@ -106,7 +106,9 @@ def rotary_mul_layout(x_shape: tuple, t_shape: tuple, interleaved: bool) -> str 
     return None
 
 
-def _compute_dtype(x: torch.Tensor, t: torch.Tensor) -> torch.dtype | None:
+def compute_dtype(x: torch.Tensor, t: torch.Tensor) -> torch.dtype | None:
+    """The dtype npu_rotary_mul computes x and table t in (their promotion), or None where the NPU ops take no
+    such dtype; the eager bridge and the graph form (npu_graph.py) both cast to it."""
     cd = x.dtype if x.dtype == t.dtype else torch.promote_types(x.dtype, t.dtype)
     return cd if cd in NPU_DTYPES else None
 
@@ -115,7 +117,7 @@ def rotary_via_rotary_mul(x, cos, sin, *, interleaved, rotary_dim, full_tables, 
     """One tensor through npu_rotary_mul; None when the documented constraints exclude the case."""
     if x.dim() > 4:
         return None
-    cd = _compute_dtype(x, cos)
+    cd = compute_dtype(x, cos)
     if cd is None or sin.dtype != cos.dtype:
         return None
     xr = x[..., :rotary_dim] if rotary_dim < x.shape[-1] else x

@@ -39,9 +39,9 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..fx_sizes import as_int
 from ..ops import packed
 from ..ops.schema import RotaryCall
-from ..passes.fx_util import as_int
 from . import npu
 
 aten = torch.ops.aten
@@ -107,7 +107,7 @@ def _plan(call: RotaryCall, fake_mode, ge: bool) -> tuple:
     for x in xs:
         if x.dim() > 4:
             raise NotTaken(f"x {tuple(x.shape)} has more than 4 dims (npu_rotary_mul takes 4-D x)")
-        cd = npu._compute_dtype(x, cos)
+        cd = npu.compute_dtype(x, cos)
         if cd is None:
             raise NotTaken(f"dtypes {x.dtype} and {cos.dtype}: the NPU ops take fp16, bf16 and fp32")
         t_shape = (*cos.shape[:-1], p.rotary_dim)
@@ -176,7 +176,7 @@ def _rotary_mul(c, op, x: fx.Node, cos: fx.Node, sin: fx.Node, p) -> fx.Node:
     xv = x.meta["val"]
     head = xv.shape[-1]
     xr = c(aten.slice.Tensor, x, -1, 0, p.rotary_dim) if p.rotary_dim < head else x
-    cd = npu._compute_dtype(xv, cos.meta["val"])
+    cd = npu.compute_dtype(xv, cos.meta["val"])
     x4 = _contiguous(c, _cast(c, _padded(c, xr, 4), cd))
     c4, s4 = (_cast(c, _padded(c, t, 4), cd) for t in (cos, sin))
     rot = c(op, x4, c4, s4, "interleave" if p.interleaved else "half")

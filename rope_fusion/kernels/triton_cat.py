@@ -253,7 +253,7 @@ class _CatRunner:
             self.kernel, self.replay, self.checked = kernel, None, False
         if self.checked:
             self.replay(tensors)
-        elif self.replay and not triton_launch._capturing():
+        elif self.replay and not triton_launch.stream_capturing():
             self.replay = self._checked(tensors, outs) or False
             self.checked = bool(self.replay)
         else:

@@ -30,6 +30,7 @@ from torch._higher_order_ops.triton_kernel_wrap import (
     triton_kernel_wrapper_mutation,
 )
 
+from ..fx_nodes import chain_back
 from ..ops.schema import RotaryCall
 from .triton_kernel import rotary_kernel
 from .triton_launch import launch
@@ -42,23 +43,14 @@ def _concrete(t: torch.Tensor) -> bool:
     return all(isinstance(s, int) for s in (*t.shape, *t.stride()))
 
 
-def emit_triton(graph: fx.Graph, fake_mode: Any, call: RotaryCall, like: fx.Node) -> list | None:
-    """Nodes computing the rotated xs (inserted at the graph's current insertion point), or None when the
-    site has symbolic sizes (the caller then emits the op call)."""
+def _trace_launch(call: RotaryCall, inputs: list, vals: list, fake_mode: Any) -> fx.GraphModule:
+    """The host side (`launch`) traced on fake values: its views, output buffers and kernel launches as ATen
+    and `triton_kernel_wrapper_mutation` nodes, with one placeholder per tensor input of the call."""
     from torch._dispatch.python import enable_python_dispatcher
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    xs = call.xs
-    inputs = [t for t in call.tensors() if t is not None]
     slots = [i for i, t in enumerate(call.tensors()) if t is not None]  # where each input goes in the call
-    vals = [a.meta["val"] for a in inputs]
-    n = len(xs)
-    symbolic = None
-    if not all(_concrete(v) for v in vals):
-        symbolic = _SymbolicPlan.of(call, inputs, vals, fake_mode)
-        if symbolic is None:
-            return None
-        vals = symbolic.stand_ins
+    n = len(call.xs)
 
     def fn(*args):
         full = [None] * len(call.tensors())
@@ -69,65 +61,84 @@ def emit_triton(graph: fx.Graph, fake_mode: Any, call: RotaryCall, like: fx.Node
                             seqlen_offsets=c.seqlen_offsets))
 
     with fake_mode, enable_python_dispatcher():
-        gm = make_fx(fn, tracing_mode="real")(*vals)
+        return make_fx(fn, tracing_mode="real")(*vals)
 
-    env: dict = {}
+
+def _fake_values(a: Any) -> Any:
+    """`a` with every node replaced by its fake value (for calling an op on fake tensors)."""
+    if isinstance(a, fx.Node):
+        return a.meta["val"]
+    if isinstance(a, dict):
+        return {k: _fake_values(v) for k, v in a.items()}
+    if isinstance(a, (list, tuple)):
+        return type(a)(_fake_values(v) for v in a)
+    return a
+
+
+def _emit_kernel(graph: fx.Graph, fake_mode: Any, node: fx.Node, env: dict, symbolic: _SymbolicPlan | None,
+                 like: fx.Node) -> None:
+    """One traced launch as the functional user-kernel node Inductor's later passes expect; the buffers it writes
+    are read from its result from then on (`env`)."""
+    kw = dict(node.kwargs)
+    kwargs = {k: env[v] if isinstance(v, fx.Node) else v for k, v in kw["kwargs"].items()}
+    if symbolic is not None:  # the sizes as graph values where the stand-ins had their hints
+        kw["grid"], kwargs = symbolic.kernel_args(graph, kw["grid"], kwargs)
+    # a read-only pointer needs only the data address: a view that starts where its base starts is
+    # passed as the base, so Inductor's wrapper does not re-create the view on every call
+    kwargs = {k: _same_address(v) if isinstance(v, fx.Node) and k not in _OUT_ARGS else v
+              for k, v in kwargs.items()}
+    written = []
+    for name in _OUT_ARGS:
+        buf = kwargs.get(name)
+        if isinstance(buf, fx.Node) and buf not in [kwargs[w] for w in written]:
+            written.append(name)
+    fkw = dict(kernel_idx=kw["kernel_idx"], constant_args_idx=kw["constant_args_idx"], grid=kw["grid"],
+               tma_descriptor_metadata=kw["tma_descriptor_metadata"], kwargs=kwargs,
+               tensors_to_clone=written)
+    func = graph.call_function(triton_kernel_wrapper_functional, (), fkw)
+    with fake_mode:
+        func.meta["val"] = triton_kernel_wrapper_functional(**_fake_values(fkw))
+    # The strides traced into the launch are constants of the kernel call, so Inductor must hand it
+    # tensors with exactly these strides; with no eager values it only keeps their stride order.
+    func.meta["eager_input_vals"] = ((), fx.node.map_arg(func.kwargs, lambda a: a.meta["val"]))
+    _copy_meta(func, like)
+    # later reads of a written buffer read the kernel's result instead
+    old = {n2: name for n2, name in ((node.kwargs["kwargs"][w], w) for w in written)}
+    for src, name in old.items():
+        got = graph.call_function(operator.getitem, (func, name))
+        got.meta["val"] = func.meta["val"][name]
+        _copy_meta(got, like)
+        env[src] = got
+
+
+def emit_triton(graph: fx.Graph, fake_mode: Any, call: RotaryCall, like: fx.Node) -> list | None:
+    """Nodes computing the rotated xs (inserted at the graph's current insertion point), or None when the
+    site has symbolic sizes (the caller then emits the op call)."""
+    inputs = [t for t in call.tensors() if t is not None]
+    vals = [a.meta["val"] for a in inputs]
+    symbolic = None
+    if not all(_concrete(v) for v in vals):
+        symbolic = _SymbolicPlan.of(call, inputs, vals, fake_mode)
+        if symbolic is None:
+            return None
+        vals = symbolic.stand_ins
+    gm = _trace_launch(call, inputs, vals, fake_mode)
+
     placeholders = [p for p in gm.graph.nodes if p.op == "placeholder"]
-    for p, a in zip(placeholders, inputs):
-        env[p] = a
+    env: dict = dict(zip(placeholders, inputs))
 
     def arg(a):
         return env[a] if isinstance(a, fx.Node) else a
 
-    def val(a):
-        if isinstance(a, fx.Node):
-            return a.meta["val"]
-        if isinstance(a, dict):
-            return {k: val(v) for k, v in a.items()}
-        if isinstance(a, (list, tuple)):
-            return type(a)(val(v) for v in a)
-        return a
-
-    outs = None
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             continue
         if node.op == "output":
-            outs = [env[o] for o in node.args[0]]
-            break
+            return [env[o] for o in node.args[0]]
         if node.op != "call_function":
             return None
         if node.target is triton_kernel_wrapper_mutation:
-            kw = dict(node.kwargs)
-            kwargs = {k: arg(v) for k, v in kw["kwargs"].items()}
-            if symbolic is not None:  # the sizes as graph values where the stand-ins had their hints
-                kw["grid"], kwargs = symbolic.kernel_args(graph, kw["grid"], kwargs)
-            # a read-only pointer needs only the data address: a view that starts where its base starts is
-            # passed as the base, so Inductor's wrapper does not re-create the view on every call
-            kwargs = {k: _same_address(v) if isinstance(v, fx.Node) and k not in _OUT_ARGS else v
-                      for k, v in kwargs.items()}
-            written = []
-            for name in _OUT_ARGS:
-                buf = kwargs.get(name)
-                if isinstance(buf, fx.Node) and buf not in [kwargs[w] for w in written]:
-                    written.append(name)
-            fkw = dict(kernel_idx=kw["kernel_idx"], constant_args_idx=kw["constant_args_idx"], grid=kw["grid"],
-                       tma_descriptor_metadata=kw["tma_descriptor_metadata"], kwargs=kwargs,
-                       tensors_to_clone=written)
-            func = graph.call_function(triton_kernel_wrapper_functional, (), fkw)
-            with fake_mode:
-                func.meta["val"] = triton_kernel_wrapper_functional(**val(fkw))
-            # The strides traced into the launch are constants of the kernel call, so Inductor must hand it
-            # tensors with exactly these strides; with no eager values it only keeps their stride order.
-            func.meta["eager_input_vals"] = ((), fx.node.map_arg(func.kwargs, lambda a: a.meta["val"]))
-            _copy_meta(func, like)
-            # later reads of a written buffer read the kernel's result instead
-            old = {n2: name for n2, name in ((node.kwargs["kwargs"][w], w) for w in written)}
-            for src, name in old.items():
-                got = graph.call_function(operator.getitem, (func, name))
-                got.meta["val"] = func.meta["val"][name]
-                _copy_meta(got, like)
-                env[src] = got
+            _emit_kernel(graph, fake_mode, node, env, symbolic, like)
             continue
         if symbolic is not None and node.target is torch.ops.aten.empty.memory_format:
             new = symbolic.output_buffer(graph, node)  # an output of x's symbolic shape
@@ -135,7 +146,7 @@ def emit_triton(graph: fx.Graph, fake_mode: Any, call: RotaryCall, like: fx.Node
             new = graph.node_copy(node, arg)
         _copy_meta(new, like)
         env[node] = new
-    return outs
+    return None
 
 
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
@@ -148,8 +159,6 @@ def _same_address(node: fx.Node) -> fx.Node:
     """The farthest view ancestor of `node` that shares its storage and storage offset (the same data
     address; the kernel reads it with the strides its launch planned), else the node itself."""
     from torch.multiprocessing.reductions import StorageWeakRef
-
-    from ..passes.fx_util import chain_back
 
     def address(n: fx.Node) -> tuple | None:
         val = n.meta.get("val")

@@ -3,7 +3,7 @@
 `launch` plans a call (kernels/triton_plan.py), caches the plan by geometry and launches the kernel: through its
 own JIT launcher eagerly, through `wrap_triton` when traced (torch.compile, make_fx: kernels/triton_graph.py turns
 that trace into Inductor's user-kernel node). `plan_eager` serves the public functions' direct path: a call
-geometry planned once, its launches replayed (`_DirectLaunches`). `launch_call` is the op's kernel
+geometry planned once, its launches replayed (`DirectLaunches`). `launch_call` is the op's kernel
 (`rope_fusion::rotary_triton` and its arities, and the CUDA device kernel of the public functions).
 """
 
@@ -146,7 +146,7 @@ def _tracing(xs: Sequence[torch.Tensor]) -> bool:
     return any(type(x) is not torch.Tensor or torch._is_functional_tensor(x) for x in xs)
 
 
-class _DirectLaunches:
+class DirectLaunches:
     """The launches of one call geometry, planned once (`plan_eager`): each later call allocates its outputs and
     launches. The first launch of an entry goes through the kernel's JIT launcher (`rotary_kernel[grid]`), which
     returns the compiled kernel; later ones call that compiled kernel through torch's static launcher or Triton's
@@ -191,7 +191,7 @@ class _DirectLaunches:
             args = (*tensors, *scalars)
             if checked:
                 runner(*args)
-            elif runner and not _capturing():
+            elif runner and not stream_capturing():
                 runner = self._checked(runner, args, sides, outs, grid, {**meta, **self.checks})
                 entry[4:] = (runner, True) if runner else (False, False)
             else:
@@ -222,12 +222,14 @@ class _DirectLaunches:
         return None
 
 
-def _capturing() -> bool:
+def stream_capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph: the first replay's check against the
+    JIT launcher (which compares results) waits until a call outside capture."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _compiled_runner(compiled: Any, grid: tuple, meta: dict, n_args: int) -> Any:
-    """A launcher of the compiled kernel for the n_args positional arguments of `_DirectLaunches` (the kernel's
+    """A launcher of the compiled kernel for the n_args positional arguments of `DirectLaunches` (the kernel's
     parameters up to its first constexpr), the rest of its parameters taken from meta, or None where the JIT
     launch returned no compiled kernel (the interpreter) or the parameters are not the ones expected. Torch's
     static launcher (the C++ launcher Inductor uses for its own Triton kernels) where it takes this kernel, else
@@ -364,7 +366,7 @@ def plan_eager(call: RotaryCall) -> Any:
         launches = make_launches(xs, outs, tables, params)
         if isinstance(launches, list):
             rows = call.positions if call.positions is not None else call.cu_seqlens
-            return _DirectLaunches(launches, params.out_dtype, row_checks(rows), call.seqlen_offsets is not None)
+            return DirectLaunches(launches, params.out_dtype, row_checks(rows), call.seqlen_offsets is not None)
 
     def run(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any, weights: Any,
             cu_seqlens: Any = None, seqlen_offsets: Any = None) -> list:

@@ -136,40 +136,36 @@ class Tables:
         return p, p
 
 
-def plan_launch(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables: Tables,
-                cat: tuple | None = None) -> Plan | None:
-    """One launch's geometry for tensors that share tables, or None if they cannot share one grid. With `cat`,
-    (dim, second pieces): each x is the first piece of a joined tensor of its output's shape (ops/cat_rotary.py),
-    and the dim they join along stays a token dim of its own."""
-    lead = [tuple((o if cat else x).shape[:-1]) for x, o in zip(xs, outs)]
-    n = len(lead[0])
-    if any(len(s) != n for s in lead):
-        return None
+def _table_strides(tables: Tables, lead: list, n: int) -> tuple[list, list]:
+    """The strides of cos and sin as they broadcast against each tensor's leading dims (`Tables.planned`)."""
     if tables.cu_seqlens is not None:
         # packed sequences: the row varies along x's first dim only, as the positions the op would derive
         # ([T, 1, ..., 1]) vary; their strides over the token dims give the kernel each token's index in that dim
         c_exp = s_exp = [(1, *[0] * n) for _ in lead]
-    else:
-        cos, sin = tables.planned()
-        width = cos.shape[-1]
-        c_exp = [cos.expand(*s, width).stride() for s in lead]
-        s_exp = [sin.expand(*s, width).stride() for s in lead]
-    differ = [i for i in range(n) if any(not is_true(s[i] == lead[0][i]) for s in lead)]
-    if len(differ) > 1:
-        return None
-    if differ:
-        head = differ[0]
-    else:
-        cands = [i for i in range(n)
-                 if all(is_true(st[i] == 0) for st in c_exp + s_exp)
-                 and not is_true(lead[0][i] == 1) and hint(lead[0][i], MAX_LOOP_HEADS + 1) <= MAX_LOOP_HEADS]
-        head = min(cands, key=lambda i: (hint(abs(xs[0].stride(i)), 1 << 62), -i)) if cands else None
+        return c_exp, s_exp
+    cos, sin = tables.planned()
+    width = cos.shape[-1]
+    return [cos.expand(*s, width).stride() for s in lead], [sin.expand(*s, width).stride() for s in lead]
 
-    # Token dims: every other non-unit dim, with the strides of every tensor that walks it.
-    dims = []  # (size, [strides...]) with strides ordered: x0, o0, x1, o1, ..., cos, sin (then second pieces)
-    if cat is not None and (cat[0] == head or is_true(lead[0][cat[0]] == 1)):
-        return None
-    for i in range(n):
+
+def _looped_dim(xs: Sequence[torch.Tensor], lead: list, table_strides: list) -> int | None:
+    """The dim looped over inside a program where the tensors agree on every size: along which the tables are
+    constant, not of size one, at most MAX_LOOP_HEADS long; of those, the one of x's smallest stride (the
+    innermost); None where there is none (a row per token)."""
+    n = len(lead[0])
+    cands = [i for i in range(n)
+             if all(is_true(st[i] == 0) for st in table_strides)
+             and not is_true(lead[0][i] == 1) and hint(lead[0][i], MAX_LOOP_HEADS + 1) <= MAX_LOOP_HEADS]
+    return min(cands, key=lambda i: (hint(abs(xs[0].stride(i)), 1 << 62), -i)) if cands else None
+
+
+def _token_dims(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], lead: list, head: int | None,
+                c_exp: list, s_exp: list, cat: tuple | None) -> list | None:
+    """Every non-unit dim but the looped one as (size, strides, kept): the strides ordered x0, o0, x1, o1, ...,
+    cos, sin, then the second pieces; `kept` marks the dim a joined x joins along. None where the tables' strides
+    differ between tensors along a token dim (one launch reads one table row per token)."""
+    dims = []
+    for i in range(len(lead[0])):
         if i == head or is_true(lead[0][i] == 1):
             continue
         strides = []
@@ -182,6 +178,12 @@ def plan_launch(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables
         if cat is not None:
             strides += [y.stride(i) for y in cat[1]]
         dims.append((lead[0][i], strides, cat is not None and i == cat[0]))
+    return dims
+
+
+def _merge_token_dims(dims: list) -> list:
+    """Neighbouring token dims that every tensor walks as one (outer stride = inner stride x inner size) merged,
+    so that more layouts fit the kernel's three; the joined dim stays apart."""
     merged: list = []
     for size, strides, kept in dims:
         if merged and not kept and not merged[-1][2]:
@@ -190,11 +192,13 @@ def plan_launch(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables
                 merged[-1] = (psize * size, strides, False)
                 continue
         merged.append((size, strides, kept))
-    if len(merged) > 3:
-        return None
-    nstr = 2 * len(xs) + 2 + (len(cat[1]) if cat is not None else 0)
-    while len(merged) < 3:
-        merged.insert(0, (1, [0] * nstr, False))
+    return merged
+
+
+def _plan_of(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables: Tables, merged: list,
+             head: int | None, cat: tuple | None) -> Plan:
+    """The Plan of three token dims (`merged`, outermost first) and the looped dim: each tensor's strides read off
+    the token dims' stride columns, with the head stride (0 and one head where nothing is looped)."""
     tokens = [m[0] for m in merged]
 
     def column(k: int) -> list:
@@ -218,6 +222,34 @@ def plan_launch(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables
         plan.cat_strides = [column(c_at + 2 + t) + [y.stride(head) if head is not None else 0]
                             for t, y in enumerate(cat[1])]
     return plan
+
+
+def plan_launch(xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], tables: Tables,
+                cat: tuple | None = None) -> Plan | None:
+    """One launch's geometry for tensors that share tables, or None if they cannot share one grid. With `cat`,
+    (dim, second pieces): each x is the first piece of a joined tensor of its output's shape (ops/cat_rotary.py),
+    and the dim they join along stays a token dim of its own."""
+    lead = [tuple((o if cat else x).shape[:-1]) for x, o in zip(xs, outs)]
+    n = len(lead[0])
+    if any(len(s) != n for s in lead):
+        return None
+    c_exp, s_exp = _table_strides(tables, lead, n)
+    differ = [i for i in range(n) if any(not is_true(s[i] == lead[0][i]) for s in lead)]
+    if len(differ) > 1:  # tensors may differ in one dim only, the one looped over (q's heads and k's)
+        return None
+    head = differ[0] if differ else _looped_dim(xs, lead, c_exp + s_exp)
+    if cat is not None and (cat[0] == head or is_true(lead[0][cat[0]] == 1)):
+        return None
+    dims = _token_dims(xs, outs, lead, head, c_exp, s_exp, cat)
+    if dims is None:
+        return None
+    merged = _merge_token_dims(dims)
+    if len(merged) > 3:
+        return None
+    nstr = 2 * len(xs) + 2 + (len(cat[1]) if cat is not None else 0)
+    while len(merged) < 3:
+        merged.insert(0, (1, [0] * nstr, False))
+    return _plan_of(xs, outs, tables, merged, head, cat)
 
 
 def block_heads(heads: Sequence[Any], lanes_pad: int, tile: int = TILE_ELEMENTS) -> int:
@@ -435,97 +467,159 @@ def heads_fit_int32(p: Plan, block_h: int, weight_strides: Sequence) -> bool:
     return True
 
 
+@dataclasses.dataclass
+class Tiling:
+    """How one launch tiles its work: the decisions the grid, the scalar arguments and the constants all read,
+    made once from the tile rules above and the tuning options (`launch_args`)."""
 
-def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, params: RotaryParams, *,
-                 block_h: int | None = None, num_warps: int | None = None, nsplit: int | None = None,
-                 neox_row: bool | None = None, stream: bool | None = None, held: bool | None = None,
-                 row_tail: bool | None = None, in_place: bool = False, copy_blocks: int = 0) -> tuple:
-    """(grid, scalar arguments, compile-time constants with num_warps) of one launch of plan p: the tile rules
-    above, where the tuning options (`launch`'s) do not set them. `row_tail` asks for the row-with-tail form where
-    it fits (`row_tail_fits`; it is the remapped NeoX row, whatever `neox_row` says). `in_place`: the outputs are
-    the xs themselves (`row_lanes`). `copy_blocks`: work items the launch does after the rotated head blocks (the
-    KV-cache write's v rows, kernels/triton_kv_cache.py), counted where the programs per token are chosen; a launch
-    with them takes one token a program."""
-    if params.offset_q_only and params.norm != "none":
-        raise ValueError("offset_q_only with a norm: the kernel's norm takes one head dim for every side; "
-                         "make_launches gives each tensor a launch of its own")
-    interleaved, rotary_dim = params.interleaved, params.rotary_dim
-    head_dim = xs[0].shape[-1]
-    half_pad, tail_pad, row_tail = row_lanes(params, head_dim, row_tail, in_place)
-    lanes_pad = 2 * half_pad + tail_pad  # registers per head row, the pass-through tail included
-    ntok = p.tokens[0] * p.tokens[1] * p.tokens[2]
+    head_dim: Any
+    half_pad: int
+    tail_pad: int
+    row_tail: bool
+    ntok: Any  # tokens of the launch (symbolic under dynamic shapes)
+    held: bool
+    neox_row: bool
+    block_h: int
+    one_block: bool
+    nsplit: Any  # programs a token spreads its head blocks over
+    toks: int  # tokens a program
+    side_blocks: list  # head blocks per side (0 for a symbolic head count)
+    num_warps: int = 0  # decided last (`plan_tiles`): the warps follow every other decision
+
+    @property
+    def lanes_pad(self) -> int:
+        """Registers per head row, the pass-through tail included."""
+        return 2 * self.half_pad + self.tail_pad
+
+
+def _may_hold(p: Plan, params: RotaryParams, head_dim: Any, tail_pad: int, lanes_pad: int, ntok: Any,
+              nsplit: int | None, held: bool | None) -> bool:
+    """Whether rows may be held in registers (HELD), before the head block is known: asked for (None: the rule,
+    `default_held`) and possible: static head counts, a program per token, whole heads rotated from lane 0."""
     if held is None:
         held = default_held(params, head_dim, p.heads)
-    # rows held in registers (HELD, below): static head counts, a program per token, whole heads rotated from lane 0
-    held = (held and params.norm != "none" and tail_pad == 0 and not params.rotary_offset
+    return (held and params.norm != "none" and tail_pad == 0 and not params.rotary_offset
             and not params.deinterleave and all(isinstance(h, int) for h in p.heads) and isinstance(ntok, int)
             and (nsplit == 1 if nsplit is not None else ntok >= MIN_PROGRAMS)
             and max(p.heads) * lanes_pad <= HELD_ELEMENTS)
-    if neox_row is None:  # held under a per-head norm, NeoX reads its halves apart (no split in registers)
-        neox_row = default_neox_row(interleaved, rotary_dim, head_dim) and not (held and params.norm == "rms")
-    neox_row = bool(neox_row) and not interleaved and params.rotary_blocks == 1 or row_tail
+
+
+def _loop_tile(params: RotaryParams, held: bool, rows: bool) -> int:
+    """The register tile (heads x padded lanes) of one loop step: the norm's, the pass-through head's, the held
+    rows' (a norm across heads, or NeoX halves) or the plain one (`rows`: interleaved, or NeoX as rows)."""
     tile = NORM_TILE_ELEMENTS if params.norm == "rms" else \
         HEAD_PASS_TILE_ELEMENTS if params.rotary_offset else TILE_ELEMENTS
-    if held and (params.norm == "rms_across_heads" or not (interleaved or neox_row)):
+    if held and (params.norm == "rms_across_heads" or not rows):
         tile = HELD_TILE_ELEMENTS
-    bh = block_h or block_heads(p.heads, lanes_pad, tile)
+    return tile
+
+
+def _splits(params: RotaryParams, ntok: Any, nblocks: int, held: bool) -> Any:
+    """Programs a token spreads its head blocks over where no option sets it: every block its own program after a
+    pass-through head (HEAD_PASS_TILE_ELEMENTS), else `token_split`."""
+    if params.rotary_offset:
+        return nblocks
+    if isinstance(ntok, int) or nblocks > 1:
+        return token_split(ntok, nblocks, params, held)
+    return 1
+
+
+def _row_tokens(p: Plan, params: RotaryParams, ntok: Any, nsplit: Any, copy_blocks: int) -> int:
+    """Tokens a program: ROW_TOKENS for tensors of one head once that leaves MIN_PROGRAMS programs, else one."""
+    if (isinstance(ntok, int) and nsplit == 1 and all(isinstance(h, int) and h == 1 for h in p.heads)
+            and params.norm != "rms_across_heads" and ntok % ROW_TOKENS == 0 and ntok // ROW_TOKENS >= MIN_PROGRAMS
+            and not copy_blocks):
+        return ROW_TOKENS
+    return 1
+
+
+def _warps(t: Tiling, p: Plan, tables: Tables, params: RotaryParams, num_warps: int | None) -> int:
+    """The launch's warps: the option, else the held rows' rule, the wide rows' or the general one (`warps_for`)."""
+    interleaved, lanes_pad = params.interleaved, t.lanes_pad
+    if t.held and num_warps is None:
+        num_warps = warps_for(max(t.side_blocks) * t.block_h * lanes_pad,
+                              "held" if params.norm == "rms_across_heads" else "held_heads")
+    if num_warps is None:
+        looped = (isinstance(t.ntok, int) and t.ntok >= MIN_PROGRAMS and isinstance(t.nsplit, int) and t.nsplit == 1
+                  and not tables.rows)
+        num_warps = wide_row_warps(params, t.head_dim, lanes_pad, t.block_h * lanes_pad,
+                                   interleaved or t.neox_row, looped and t.toks == 1, p.heads)
+    return num_warps or warps_for(t.block_h * lanes_pad, "head_pass" if params.rotary_offset else
+                                  "rows" if interleaved or t.neox_row else "halves")
+
+
+def plan_tiles(p: Plan, xs: list, tables: Tables, params: RotaryParams, *, block_h: int | None = None,
+               num_warps: int | None = None, nsplit: int | None = None, neox_row: bool | None = None,
+               held: bool | None = None, row_tail: bool | None = None, in_place: bool = False,
+               copy_blocks: int = 0) -> Tiling:
+    """The tiling of one launch of plan p (`launch_args` says what the options mean). The decisions depend on one
+    another in this order: the rows' lanes, whether rows may be held, NeoX as rows, the head block, the programs a
+    token, the tokens a program, whether rows are held after all, the warps."""
+    head_dim = xs[0].shape[-1]
+    half_pad, tail_pad, row_tail = row_lanes(params, head_dim, row_tail, in_place)
+    lanes_pad = 2 * half_pad + tail_pad
+    ntok = p.tokens[0] * p.tokens[1] * p.tokens[2]
+    held = _may_hold(p, params, head_dim, tail_pad, lanes_pad, ntok, nsplit, held)
+    if neox_row is None:  # held under a per-head norm, NeoX reads its halves apart (no split in registers)
+        neox_row = default_neox_row(params.interleaved, params.rotary_dim, head_dim) \
+            and not (held and params.norm == "rms")
+    neox_row = bool(neox_row) and not params.interleaved and params.rotary_blocks == 1 or row_tail
+    bh = block_h or block_heads(p.heads, lanes_pad, _loop_tile(params, held, params.interleaved or neox_row))
     # a norm across heads whose heads all fit one block takes its statistics from that tile (a larger block to
     # get there was slower in the norm sweep: 1.32x against 1.17x the floor at 12 heads x 128)
     one_block = params.norm == "rms_across_heads" and all(is_true(h <= bh) for h in p.heads)
     nblocks = sum(-(-hint(h, 1) // bh) for h in p.heads) + copy_blocks  # work items: q's blocks, k's, copies
     if nsplit is None:
-        nsplit = 1
-        if params.rotary_offset:  # every head block a program of its own (HEAD_PASS_TILE_ELEMENTS)
-            nsplit = nblocks
-        elif isinstance(ntok, int) or nblocks > 1:
-            nsplit = token_split(ntok, nblocks, params, held)
-    toks = 1
-    if (isinstance(ntok, int) and nsplit == 1 and all(isinstance(h, int) and h == 1 for h in p.heads)
-            and params.norm != "rms_across_heads" and ntok % ROW_TOKENS == 0 and ntok // ROW_TOKENS >= MIN_PROGRAMS
-            and not copy_blocks):
-        toks = ROW_TOKENS
+        nsplit = _splits(params, ntok, nblocks, held)
+    toks = _row_tokens(p, params, ntok, nsplit, copy_blocks)
     side_blocks = [-(-h // bh) if isinstance(h, int) else 0 for h in p.heads]
     held = held and not one_block and max(side_blocks) * bh * lanes_pad <= HELD_ELEMENTS
-    if held and num_warps is None:
-        num_warps = warps_for(max(side_blocks) * bh * lanes_pad,
-                               "held" if params.norm == "rms_across_heads" else "held_heads")
-    if num_warps is None:
-        looped = (isinstance(ntok, int) and ntok >= MIN_PROGRAMS and isinstance(nsplit, int) and nsplit == 1
-                  and not tables.rows)
-        num_warps = wide_row_warps(params, head_dim, lanes_pad, bh * lanes_pad, interleaved or neox_row,
-                                   looped and toks == 1, p.heads)
+    t = Tiling(head_dim, half_pad, tail_pad, row_tail, ntok, held, neox_row, bh, one_block, nsplit, toks,
+               side_blocks)
+    t.num_warps = _warps(t, p, tables, params, num_warps)
+    return t
+
+
+def _scalar_args(p: Plan, xs: list, tables: Tables, params: RotaryParams, t: Tiling, w_strides: tuple) -> tuple:
+    """The kernel's runtime scalars, in its parameter order: token sizes, head counts, splits, table rows, weight
+    head strides, eps, then the strides of each side (absent sides zero) and of the tables."""
     none = [0, 0, 0, 0]
     sk, sv = (p.x_strides[i] if len(xs) > i else none for i in (1, 2))
     sko, svo = (p.o_strides[i] if len(xs) > i else none for i in (1, 2))
     hk, hv = (p.heads[i] if len(xs) > i else 0 for i in (1, 2))
     cos, sin = tables.cos, tables.sin
-    wide = math_dtype(xs, cos, sin, params.out_dtype) == torch.float64
     # with positions: the row strides and the rows that a position may pick (the kernel asserts 0 <= row < rows)
     rows = (cos.stride(0), sin.stride(0), cache_rows(cos, sin)) if tables.rows else (0, 0, 0)
-    weights = [tables.weights[i] if tables.weights else None for i in group]
-    wq, wk, wv = (weight_head_stride(weights[i], xs[i], p.head) if len(xs) > i else 0 for i in range(3))
-    scalars = (p.tokens[1], p.tokens[2], p.heads[0], hk, hv, nsplit, *rows, wq, wk, wv, float(params.norm_eps),
-               *p.x_strides[0], *p.o_strides[0], *sk, *sko, *sv, *svo, *p.c_strides[:3], *p.s_strides[:3])
-    meta = dict(ROT=rotary_dim, HEAD_DIM=head_dim, HALF_PAD=half_pad, TAIL_PAD=tail_pad, BLOCK_H=bh,
-                NSIDES=len(xs), INTERLEAVED=interleaved, FULL_TABLES=params.full_tables, CONJ=params.conjugate,
-                MATH_FP64=wide, NEOX_ROW=neox_row, HAS_POS=tables.rows,
+    return (p.tokens[1], p.tokens[2], p.heads[0], hk, hv, t.nsplit, *rows, *w_strides, float(params.norm_eps),
+            *p.x_strides[0], *p.o_strides[0], *sk, *sko, *sv, *svo, *p.c_strides[:3], *p.s_strides[:3])
+
+
+def _constants(p: Plan, xs: list, tables: Tables, params: RotaryParams, t: Tiling, weights: list,
+               w_strides: tuple, stream: bool | None) -> dict:
+    """The kernel's compile-time constants (and num_warps): every one passed, the joined form's and the KV-cache
+    write's at their defaults, since the user-kernel node takes none of a kernel's defaults."""
+    lanes_pad, held = t.lanes_pad, t.held
+    wide = math_dtype(xs, tables.cos, tables.sin, params.out_dtype) == torch.float64
+    return dict(ROT=params.rotary_dim, HEAD_DIM=t.head_dim, HALF_PAD=t.half_pad, TAIL_PAD=t.tail_pad,
+                BLOCK_H=t.block_h, NSIDES=len(xs), INTERLEAVED=params.interleaved, FULL_TABLES=params.full_tables,
+                CONJ=params.conjugate, MATH_FP64=wide, NEOX_ROW=t.neox_row, HAS_POS=tables.rows,
                 NORM={"none": 0, "rms": 1, "rms_across_heads": 2}[params.norm],
-                HAS_W=any(w is not None for w in weights), HEAD_PAD=triton.next_power_of_2(head_dim),
+                HAS_W=any(w is not None for w in weights), HEAD_PAD=triton.next_power_of_2(t.head_dim),
                 # a weight that varies over heads is loaded per head block; one shared by every head, once
-                W_HEADS=not all(is_true(sw == 0) for sw in (wq, wk, wv)), W_TILE=lanes_pad == head_dim,
-                HEAD_I64=not heads_fit_int32(p, bh, (wq, wk, wv)),
-                DEINTERLEAVE=params.deinterleave, ONE_BLOCK=one_block, OFFSET=params.rotary_offset,
+                W_HEADS=not all(is_true(sw == 0) for sw in w_strides), W_TILE=lanes_pad == t.head_dim,
+                HEAD_I64=not heads_fit_int32(p, t.block_h, w_strides),
+                DEINTERLEAVE=params.deinterleave, ONE_BLOCK=t.one_block, OFFSET=params.rotary_offset,
                 ANGLES=params.angle_tables,
                 # the tables' lane strides are compile-time constants: Inductor launches the kernel with runtime
                 # scalars that Triton does not specialize, and a lane stride only known at run time turns the
                 # vector loads into gathers (the in-graph kernel ran at twice the time of a direct launch)
-                SCD=p.c_strides[3], SSD=p.s_strides[3], BH=rotary_dim // 2 // params.rotary_blocks,
+                SCD=p.c_strides[3], SSD=p.s_strides[3], BH=params.rotary_dim // 2 // params.rotary_blocks,
                 # (rows whole with the tail in their padding take none: whole D=128 rows under a per-head norm
                 # measured slower with them)
-                STREAM=default_stream(params) and not (held and params.norm == "rms_across_heads") and not row_tail
+                STREAM=default_stream(params) and not (held and params.norm == "rms_across_heads") and not t.row_tail
                 if stream is None else bool(stream),
-                HELD=max(side_blocks) if held else 0,  # head blocks held per side (a constexpr: unrolled)
-                TOKS=toks,
+                HELD=max(t.side_blocks) if held else 0,  # head blocks held per side (a constexpr: unrolled)
+                TOKS=t.toks,
                 # packed sequences: their count (the search's range) and the constant that turns the search on;
                 # off_ptr, the offsets, is a tensor of each call (`launch` passes it), None here
                 off_ptr=None, batch=packed_batch(tables), PACKED=tables.cu_seqlens is not None,
@@ -536,10 +630,30 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
                 # here, since the user-kernel node of torch 2.11 takes none of a kernel's defaults ("Incorrect
                 # number of arguments passed to kernel") and the compiled launcher's check wants them all
                 **CAT_OFF, **KV_OFF,
-                ROW_TAIL=row_tail,  # the pass-through tail in the NeoX row's padding
-                num_warps=num_warps or warps_for(bh * lanes_pad, "head_pass" if params.rotary_offset else
-                                                  "rows" if interleaved or neox_row else "halves"))
-    return (ntok // toks if toks > 1 else ntok, nsplit), scalars, meta
+                ROW_TAIL=t.row_tail,  # the pass-through tail in the NeoX row's padding
+                num_warps=t.num_warps)
+
+
+def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, params: RotaryParams, *,
+                block_h: int | None = None, num_warps: int | None = None, nsplit: int | None = None,
+                neox_row: bool | None = None, stream: bool | None = None, held: bool | None = None,
+                row_tail: bool | None = None, in_place: bool = False, copy_blocks: int = 0) -> tuple:
+    """(grid, scalar arguments, compile-time constants with num_warps) of one launch of plan p: the tile rules
+    above, where the tuning options (`launch`'s) do not set them. `row_tail` asks for the row-with-tail form where
+    it fits (`row_tail_fits`; it is the remapped NeoX row, whatever `neox_row` says). `in_place`: the outputs are
+    the xs themselves (`row_lanes`). `copy_blocks`: work items the launch does after the rotated head blocks (the
+    KV-cache write's v rows, kernels/triton_kv_cache.py), counted where the programs per token are chosen; a launch
+    with them takes one token a program."""
+    if params.offset_q_only and params.norm != "none":
+        raise ValueError("offset_q_only with a norm: the kernel's norm takes one head dim for every side; "
+                         "make_launches gives each tensor a launch of its own")
+    t = plan_tiles(p, xs, tables, params, block_h=block_h, num_warps=num_warps, nsplit=nsplit, neox_row=neox_row,
+                   held=held, row_tail=row_tail, in_place=in_place, copy_blocks=copy_blocks)
+    weights = [tables.weights[i] if tables.weights else None for i in group]
+    w_strides = tuple(weight_head_stride(weights[i], xs[i], p.head) if len(xs) > i else 0 for i in range(3))
+    scalars = _scalar_args(p, xs, tables, params, t, w_strides)
+    meta = _constants(p, xs, tables, params, t, weights, w_strides, stream)
+    return (t.ntok // t.toks if t.toks > 1 else t.ntok, t.nsplit), scalars, meta
 
 
 # the kernel's joined-form parameters at their defaults: a launch that reads no second pieces

@@ -63,8 +63,8 @@ def rotate_in_place(call: RotaryCall, views: list) -> bool:
     return True
 
 
-class _InPlaceLaunches(triton_launch._DirectLaunches):
-    """The direct path's replayed launches (`triton_launch._DirectLaunches`: the compiled kernel through torch's
+class _InPlaceLaunches(triton_launch.DirectLaunches):
+    """The direct path's replayed launches (`triton_launch.DirectLaunches`: the compiled kernel through torch's
     static launcher after its first use is checked) with the given views as outputs (None: each x its own output,
     the slice rotated in place). Launches planned in place (`in_place`) may leave the lanes outside the rotation
     unread and unwritten, so they take no views."""

@@ -12,6 +12,7 @@ signature.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,13 +57,14 @@ def _static(val: Any) -> bool:
     return not isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
-def region(outputs: list, stop: frozenset = frozenset()) -> tuple[list, list]:
-    """(body, inputs): the nodes computing `outputs` from what is in memory anyway (and from `stop`, taken as
-    given), in topological order, and those inputs in the order first met. Raises NotMeasured for a region too
-    large or with symbolic sizes."""
+def walk_region(outputs: list, is_input: Callable[[fx.Node], bool], limit: int,
+                too_large: Callable[[], Exception]) -> tuple[list, list]:
+    """(body, inputs): the nodes computing `outputs` back to those `is_input` takes as given, the body in
+    topological order and the inputs in the order first met; `too_large()` is raised past `limit` nodes met. The one
+    walk behind every region (this module's, and fusion_check's, which keeps its own nodes in the body)."""
     body: list = []
     inputs: list = []
-    state: dict = {}
+    seen: set = set()
     for out in outputs:
         stack = [(out, False)]
         while stack:
@@ -70,20 +72,32 @@ def region(outputs: list, stop: frozenset = frozenset()) -> tuple[list, list]:
             if done:
                 body.append(n)
                 continue
-            if n in state:
+            if n in seen:
                 continue
-            if not _static(n.meta.get("val")):
-                raise NotMeasured(f"{n.name} has a symbolic size")
-            if n in stop or starts_region(n):
-                state[n] = "input"
+            given = is_input(n)
+            seen.add(n)
+            if given:
                 inputs.append(n)
                 continue
-            state[n] = "body"
-            if len(state) > MAX_REGION_NODES:
-                raise NotMeasured(f"the site's region is over {MAX_REGION_NODES} nodes")
+            if len(seen) > limit:
+                raise too_large()
             stack.append((n, True))
-            stack.extend((a, False) for a in reversed(n.all_input_nodes) if a not in state)
+            stack.extend((a, False) for a in reversed(n.all_input_nodes) if a not in seen)
     return body, inputs
+
+
+def region(outputs: list, stop: frozenset = frozenset()) -> tuple[list, list]:
+    """(body, inputs): the nodes computing `outputs` from what is in memory anyway (and from `stop`, taken as
+    given), in topological order, and those inputs in the order first met. Raises NotMeasured for a region too
+    large or with symbolic sizes."""
+
+    def is_input(n: fx.Node) -> bool:
+        if not _static(n.meta.get("val")):
+            raise NotMeasured(f"{n.name} has a symbolic size")
+        return n in stop or starts_region(n)
+
+    return walk_region(outputs, is_input, MAX_REGION_NODES,
+                       lambda: NotMeasured(f"the site's region is over {MAX_REGION_NODES} nodes"))
 
 
 def copy_region(body: list, inputs: list) -> tuple[fx.Graph, dict]:

@@ -26,9 +26,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..fx_sizes import as_int
 from ..ops.cat_rotary import CAT_OPS, CatCall
 from ..ops.schema import TENSOR_NAMES, RotaryCall
-from .fx_util import PASS_THROUGH, as_int
+from .fx_util import PASS_THROUGH
 from .norms import dies_with, norm_prologue
 
 aten = torch.ops.aten

@@ -73,7 +73,7 @@ def _auto_choose(p: Any, spec: SiteSpec, facts: GraphFacts) -> Choice:
     backend, reasons = choose_backend(p.backend, spec, decision)
     fallback = "; ".join(reasons)
     if fallback:
-        p._log_once(("fallback", fallback), logging.WARNING,
+        p.log_once(("fallback", fallback), logging.WARNING,
                     "rope_fusion: backend %r did not take a site, using %r (%s)", p.backend, backend.name, fallback)
     site = spec.measure
     if how == "measured" and site is not None and site.fold is not None and site.fold.runner is None:

@@ -18,13 +18,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..fx_nodes import chain_back
+from ..fx_sizes import as_int
 from ..ops.backends import AUTO_ORDER, Refusal, SiteSpec, get_backend
 from ..ops.schema import OP_NAMES, TENSOR_NAMES, RotaryCall, RotaryParams
 from . import fold_planning
 from .auto_timing import AutoSite
 from .choosers import Choice
 from .fold_registry import Fold, Folded, FoldSite, folds
-from .fx_util import CASTS, PASS_THROUGH, as_int, chain_back
+from .fx_util import CASTS, PASS_THROUGH
 from .gathers import gather_of, op_positions
 from .grouping import arithmetic_dtype, launch_params
 from .norms import NormPrologue, dies_with, norm_prologue

@@ -389,17 +389,37 @@ def _cdiv(a: Any, b: int) -> Any:
     return (a + b - 1) // b
 
 
-def flash_attn_site(node: torch.fx.Node, fk: FlashAttnKernel) -> Site | None:
+@dataclasses.dataclass(frozen=True)
+class _Operands:
+    """A launch's tensor operands, seen through earlier verified launches (`see_through`): the nodes a site
+    reads, and their fake values, which every later check reads."""
+
+    x_node: torch.fx.Node
+    out_node: torch.fx.Node
+    cos_node: torch.fx.Node
+    sin_node: torch.fx.Node
+    x: torch.Tensor
+    out: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def _launch_args(node: torch.fx.Node, v: _FaVariant) -> dict:
+    """The launch's arguments by name: constants live in the side table, tensors and SymInts in the node; an
+    autotuned launch passes some through its configs, which the graph does not show."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-    v = fk.variant
     consts = kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"])
-    tensor_args = node.kwargs["kwargs"]
-    args = {**consts, **tensor_args}
+    args = {**consts, **node.kwargs["kwargs"]}
     missing = [n for n in v.arg_names if n not in args]
     if missing:
         raise KernelMiss(f"arguments {missing} missing from the launch (autotuned configs are not supported)")
+    return args
 
+
+def _is_varlen(node: torch.fx.Node, v: _FaVariant, args: dict) -> bool:
+    """IS_VARLEN, agreeing with CU_SEQLENS; a varlen launch is claimed only where the kernel's source holds the
+    varlen addressing that was verified (the signature alone does not fix it)."""
     varlen = static_bool(args["IS_VARLEN"], "IS_VARLEN")
     if varlen != (args["CU_SEQLENS"] is not None):
         raise KernelMiss(f"IS_VARLEN={varlen} with CU_SEQLENS {'absent' if varlen else 'given'}")
@@ -409,40 +429,44 @@ def flash_attn_site(node: torch.fx.Node, fk: FlashAttnKernel) -> Site | None:
         if missing or not v.varlen_markers:
             raise KernelMiss(f"IS_VARLEN: the kernel's varlen addressing differs from the verified one (lacks "
                              f"{missing[0] if missing else 'its markers'!r})")
-    outs = getitems(node, "OUT")
-    if not outs:
-        return None  # result unused: nothing to replace
-    if len(outs) > 1:
-        raise KernelMiss("several getitem(..., 'OUT') nodes for one launch")
+    return varlen
 
-    x_node, out_node = see_through(args["X"]), see_through(args["OUT"])
-    cos_node, sin_node = see_through(args["COS"]), see_through(args["SIN"])
-    for nm, nd in (("X", x_node), ("OUT", out_node), ("COS", cos_node), ("SIN", sin_node)):
+
+def _operands(args: dict, varlen: bool) -> _Operands:
+    """X, OUT, COS and SIN as tensor nodes, X and OUT of one [B, S, H, D] (varlen: [T, H, D]) shape, all in a
+    dtype the kernel's fp32 math matches exactly."""
+    nodes = {nm: see_through(args[nm]) for nm in ("X", "OUT", "COS", "SIN")}
+    for nm, nd in nodes.items():
         if not isinstance(nd, torch.fx.Node):
             raise KernelMiss(f"{nm} is not a tensor node ({nd!r})")
-    x, out = tensor_of(x_node, "X"), tensor_of(out_node, "OUT")
-    cos, sin = tensor_of(cos_node, "COS"), tensor_of(sin_node, "SIN")
-    ndim = 3 if varlen else 4
-    if x.dim() != ndim or tuple(out.shape) != tuple(x.shape):
+    vals = {nm: tensor_of(nd, nm) for nm, nd in nodes.items()}
+    x, out = vals["X"], vals["OUT"]
+    if x.dim() != (3 if varlen else 4) or tuple(out.shape) != tuple(x.shape):
         want = "[T, H, D] (varlen)" if varlen else "[B, S, H, D]"
         raise KernelMiss(f"X {tuple(x.shape)} / OUT {tuple(out.shape)}: expected both {want} of one shape")
-    for nm, t in (("X", x), ("OUT", out), ("COS", cos), ("SIN", sin)):
+    for nm, t in vals.items():
         if t.dtype not in FLOATS:
             raise KernelMiss(f"{nm} has dtype {t.dtype}; the kernel computes in fp32 and the fused op is exact only "
                              f"for fp16/bf16/fp32 inputs")
-    cu_node = None
-    if varlen:  # x [T, H, D]; the batch is cu_seqlens' [B + 1]; `seqlen` is max_seqlen, the rows a program covers
-        cu_node = see_through(args["CU_SEQLENS"])
-        cu = tensor_of(cu_node, "CU_SEQLENS")
-        if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or not contiguous(cu):
-            raise KernelMiss(f"CU_SEQLENS {cu.dtype} {tuple(cu.shape)}: expected a contiguous int32/int64 [B + 1]")
-        h, d = x.shape[1:]
-        b, s = cu.shape[0] - 1, static_int(args["seqlen"], "max_seqlen")
-    else:
-        b, s, h, d = x.shape
-    head_dim = static_int(d, "X's head dim")
+    return _Operands(nodes["X"], nodes["OUT"], nodes["COS"], nodes["SIN"], x, out, vals["COS"], vals["SIN"])
 
-    # rotary dim and block sizes
+
+def _batch_dims(args: dict, x: torch.Tensor, varlen: bool) -> tuple:
+    """(cu_seqlens node or None, B, S, H, D). A varlen x is [T, H, D]: the batch is cu_seqlens' [B + 1] and S is
+    max_seqlen, the rows a program covers."""
+    if not varlen:
+        return (None, *x.shape)
+    cu_node = see_through(args["CU_SEQLENS"])
+    cu = tensor_of(cu_node, "CU_SEQLENS")
+    if cu.dtype not in (torch.int32, torch.int64) or cu.dim() != 1 or not contiguous(cu):
+        raise KernelMiss(f"CU_SEQLENS {cu.dtype} {tuple(cu.shape)}: expected a contiguous int32/int64 [B + 1]")
+    h, d = x.shape[1:]
+    return cu_node, cu.shape[0] - 1, static_int(args["seqlen"], "max_seqlen"), h, d
+
+
+def _rotary_dim(args: dict, v: _FaVariant, h: Any, head_dim: int) -> int:
+    """R, which the two signatures pass differently (v1 also sizes its lane block by it, v2 its head block by
+    nheads), checked to be a rotation the op can express."""
     if v.name == "v1":
         r = static_int(args["rotary_dim"], "rotary_dim")
         block_k = static_int(args["BLOCK_K"], "BLOCK_K")
@@ -455,20 +479,21 @@ def flash_attn_site(node: torch.fx.Node, fk: FlashAttnKernel) -> Site | None:
             raise KernelMiss(f"nheads={value_of(args['nheads'])} is not X's head count {h}")
     if r <= 0 or r % 2 or r > head_dim:
         raise KernelMiss(f"rotary_dim={r} must be even and in (0, head_dim={head_dim}]")
-    if not varlen and not eq(args["seqlen"], s):
-        raise KernelMiss(f"seqlen={value_of(args['seqlen'])} is not X's sequence length {s}")
-    _check_strides(args, "x", x, "X", varlen)
-    _check_strides(args, "out", out, "OUT", varlen)
+    return r
 
-    # tables: [seqlen_ro, R/2], read with row stride R/2
-    for nm, t in (("COS", cos), ("SIN", sin)):
+
+def _check_tables(args: dict, ops: _Operands, r: int) -> None:
+    """COS and SIN are what the kernel reads: [seqlen_ro, R/2] with row stride R/2."""
+    for nm, t in (("COS", ops.cos), ("SIN", ops.sin)):
         if t.dim() != 2 or not eq(t.shape[1] * 2, r) or not contiguous_rows(t):
             raise KernelMiss(f"{nm} shape {tuple(t.shape)} strides {tuple(t.stride())}: the kernel reads a contiguous "
                              f"[seqlen_ro, rotary_dim/2={r // 2}] table")
         if not eq(args["seqlen_ro"], t.shape[0]):
             raise KernelMiss(f"seqlen_ro={value_of(args['seqlen_ro'])} is not {nm}'s row count {t.shape[0]}")
 
-    # grid: every program the kernel needs, and no unmasked extra program
+
+def _check_grid(node: torch.fx.Node, fk: FlashAttnKernel, args: dict, b: Any, h: Any, x: torch.Tensor) -> None:
+    """The grid launches every program the kernel needs and no unmasked extra one (axes read from the source)."""
     grid = node.kwargs["grid"]
     if not isinstance(grid, (list, tuple)) or len(grid) != 1 or len(grid[0]) != 3:
         raise KernelMiss(f"grid {grid!r}: expected one 3-D grid (autotuned launches are not supported)")
@@ -476,7 +501,7 @@ def flash_attn_site(node: torch.fx.Node, fk: FlashAttnKernel) -> Site | None:
     block_m = static_int(args["BLOCK_M"], "BLOCK_M")
     ok_m = ge(g[fk.axes["m"]], _cdiv(value_of(args["seqlen"]), block_m))
     ok_b = eq(g[fk.axes["batch"]], b)
-    if v.name == "v1":
+    if fk.variant.name == "v1":
         ok_h = eq(g[fk.axes["head"]], h)
     else:
         ok_h = ge(g[fk.axes["head"]], _cdiv(h, static_int(args["BLOCK_H"], "BLOCK_H")))
@@ -484,7 +509,10 @@ def flash_attn_site(node: torch.fx.Node, fk: FlashAttnKernel) -> Site | None:
         raise KernelMiss(f"grid {tuple(value_of(e) for e in g)} does not match the launch (axes {fk.axes}, "
                          f"X {tuple(x.shape)}, BLOCK_M={block_m})")
 
-    # positions into the tables
+
+def _seqlen_offset(args: dict, b: Any, s: Any, cos: torch.Tensor) -> int | torch.fx.Node:
+    """Where the positions into the tables start: a contiguous [B] tensor's node, or an int that keeps every row
+    within the table (the graph can show an int's rows, not a tensor's: those the emitter pads for)."""
     if static_bool(args["IS_SEQLEN_OFFSETS_TENSOR"], "IS_SEQLEN_OFFSETS_TENSOR"):
         off_node = see_through(args["SEQLEN_OFFSETS"])
         off = tensor_of(off_node, "SEQLEN_OFFSETS")
@@ -492,24 +520,45 @@ def flash_attn_site(node: torch.fx.Node, fk: FlashAttnKernel) -> Site | None:
             raise KernelMiss(f"SEQLEN_OFFSETS {off.dtype} {tuple(off.shape)}: expected an int32/int64 [B={b}] tensor")
         if not (known(off.shape[0] == 1) or known(off.stride(0) == 1)):
             raise KernelMiss("SEQLEN_OFFSETS is not contiguous")
-        seqlen_offset: int | torch.fx.Node = off_node
-    else:
-        raw = args["SEQLEN_OFFSETS"]
-        if isinstance(value_of(raw), torch.Tensor):
-            raise KernelMiss("SEQLEN_OFFSETS is a tensor but IS_SEQLEN_OFFSETS_TENSOR is False")
-        off_i = static_int(raw, "int SEQLEN_OFFSETS")
-        if off_i < 0 or not known(off_i + s <= cos.shape[0]):
-            raise KernelMiss(f"int SEQLEN_OFFSETS={off_i} with seqlen {s} reaches past seqlen_ro={cos.shape[0]} rows "
-                             f"(the kernel would use cos=1, sin=0 there) or is negative")
-        seqlen_offset = off_i
+        return off_node
+    raw = args["SEQLEN_OFFSETS"]
+    if isinstance(value_of(raw), torch.Tensor):
+        raise KernelMiss("SEQLEN_OFFSETS is a tensor but IS_SEQLEN_OFFSETS_TENSOR is False")
+    off_i = static_int(raw, "int SEQLEN_OFFSETS")
+    if off_i < 0 or not known(off_i + s <= cos.shape[0]):
+        raise KernelMiss(f"int SEQLEN_OFFSETS={off_i} with seqlen {s} reaches past seqlen_ro={cos.shape[0]} rows "
+                         f"(the kernel would use cos=1, sin=0 there) or is negative")
+    return off_i
 
-    # lanes >= R of the result
-    if r < head_dim and out_node is not x_node and not _tail_is_x(out_node, x_node, r, head_dim, ndim):
+
+def flash_attn_site(node: torch.fx.Node, fk: FlashAttnKernel) -> Site | None:
+    """The site of one launch, or None when its result is unused; KernelMiss names the first check (the module
+    docstring lists them) that the launch fails, so a near miss says what to change."""
+    args = _launch_args(node, fk.variant)
+    varlen = _is_varlen(node, fk.variant, args)
+    outs = getitems(node, "OUT")
+    if not outs:
+        return None  # result unused: nothing to replace
+    if len(outs) > 1:
+        raise KernelMiss("several getitem(..., 'OUT') nodes for one launch")
+    ops = _operands(args, varlen)
+    cu_node, b, s, h, d = _batch_dims(args, ops.x, varlen)
+    head_dim = static_int(d, "X's head dim")
+    r = _rotary_dim(args, fk.variant, h, head_dim)
+    if not varlen and not eq(args["seqlen"], s):
+        raise KernelMiss(f"seqlen={value_of(args['seqlen'])} is not X's sequence length {s}")
+    _check_strides(args, "x", ops.x, "X", varlen)
+    _check_strides(args, "out", ops.out, "OUT", varlen)
+    _check_tables(args, ops, r)
+    _check_grid(node, fk, args, b, h, ops.x)
+    seqlen_offset = _seqlen_offset(args, b, s, ops.cos)
+    ndim = ops.x.dim()
+    if r < head_dim and ops.out_node is not ops.x_node and not _tail_is_x(ops.out_node, ops.x_node, r, head_dim, ndim):
         raise KernelMiss(f"the output buffer's lanes >= rotary_dim={r} are not x's (expected inplace=True or the "
                          f"wrapper's output[..., rotary_dim:].copy_(x[..., rotary_dim:]))")
-
-    tables = FlashAttnTables(cos_node, sin_node, seqlen_offset, cu_node, size_key(x.shape[0 if varlen else 1]))
-    return kernel_site_of(outs[0], x_node, head_dim, tables, rotary_dim=r,
+    seqlen = size_key(ops.x.shape[0 if varlen else 1])
+    tables = FlashAttnTables(ops.cos_node, ops.sin_node, seqlen_offset, cu_node, seqlen)
+    return kernel_site_of(outs[0], ops.x_node, head_dim, tables, rotary_dim=r,
                           interleaved=static_bool(args["INTERLEAVED"], "INTERLEAVED"),
                           conjugate=static_bool(args["CONJUGATE"], "CONJUGATE"))
 

@@ -44,7 +44,7 @@ import torch.fx as fx
 
 from ..ops.backends import LeftToInductor
 from ..ops.library import reference_kernels
-from .auto_region import starts_region
+from .auto_region import starts_region, walk_region
 
 log = logging.getLogger("rope_fusion")
 aten = torch.ops.aten
@@ -320,27 +320,8 @@ def _group_disagreement(planned: Any, known: set) -> str | None:
 def _region(outputs: list, always: Callable[[fx.Node], bool]) -> tuple[list, list]:
     """(body, inputs) computing `outputs`: back to what is in memory anyway (auto_region's rule), except the nodes
     `always` takes into the body (the pass's own)."""
-    body: list = []
-    inputs: list = []
-    seen: set = set()
-    for out in outputs:
-        stack = [(out, False)]
-        while stack:
-            n, done = stack.pop()
-            if done:
-                body.append(n)
-                continue
-            if n in seen:
-                continue
-            seen.add(n)
-            if n.op != "call_function" or (starts_region(n) and not always(n)):
-                inputs.append(n)
-                continue
-            if len(seen) > MAX_NODES:
-                raise ValueError(f"a region over {MAX_NODES} nodes")
-            stack.append((n, True))
-            stack.extend((a, False) for a in reversed(n.all_input_nodes) if a not in seen)
-    return body, inputs
+    return walk_region(outputs, lambda n: n.op != "call_function" or (starts_region(n) and not always(n)),
+                       MAX_NODES, lambda: ValueError(f"a region over {MAX_NODES} nodes"))
 
 
 def _hint(s: Any) -> int:

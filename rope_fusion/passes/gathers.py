@@ -14,7 +14,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from .fx_util import PASS_THROUGH, as_int
+from ..fx_sizes import as_int
+from .fx_util import PASS_THROUGH
 from .site import TableRef
 
 aten = torch.ops.aten

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..fx_sizes import as_int, same_dim
 from ..ops.schema import RotaryParams
-from .fx_util import PASS_THROUGH, SPLITS, as_int, same_dim
+from .fx_util import PASS_THROUGH, SPLITS
 from .gathers import gather_of
 from .matcher import Acceptor
 from .site import KernelTables, Site, TableRef

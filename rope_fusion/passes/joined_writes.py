@@ -26,9 +26,9 @@ import dataclasses
 import torch
 import torch.fx as fx
 
+from ..fx_sizes import as_int
 from ..ops.schema import TENSOR_NAMES
 from ..ops.slice_write import INTO_OPS
-from .fx_util import as_int
 from .slice_writes import emit_written
 
 aten = torch.ops.aten

@@ -17,8 +17,9 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ..fx_nodes import meta
+from ..fx_sizes import as_int, norm_dim, same_dim
 from . import poly
-from .fx_util import as_int, meta, norm_dim, same_dim
 from .lanes import (
     LaneInterpreter,
     LaneValue,

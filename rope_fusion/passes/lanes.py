@@ -24,8 +24,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import fx_util, poly
-from .fx_util import SymbolicSizeError, as_int, concrete_ints, meta, norm_dim, reading_for
+from ..fx_nodes import meta, nearest_upstream
+from ..fx_sizes import SymbolicSizeError, as_int, concrete_ints, norm_dim, reading_for
+from . import poly
 
 MAX_LANES = 4096
 WIDE = (torch.float64, torch.complex128)
@@ -206,7 +207,7 @@ class Unsupported(Exception):
 # -- lane-grid helpers -----------------------------------------------------------------------------
 
 def lane_dims(dims, specialize: bool = False) -> list[int]:
-    """`fx_util.concrete_ints`, raising Unsupported for a symbolic size (inside a rule: a source)."""
+    """`fx_sizes.concrete_ints`, raising Unsupported for a symbolic size (inside a rule: a source)."""
     try:
         return concrete_ints(dims, specialize)
     except SymbolicSizeError as err:
@@ -562,7 +563,7 @@ def lane_relations(value: LaneValue) -> list | None:
 
 def _reaches(node: fx.Node, names: tuple, limit: int) -> bool:
     """Whether `node` is computed from an op named in `names`, within `limit` nodes searched back."""
-    return fx_util.nearest_upstream(node, lambda n: _op_name(n) in names, limit) is not None
+    return nearest_upstream(node, lambda n: _op_name(n) in names, limit) is not None
 
 
 def _node_is_wide(node) -> bool:

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
 
+from ..fx_nodes import chain_back, meta, nearest_upstream
+from ..fx_sizes import as_int, concrete_ints, same_dim
 from ..ops.schema import RotaryParams
 from . import lanes, pair_matrix, poly
-from .fx_util import PASS_THROUGH, as_int, chain_back, concrete_ints, meta, nearest_upstream, same_dim
+from .fx_util import PASS_THROUGH
 from .site import GraphTables, Site, TableRef, XView
 
 aten = torch.ops.aten
@@ -481,31 +485,29 @@ class Acceptor:
                 return f"{xl.name} is broadcast to the output shape: it cannot be the rotated x"
         return ""
 
-    def _accept_x(self, node, v, m, n, nblocks, xl: _XLanes) -> Site | Rejection:
-        entries = v.entries
-        shape_note = self._x_shape(xl, v)
-        if shape_note:
-            return Rejection(PAIRING, shape_note)
-        if xl.entries is None:  # a source x: lane i copies it when the entry is the one atom of lane i
-            src = (xl.name, xl.k, xl.as_real)
+    def _copy_test(self, entries: list, xl: _XLanes) -> Callable[[int], bool] | Rejection:
+        """Whether output lane i is a plain copy of x's lane i. A source x: the entry is the one atom of lane i;
+        computed lanes: the same polynomial. A source x whose lane 0 is rotated but never reads x[0] is rejected
+        here: no pairing nor shared table can fit, whatever the rotated range (not scanning it saves most of the
+        time spent on the wrong candidates)."""
+        if xl.entries is not None:
+            return lambda i: _close(entries[i], xl.entries[i])
+        src = (xl.name, xl.k, xl.as_real)
 
-            def is_copy(i):
-                e = entries[i]
-                if e is None or len(e) != 1:
-                    return False
-                (mono, coef), = e.items()
-                return len(mono) == 1 and mono[0][3] == i and mono[0][:3] == src and abs(coef - 1.0) <= 1e-12
-            if not is_copy(0) and not _reads_lane(entries[0], xl.entry(0)):
-                # lane 0 is rotated but never reads x[0]: no pairing nor shared table can fit, whatever the
-                # rotated range (not scanning it saves most of the time spent on the wrong candidates)
-                return Rejection(PAIRING, "lane 0 pairs with neither lane 0+R/2 (NeoX) nor lane 1 (interleaved) "
-                                          "of x")
-        else:
-            def is_copy(i):
-                return _close(entries[i], xl.entries[i])
+        def is_copy(i: int) -> bool:
+            e = entries[i]
+            if e is None or len(e) != 1:
+                return False
+            (mono, coef), = e.items()
+            return len(mono) == 1 and mono[0][3] == i and mono[0][:3] == src and abs(coef - 1.0) <= 1e-12
+        if not is_copy(0) and not _reads_lane(entries[0], xl.entry(0)):
+            return Rejection(PAIRING, "lane 0 pairs with neither lane 0+R/2 (NeoX) nor lane 1 (interleaved) of x")
+        return is_copy
 
-        # lanes [0, head) copied, [head, head + rot) rotated, the rest copied (head > 0: the rotated part comes
-        # after a pass-through head, as in LTX's padded tables or DeepSeek-V4's rope at the end)
+    @staticmethod
+    def _rotated_range(n: int, is_copy: Callable[[int], bool]) -> tuple[int, int] | Rejection:
+        """(head, rot): lanes [0, head) copied, [head, head + rot) rotated, the rest copied (head > 0: the rotated
+        part comes after a pass-through head, as in LTX's padded tables or DeepSeek-V4's rope at the end)."""
         head = 0
         while head < n and is_copy(head):
             head += 1
@@ -519,22 +521,32 @@ class Acceptor:
                 return Rejection(FORM, "every lane is a plain copy of x")
             return Rejection(PAIRING, f"lanes [{head}, {head + rot}) differ from x but are not an even count of "
                                       "rotated lanes: a permutation of x's lanes or another mix")
-        half = rot // 2
-        # the partner of the first rotated lane narrows the pairing; each candidate is then checked lane by lane
+        return head, rot
+
+    def _candidate_styles(self, entries: list, xl: _XLanes, head: int, half: int) -> list | Rejection:
+        """The pairings whose partner of the first rotated lane fits it (each is then checked lane by lane); where
+        none does, the reason: a table that cannot be split, cos and sin as one table, or no pairing at all."""
         e0, x0 = entries[head], xl.entry(head)
         self.split_note = ""
         styles = [s for s in _pairings(half)
                   if self._split_lane(e0, x0, xl.entry(head + s.x_partner(0))) is not None]
-        if not styles and self.split_note:
+        if styles:
+            return styles
+        if self.split_note:
             return Rejection(TABLES, f"lane {head}: {self.split_note}")
-        if not styles:
-            for p0 in (half, 1):
-                shared = self._shared_factor(e0, x0, xl.entry(head + p0))
-                if shared is not None:
-                    return Rejection(LANES, f"lane {head} multiplies x[{head}] and x[{head + p0}] by the same "
-                                            f"entry of {shared}: cos and sin are one table here")
-            return Rejection(PAIRING, f"lane {head} pairs with neither lane {head}+R/2 (NeoX) nor lane {head + 1} "
-                                      "(interleaved) of x")
+        for p0 in (half, 1):
+            shared = self._shared_factor(e0, x0, xl.entry(head + p0))
+            if shared is not None:
+                return Rejection(LANES, f"lane {head} multiplies x[{head}] and x[{head + p0}] by the same "
+                                        f"entry of {shared}: cos and sin are one table here")
+        return Rejection(PAIRING, f"lane {head} pairs with neither lane {head}+R/2 (NeoX) nor lane {head + 1} "
+                                  "(interleaved) of x")
+
+    def _fitting_lanes(self, styles: list, entries: list, xl: _XLanes, head: int, rot: int, n: int, nblocks: int,
+                       is_copy: Callable[[int], bool]) -> tuple | Rejection:
+        """(style, cos lanes, sin lanes, conj) of the first pairing every lane fits (memoised: q and k, and the
+        candidates of one value, ask alike); else the most plausible pairing's reason: the first to fit lane 0,
+        unless a later one got further."""
         got = first = None
         xkey = (xl.name, xl.k, xl.as_real) if xl.entries is None else tuple(map(id, xl.entries))
         for style in styles:
@@ -544,15 +556,14 @@ class Acceptor:
                 got = self._lanes_memo[key] = self._lanes(style, entries, xl, head, rot, n, nblocks, is_copy)
                 self._pinned.append((entries, xl.entries))  # the ids in the key stay unique
             if not isinstance(got, Rejection):
-                break
+                return got
             first = got if first is None or got.stage > first.stage else first
-        if isinstance(got, Rejection):
-            return first  # the most plausible pairing's reason: the first to fit lane 0, unless a later got further
-        style, cos_lanes, sin_lanes, conj = got
-        interleaved = style.interleaved
-        partner, first_of_pair = style.out_partner, style.first
-        x_node = self.interp.nodes[xl.name]
-        origins = self._x_origins(x_node, xl)
+        return first
+
+    def _table_from_x(self, xl: _XLanes, cos_lanes: list, sin_lanes: list) -> Rejection | None:
+        """A table that is x, or is computed from x, makes a rotation by angles taken from x itself: not a
+        position embedding."""
+        origins = self._x_origins(self.interp.nodes[xl.name], xl)
         for key in {a[:3] for a, _ in cos_lanes} | {a[:3] for a, _ in sin_lanes}:
             tnode = self.interp.nodes[key[0]]
             if tnode in origins:
@@ -561,17 +572,51 @@ class Acceptor:
                 if self.depends_on(tnode, o):
                     return Rejection(TABLES, f"the table {tnode.name} is computed from x ({o.name}): a rotation "
                                              "by angles taken from x itself is not a position embedding")
+        return None
+
+    def _graph_tables(self, v, style: Any, cos_lanes: list, sin_lanes: list, rot: int) -> tuple | Rejection:
+        """(cos, sin, full) as graph tables read by the fitted lanes (memoised), each broadcasting against x."""
         tkey = (tuple(cos_lanes), tuple(sin_lanes), rot, style.key)
         refs = self._tables_memo.get(tkey)
         if refs is None:
-            refs = self._tables_memo[tkey] = self._tables(cos_lanes, sin_lanes, rot, first_of_pair, partner)
+            refs = self._tables_memo[tkey] = self._tables(cos_lanes, sin_lanes, rot, style.first, style.out_partner)
         if isinstance(refs, str):
             return Rejection(TABLES, _scaled_tables(cos_lanes, sin_lanes) or refs)
-        cos, sin, full = refs
+        cos, sin, _ = refs
         for t in (p for table in (cos, sin) for p in table.parts):
             if not self._broadcasts(t, v.lead):
                 return Rejection(TABLES, f"the table {t.name} does not broadcast against x")
-        params = RotaryParams(interleaved=interleaved, rotary_dim=rot, full_tables=full, conjugate=bool(conj),
+        return refs
+
+    def _accept_x(self, node, v, m, n, nblocks, xl: _XLanes) -> Site | Rejection:
+        """The site where the value's lanes are x's rotated by tables, else the reason they are not; each step
+        narrows the next: x's shape, the copied and rotated lanes, the pairings, the tables."""
+        entries = v.entries
+        shape_note = self._x_shape(xl, v)
+        if shape_note:
+            return Rejection(PAIRING, shape_note)
+        is_copy = self._copy_test(entries, xl)
+        if isinstance(is_copy, Rejection):
+            return is_copy
+        span = self._rotated_range(n, is_copy)
+        if isinstance(span, Rejection):
+            return span
+        head, rot = span
+        styles = self._candidate_styles(entries, xl, head, rot // 2)
+        if isinstance(styles, Rejection):
+            return styles
+        got = self._fitting_lanes(styles, entries, xl, head, rot, n, nblocks, is_copy)
+        if isinstance(got, Rejection):
+            return got
+        style, cos_lanes, sin_lanes, conj = got
+        rejected = self._table_from_x(xl, cos_lanes, sin_lanes)
+        if rejected is not None:
+            return rejected
+        refs = self._graph_tables(v, style, cos_lanes, sin_lanes, rot)
+        if isinstance(refs, Rejection):
+            return refs
+        cos, sin, full = refs
+        params = RotaryParams(interleaved=style.interleaved, rotary_dim=rot, full_tables=full, conjugate=bool(conj),
                               out_dtype=node.meta["val"].dtype, deinterleave=style.name == "deinterleave",
                               rotary_blocks=style.blocks, rotary_offset=head)
         return Site(node=node, value_k=v.k, x=XView(xl.name, n, xl.k, xl.as_real, tuple(v.grid[: v.k - m])),

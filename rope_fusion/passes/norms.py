@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .fx_util import CASTS, PASS_THROUGH, as_int, norm_dim, same_dim
+from ..fx_sizes import as_int, norm_dim, same_dim
+from .fx_util import CASTS, PASS_THROUGH
 
 aten = torch.ops.aten
 prims = torch.ops.prims

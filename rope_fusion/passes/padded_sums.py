@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .fx_util import meta, norm_dim, same_dim
+from ..fx_nodes import meta
+from ..fx_sizes import norm_dim, same_dim
 
 aten = torch.ops.aten
 

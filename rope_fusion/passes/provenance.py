@@ -13,7 +13,7 @@ import re
 import torch
 import torch.fx as fx
 
-from .fx_util import nearest_upstream
+from ..fx_nodes import nearest_upstream
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

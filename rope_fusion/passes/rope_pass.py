@@ -13,22 +13,20 @@ per instance, and a copy starts with an empty one).
 
 from __future__ import annotations
 
-import collections
 import gc
 import hashlib
 import logging
-import threading
 import time
-import weakref
 from typing import Any
 
 import torch.fx as fx
 
+from ..fx_sizes import hint_reads
 from ..ops.backends import BACKEND_NAMES, LeftToInductor, SiteSpec
 from . import auto_timing, emission, fusion_check
+from .cache_ledger import LEDGER, take_in_cache_replays
 from .choosers import AUTO_CHOOSER, Choice, Chooser, GraphFacts
 from .emission import Emitter, GraphTransaction
-from .fx_util import hint_reads
 from .grouping import pair_up
 from .kernel_scan import claim_kernel_sites
 from .padded_sums import merge_padded_sums
@@ -40,107 +38,6 @@ from .sites import find_sites
 from .symbolic_sizes import check_none_needed, hold_symbolic, site_roots
 
 log = logging.getLogger("rope_fusion")
-
-
-# -- what a cache hit replays ------------------------------------------------------------------------------
-
-# Counter keys that carry one graph's records: the prefix, the options' tag, the records as JSON.
-PAYLOAD_PREFIX = "rope_fusion_graph:"
-
-
-class CacheLedger:
-    """Carries each graph's report records through Inductor's compile caches, to the pass instance that asked.
-
-    On a cache hit (FX graph cache, AOTAutograd cache, a bundled artifact) Inductor runs no post-grad pass, but
-    it adds the counter deltas stored with the compile to `counters["inductor"]`. So the pass, when it runs,
-    adds one counter whose key holds the graph's records (`Report.graph_payload`, tagged with the options);
-    it survives a new process with the cached artifact. The key names no pass instance (that would change
-    nothing in the cache key, but no other process could know the instance): a replay is given to the latest
-    pass that Inductor asked for its `uuid()` with that tag. Inductor asks for it to build the cache key of every
-    compile the pass takes part in, before the lookup that may replay; so two instances with the same options
-    each get the graphs of their own compiles.
-
-    Counts of each key that have been handed out (or recorded live) are `seen`; a key counted past that was
-    replayed. The counters object's identity says nothing: Inductor's lazy pattern init swaps
-    `counters["inductor"]` for a copy taken before it ran (pattern_matcher's `lazy_init`, once per pattern set
-    in a process), so a new object is no clear, and forgetting `seen` on it handed every live graph of the
-    process to the next pass as a replay. A clear shows as a count below `seen`, which is lowered to match;
-    `asked` settles before each compile's cache lookup, so a clear before a compile is seen before its replay.
-    Replays are taken in when a compile ends (a Dynamo end-of-compile callback: one log line per graph on a warm
-    run too), when the pass runs or is asked for its uuid, and before a report is read."""
-
-    RECENT = 16  # passes remembered as askers (latest last)
-
-    def __init__(self) -> None:
-        self.seen: collections.Counter = collections.Counter()
-        self.recent: list = []  # weak references to the passes asked for their uuid, latest last
-        self.lock = threading.RLock()
-
-    @staticmethod
-    def _counters() -> collections.Counter:
-        from torch._dynamo.utils import counters
-
-        return counters["inductor"]
-
-    def _current(self) -> collections.Counter:
-        c = self._counters()
-        for k in [k for k, n in self.seen.items() if c.get(k, 0) < n]:  # cleared (`counters.clear()`, in place)
-            self.seen[k] = c.get(k, 0)
-        return c
-
-    def recorded(self, tag: str, payload: str) -> None:
-        """A graph the pass just ran on: its records go into the compile's counter deltas."""
-        with self.lock:
-            c = self._current()
-            key = f"{PAYLOAD_PREFIX}{tag}:{payload}"
-            c[key] += 1
-            self.seen[key] += 1
-
-    def asked(self, p: RopeFusionPass) -> None:
-        """Inductor (or vLLM, or a chain) asked `p` for its uuid: a compile with `p` may follow."""
-        with self.lock:
-            self.settle()
-            self.recent = [r for r in self.recent if r() is not None and r() is not p][-self.RECENT + 1:]
-            self.recent.append(weakref.ref(p))
-        _on_compile_end(take_in_cache_replays)
-
-    def settle(self, *_: Any) -> None:
-        """Give each graph replayed since the last call to the pass that asked for it."""
-        with self.lock:
-            c = self._current()
-            fresh = [(k, n - self.seen[k]) for k, n in list(c.items())
-                     if n > self.seen[k] and isinstance(k, str) and k.startswith(PAYLOAD_PREFIX)]
-            for key, times in fresh:
-                self.seen[key] += times
-                tag, _, payload = key[len(PAYLOAD_PREFIX):].partition(":")
-                p = next((p for p in map(lambda r: r(), reversed(self.recent)) if p is not None and p.tag == tag),
-                         None)
-                for _ in range(times if p is not None else 0):
-                    p._replayed(payload)
-
-
-def _on_compile_end(fn: Any) -> None:
-    """Run fn at the end of every Dynamo compile (`torch._dynamo.reset()` drops such callbacks: re-added here
-    each time a compile asks for the uuid). Without the callback API, reports still take replays in when read."""
-    try:
-        from torch._dynamo.callback import callback_handler
-    except ImportError:
-        return
-    registered = getattr(callback_handler, "end_callbacks", None)
-    if isinstance(registered, list) and fn not in registered:
-        callback_handler.register_end_callback(fn)
-
-
-_LEDGER = CacheLedger()
-
-
-def take_in_cache_replays(*_: Any) -> None:
-    """Hand the graphs that a compile cache replayed to the passes that compiled them (`Report.refresh`, and
-    the end of every compile); never raises."""
-    try:
-        _LEDGER.settle()
-    except Exception as e:  # a report must stay readable
-        log.debug("rope_fusion: compile-cache records not read: %s: %s", type(e).__name__, e)
 
 
 # -- the pass ----------------------------------------------------------------------------------------------
@@ -207,13 +104,14 @@ class RopeFusionPass(PassBase):
                 gc.enable()
             record.seconds = time.perf_counter() - start
         try:  # the records travel with the compiled graph into Inductor's caches (CacheLedger)
-            _LEDGER.recorded(self.tag, self.report.graph_payload(index))
+            LEDGER.recorded(self.tag, self.report.graph_payload(index))
         except Exception as e:  # a report detail, never a reason to fail the compile
             log.debug("rope_fusion graph %d: records not stored for the compile cache: %s: %s", index,
                       type(e).__name__, e)
 
-    def _replayed(self, payload: str) -> None:
-        """A compile cache served a graph that this pass fused (or left alone) in an earlier compile."""
+    def take_replay(self, payload: str) -> None:
+        """A compile cache served a graph that this pass fused (or left alone) in an earlier compile: called by the
+        cache ledger (cache_ledger.py), which alone knows which pass a replay belongs to."""
         try:
             record = self.report.add_cached_graph(payload)
         except Exception as e:  # records of another version of the package, or damaged: the graph still runs
@@ -243,7 +141,7 @@ class RopeFusionPass(PassBase):
         mark = self._mark()
         tx = GraphTransaction(graph)
         try:
-            with hint_reads():  # the analysis reads symbolic sizes without guarding (fx_util)
+            with hint_reads():  # the analysis reads symbolic sizes without guarding (fx_sizes)
                 planned = self._fuse(graph, index, config)
         except Exception as e:  # the failure policy: never break a compile
             try:
@@ -254,7 +152,7 @@ class RopeFusionPass(PassBase):
             self._truncate(mark)
             self.report.errors.append(GraphError(index, f"{type(e).__name__}: {e}", outcome))
             record.outcome = "unchanged after an error"
-            self._log_once(("error", type(e).__name__), logging.WARNING,
+            self.log_once(("error", type(e).__name__), logging.WARNING,
                            "rope_fusion graph %d: %s after an internal error: %s: %s", index, outcome,
                            type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
             return
@@ -316,7 +214,7 @@ class RopeFusionPass(PassBase):
                 emission.erase_between(graph, start, anchor)
                 self.report.errors.append(GraphError(index, f"{group[0].node.name}: {type(e).__name__}: {e}",
                                                      "site left unfused"))
-                self._log_once(("site", type(e).__name__), logging.WARNING,
+                self.log_once(("site", type(e).__name__), logging.WARNING,
                                "rope_fusion graph %d: a site was left unfused after an internal error: %s: %s",
                                index, type(e).__name__, e)
         emission.commit(planned)
@@ -368,7 +266,7 @@ class RopeFusionPass(PassBase):
             tx.rollback()
             self.report.errors.append(GraphError(index, f"host tables: {type(e).__name__}: {e}",
                                                  "host-table copies left as they were; the sites are fused"))
-            self._log_once(("host", type(e).__name__), logging.WARNING,
+            self.log_once(("host", type(e).__name__), logging.WARNING,
                            "rope_fusion graph %d: host tables left as they were after an internal error: %s: %s",
                            index, type(e).__name__, e)
             return
@@ -392,7 +290,7 @@ class RopeFusionPass(PassBase):
                 tx.rollback()
                 self.report.errors.append(GraphError(index, f"{fold.name} fold: {type(e).__name__}: {e}",
                                                      "left as it was; the sites are fused"))
-                self._log_once((fold.name, type(e).__name__), logging.WARNING,
+                self.log_once((fold.name, type(e).__name__), logging.WARNING,
                                "rope_fusion graph %d: %s fold left after an internal error: %s: %s", index,
                                fold.name, type(e).__name__, e)
                 continue
@@ -412,7 +310,9 @@ class RopeFusionPass(PassBase):
         for f, n in mark.items():
             del getattr(self.report, f)[n:]
 
-    def _log_once(self, key: Any, level: int, msg: str, *args: Any, **kw: Any) -> None:
+    def log_once(self, key: Any, level: int, msg: str, *args: Any, **kw: Any) -> None:
+        """Log a message once per key for this pass: a problem met at every graph of a model (a backend that
+        cannot take its sites, say) is said once, not once a graph; the report holds each occurrence."""
         if key not in self._logged:
             self._logged.add(key)
             log.log(level, msg, *args, **kw)
@@ -422,7 +322,7 @@ class RopeFusionPass(PassBase):
         process must compute alike. Inductor asks for it at the start of every compile the pass takes part in,
         which is how a cache hit's records find this instance (CacheLedger)."""
         try:
-            _LEDGER.asked(self)
+            LEDGER.asked(self)
         except Exception as e:  # the report of a warm run may then miss graphs; the key is unaffected
             log.debug("rope_fusion: compile-cache records not tracked: %s: %s", type(e).__name__, e)
         return self._options_key() + self._decisions_key()
@@ -492,4 +392,4 @@ def _misconfigured(got: Any, what: str) -> str:
     return f"{problem}. Use {', or '.join(ways)}"
 
 
-__all__ = ["RopeFusionPass", "CacheLedger", "source_hash", "take_in_cache_replays", "log"]
+__all__ = ["RopeFusionPass", "source_hash", "log"]

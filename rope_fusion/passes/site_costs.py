@@ -15,10 +15,12 @@ import math
 import torch
 import torch.fx as fx
 
+from ..fx_nodes import chain_back
+from ..fx_sizes import as_int
 from ..ops.backends import SiteSpec
 from ..ops.cost_model import HOST_BOUND_BYTES, SiteCost
 from ..ops.schema import RotaryParams
-from .fx_util import COPIES, PASS_THROUGH, SPLITS, as_int, chain_back
+from .fx_util import COPIES, PASS_THROUGH, SPLITS
 from .site import Site
 
 aten = torch.ops.aten

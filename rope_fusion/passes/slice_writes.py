@@ -25,9 +25,9 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..fx_sizes import as_int
 from ..ops.schema import TENSOR_NAMES
 from ..ops.slice_write import SLICE_OPS
-from .fx_util import as_int
 from .written_bases import base_reason, shared_reason
 
 aten = torch.ops.aten

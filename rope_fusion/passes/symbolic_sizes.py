@@ -2,7 +2,7 @@
 
 The lane algebra enumerates a rotation's lanes, so it reads the head dim (and whatever sizes index lanes: a split's
 chunk, a slice's bounds along the lanes) as ints; under dynamic shapes those reads take the size's example value
-(fx_util.HintReads). The fused op then holds for that value only. Guarding it made Dynamo compile again for every
+(fx_sizes.HintReads). The fused op then holds for that value only. Guarding it made Dynamo compile again for every
 other value (3 graphs for 3 head dims where plain compile makes one) and failed the compile outright where the user
 had marked the dim dynamic (`torch._dynamo.mark_dynamic`: ConstraintViolationError). Such a site is now a near
 miss that names the size and where it comes from, and the graph compiles as plain compile compiles it.
@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-from .fx_util import hint_reads_needed_by
+from ..fx_sizes import hint_reads_needed_by
 
 
 def site_roots(m, nodes: dict) -> list:

@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -208,12 +209,14 @@ def _v2_tensor(node: torch.fx.Node, arg: str, off: int) -> tuple[torch.fx.Node, 
     return base, off + idx, bv
 
 
-def vllm_sites(node: torch.fx.Node, kind: str, op: Any, v2: bool) -> list[Site]:
+def _argument_reader(node: torch.fx.Node, op: Any) -> Callable[[str], Any]:
+    """The op's arguments by name as the call passes them, at the schema's defaults where it does not; the older
+    schema, without rope_dim_offset and inverse, reads as the newer one at its defaults."""
     kw = node.kwargs
     schema_names = [a.name for a in op._schema.arguments]
     defaults = {a.name: a.default_value for a in op._schema.arguments}
 
-    def arg(name):
+    def arg(name: str) -> Any:
         if name in kw:
             return kw[name]
         if name not in schema_names:  # the older schema has no rope_dim_offset/inverse
@@ -222,12 +225,11 @@ def vllm_sites(node: torch.fx.Node, kind: str, op: Any, v2: bool) -> list[Site]:
             return defaults[name]
         raise KernelMiss(f"argument {name} missing")
 
-    head_size = static_int(arg("head_size"), "head_size")
-    is_neox = static_bool(arg("is_neox"), "is_neox")
-    rotary_offset = static_int(arg("rope_dim_offset"), "rope_dim_offset")  # vLLM's name for the op's
-    inverse = static_bool(arg("inverse"), "inverse")
-    pos_node, cache_node = arg("positions"), arg("cos_sin_cache")
-    pos, cache = tensor_of(pos_node, "positions"), tensor_of(cache_node, "cos_sin_cache")
+    return arg
+
+
+def _rotary_dim(cache: torch.Tensor, head_size: int, rotary_offset: int) -> int:
+    """R, the cache's width: a contiguous [max_pos, R] cache whose rotated lanes lie within the head."""
     if cache.dim() != 2 or not contiguous_rows(cache):
         raise KernelMiss(f"cos_sin_cache shape {tuple(cache.shape)} strides {tuple(cache.stride())}: expected a "
                          f"contiguous [max_pos, rotary_dim] table")
@@ -237,24 +239,34 @@ def vllm_sites(node: torch.fx.Node, kind: str, op: Any, v2: bool) -> list[Site]:
     if rotary_offset < 0 or rotary_offset + r > head_size:
         raise KernelMiss(f"rope_dim_offset={rotary_offset} with rotary_dim={r}: the rotated lanes pass the end of "
                          f"the head (head_size={head_size})")
+    return r
+
+
+def _x_dtypes(kind: str, cache: torch.Tensor, pos: torch.Tensor) -> tuple:
+    """The dtypes of query and key the op computes exactly, once the cache and positions are ones it takes (the
+    two ops dispatch different dtypes)."""
     if kind == "vllm.flashinfer_rotary_embedding":
         if cache.dtype != torch.float32:
             raise KernelMiss(f"cos_sin_cache is {cache.dtype}; flashinfer requires float32 (it raises otherwise)")
         if pos.dim() != 1 or pos.dtype not in (torch.int32, torch.int64):
             raise KernelMiss(f"positions {pos.dtype} {tuple(pos.shape)}: expected a 1-D int32/int64 tensor")
-        x_dtypes = HALVES
-    else:
-        if cache.dtype not in FLOATS:
-            raise KernelMiss(f"cos_sin_cache dtype {cache.dtype} is not dispatched by the op (fp16/bf16/fp32)")
-        if pos.dtype != torch.int64:
-            raise KernelMiss(f"positions dtype {pos.dtype}: the op reads int64 positions")
-        if not contiguous(pos):
-            raise KernelMiss("positions is not contiguous; the op reads it as a flat array")
-        x_dtypes = FLOATS
+        return HALVES
+    if cache.dtype not in FLOATS:
+        raise KernelMiss(f"cos_sin_cache dtype {cache.dtype} is not dispatched by the op (fp16/bf16/fp32)")
+    if pos.dtype != torch.int64:
+        raise KernelMiss(f"positions dtype {pos.dtype}: the op reads int64 positions")
+    if not contiguous(pos):
+        raise KernelMiss("positions is not contiguous; the op reads it as a flat array")
+    return FLOATS
 
+
+def _rotated_tensors(node: torch.fx.Node, op: Any, v2: bool) -> list:
+    """(arg name, x node, getitem index, the op's view) of each tensor the op rotates, query first; the two
+    functionalized forms hold them differently."""
+    kw = node.kwargs
     off = _result_offset(op)
     mutable = [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    tensors = []  # (arg name, x node, getitem index, the op's view)
+    tensors = []
     for i, name in enumerate(mutable):
         if v2:
             got = _v2_tensor(node, name, off)
@@ -270,6 +282,22 @@ def vllm_sites(node: torch.fx.Node, kind: str, op: Any, v2: bool) -> list[Site]:
         raise KernelMiss("query missing")
     if len(tensors) == 2 and tensors[0][1] is tensors[1][1]:
         raise KernelMiss("query and key are the same tensor (it would be rotated twice)")
+    return tensors
+
+
+def vllm_sites(node: torch.fx.Node, kind: str, op: Any, v2: bool) -> list[Site]:
+    """The sites of one call of a vLLM rotary op (one per rotated tensor whose result is read), or KernelMiss
+    naming the check (the module docstring lists them) that the call fails, so a near miss says what to change."""
+    arg = _argument_reader(node, op)
+    head_size = static_int(arg("head_size"), "head_size")
+    is_neox = static_bool(arg("is_neox"), "is_neox")
+    rotary_offset = static_int(arg("rope_dim_offset"), "rope_dim_offset")  # vLLM's name for the op's
+    inverse = static_bool(arg("inverse"), "inverse")
+    pos_node, cache_node = arg("positions"), arg("cos_sin_cache")
+    pos, cache = tensor_of(pos_node, "positions"), tensor_of(cache_node, "cos_sin_cache")
+    r = _rotary_dim(cache, head_size, rotary_offset)
+    x_dtypes = _x_dtypes(kind, cache, pos)
+    tensors = _rotated_tensors(node, op, v2)
 
     q_view = tensors[0][3]
     lead = pos.dim()
