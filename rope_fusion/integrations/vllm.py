@@ -94,7 +94,7 @@ def vllm_cudagraph_mode() -> str | None:
 def vllm_compile_range() -> tuple[int, int] | None:
     """(start, end), inclusive, of the token range vLLM is compiling the current graph for (its pass context, which
     vLLM sets around its post-grad passes), or None outside a vLLM compile (never imports vLLM). The KV-cache fold's
-    token bound reads it where the graph's token count is symbolic (passes/kv_cache_fold_auto.py)."""
+    token bound reads it where the graph's token count is symbolic (passes/folds/kv_cache_fold_auto.py)."""
     module = sys.modules.get(VLLM_PASS_MODULE)
     context = getattr(module, "_pass_context", None)
     span = getattr(context, "compile_range", None)
