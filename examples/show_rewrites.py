@@ -12,9 +12,9 @@ it took over. What each needs, beside torch and the package:
 - the folds, `slice_write`, `cat_read` and `joined_write`: folds of the Triton kernel's opaque node, which Inductor
   cannot fuse with the data movement around it (the lowering fuses it anyway, so no fold is needed there). The script
   serves the Triton backend on CPU tensors as the tests do, the kernel run by Triton's interpreter
-  (tests/helpers/triton_cpu.py: a source checkout, triton and pytest, all in `pip install -e ".[test]"`). On the CPU
-  the kernel's call is the op it is launched through; on a GPU the plain kernel is Inductor's user-kernel node
-  (`triton_kernel_wrapper_functional`) instead, and the folds' ops are the same;
+  (tests/helpers/triton_cpu.py: a source checkout, triton and pytest, all in `pip install -e ".[test]"`). The folds'
+  ops are the ones a GPU's graph holds, each launched through the dispatcher (a plain site the Triton kernel takes
+  is Inductor's user-kernel node on a GPU, `triton_kernel_wrapper_functional`);
 - `kv_cache`: vLLM (its Python package; its CUDA runtime is not used). The attention layer is a stand-in, said so:
   its `do_kv_cache_update` writes the cache as vLLM's FlashAttention backend does, and it is registered with
   FlashAttention's cache record (ops/layer_caches.py); the forward context is vLLM's own.
@@ -269,7 +269,7 @@ def op_name(node: fx.Node) -> str:
     if target is operator.getitem:
         return "getitem"
     if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._opname}.{target._overloadname}"
+        return str(target)  # namespace.op.overload, as FX prints it
     return getattr(target, "__name__", str(target))
 
 
@@ -292,7 +292,7 @@ def _arg(a: Any) -> str:
     if isinstance(a, torch.dtype):
         return str(a).removeprefix("torch.")
     if isinstance(a, torch._ops.OpOverload):
-        return f"{a.namespace}.{a._opname}.{a._overloadname}"
+        return str(a)
     return repr(a)
 
 
