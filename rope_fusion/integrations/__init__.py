@@ -6,6 +6,7 @@ thing whether they are torch.compile's own options or another project's pass man
   TorchAir, aot_eager);
 - dynamo_backend.py: `rope_fusion.backend(inner)`, a Dynamo backend built on the FX pass;
 - vllm.py and vllm_ascend.py: the pass as vLLM's and vllm-ascend's pass managers take it;
+- vllm_state.py: what vLLM is compiling for, which the pass reads without importing vllm.py;
 - depyf_debug.py: `rope_fusion.debug(dump_dir)`, depyf's dump plus the pass's graphs before and after.
 
 None of them is imported by `import rope_fusion`: the package's public names load them on first use. vLLM is

@@ -6,7 +6,7 @@ and where the graph reads k rotated after the write the fused op also joins q's 
 unfused pair does not make). Nothing here times the fold on the device: the bound is vLLM's own for its fusion of
 the same pair (`PassConfig.rope_kvcache_fusion_max_token_num`, 256 tokens), taken as the decision until a
 measurement replaces it. A graph of a fixed token count is judged by that count; a graph whose token count is
-symbolic by the compile range vLLM compiles it for (integrations/vllm.py `vllm_compile_range`), and not folded
+symbolic by the compile range vLLM compiles it for (integrations/vllm_state.py `vllm_compile_range`), and not folded
 where the range is unknown or reaches past the bound. A backend asked for by name folds every site it can.
 """
 
@@ -27,7 +27,7 @@ def token_range(tokens: Any) -> tuple[int, int] | None:
         hint = tokens.node.maybe_as_int()
         if hint is not None:
             return hint, hint
-    from ...integrations.vllm import vllm_compile_range
+    from ...integrations.vllm_state import vllm_compile_range
 
     return vllm_compile_range()
 
