@@ -1,6 +1,6 @@
 """What measured `auto` chooses, against what each choice really costs, and what measuring adds to the compile.
 
-Kernel rows (the calibration rows of rope_fusion/passes/calibration.py, and the Qwen2.5-VL vision tower's site:
+Kernel rows (the calibration rows of rope_fusion/passes/auto/calibration.py, and the Qwen2.5-VL vision tower's site:
 32768 tokens, 16 heads, D=80, NeoX, fp32 math), in both modes (without CUDA graphs, and replayed in them):
 - `auto`: the backend measured `auto` took (or "left"), and the timings it chose by (the report's words);
 - `table`: what the factor table takes (`RopeFusionPass(measure=False)`);
@@ -45,7 +45,8 @@ import torch  # noqa: E402
 
 import rope_fusion  # noqa: E402
 from benchmarks import device_check  # noqa: E402
-from rope_fusion.passes import auto_clock, auto_timing, calibration, fusion_check  # noqa: E402
+from rope_fusion.passes import fusion_check  # noqa: E402
+from rope_fusion.passes.auto import auto_clock, auto_timing, calibration  # noqa: E402
 
 VISION = calibration.Row("vision D=80 fp32 math (32768x16x80)", "neox", "none", 80, 16, 16,
                          {"triton": ("triton_padded", "none")})

@@ -86,7 +86,7 @@ def _choices(p: Any) -> list[str]:
 
 
 def _stats() -> collections.Counter:
-    from rope_fusion.passes import auto_timing
+    from rope_fusion.passes.auto import auto_timing
 
     return collections.Counter(auto_timing.STATS)
 

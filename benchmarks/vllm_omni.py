@@ -207,7 +207,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="the kernel file (vllm/vllm_flash_attn/ops/triton/rotary.py), loaded under its real name")
     ap.add_argument("--merge-all", action="store_true",
                     help="merge every launch, also those the pass keeps as flash-attn's own where they measured "
-                         "faster (rope_fusion.passes.flash_attn_sites.KEPT_LAUNCHES): the merged launch's own time")
+                         "faster (rope_fusion.passes.kernel_sites.flash_attn_sites.KEPT_LAUNCHES): the merged "
+                         "launch's own time")
     ap.add_argument("--out", default=None, help="JSON file")
     return ap.parse_args(argv)
 
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rotary = load_rotary(args.kernel, args.rotary_file, try_import=args.device == "cuda")
     if args.merge_all:
-        from rope_fusion.passes import flash_attn_sites
+        from rope_fusion.passes.kernel_sites import flash_attn_sites
 
         flash_attn_sites.KEPT_LAUNCHES = ()
     dtype = getattr(torch, args.dtype)

@@ -324,9 +324,9 @@ def calibrate(args: Any) -> int:
         return 2
     import torch
 
-    from .passes import auto_decisions
-    from .passes.calibration import ROWS
-    from .passes.calibration import calibrate as run_rows
+    from .passes.auto import auto_decisions
+    from .passes.auto.calibration import ROWS
+    from .passes.auto.calibration import calibrate as run_rows
 
     wanted = [w.strip() for w in args.rows.split(",") if w.strip()]
     rows = tuple(r for r in ROWS if not wanted or any(w in r.name for w in wanted))

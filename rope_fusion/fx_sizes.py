@@ -8,7 +8,7 @@ Reading a symbolic size as an int is a decision that holds for one value only. A
 compile again for every other value (one graph per text length for `q[:, :, t:] = rope(q[:, :, t:])`, against
 plain compile's one), and fail the compile of a dim the user marked dynamic. So inside `hint_reads()` a symbolic
 size is read at its hint without a guard and remembered; a site whose proof may depend on such a read
-(`HintReads.needed_by`) is left as it was (passes/symbolic_sizes.py), and the pass never guards. A graph it
+(`HintReads.needed_by`) is left as it was (passes/analysis/symbolic_sizes.py), and the pass never guards. A graph it
 leaves alone, or fuses where nothing symbolic was read, compiles exactly as often as without it. A
 data-dependent size (`nonzero`, `.item()`) has no hint: it reads as not concrete, and whatever needed it is not
 provable.

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from conftest import check_numerics, compile_with_pass
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from rope_fusion.passes import lanes, matcher, sites
-from rope_fusion.passes.matcher import SCAN_LANES, Acceptor, looks_like_rotation
+from rope_fusion.passes.analysis import lanes, matcher, sites
+from rope_fusion.passes.analysis.matcher import SCAN_LANES, Acceptor, looks_like_rotation
 
 
 def _pairwise(entries) -> bool:

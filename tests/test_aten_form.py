@@ -1,4 +1,4 @@
-"""`fx_pass` on ATen graphs that are not in the form the lane rules read (passes/aten_form.py).
+"""`fx_pass` on ATen graphs that are not in the form the lane rules read (passes/analysis/aten_form.py).
 
 `make_fx` without functionalization or decompositions keeps `aten.stack`, in-place writes (`fill_`, `copy_` into a
 view) and, pre-dispatch, composite ops (`chunk`, `flatten`, `type_as`). Before, such a graph fused nothing, or
@@ -18,7 +18,7 @@ from conftest import as_tuple, check_numerics
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import rope_fusion
-from rope_fusion.passes.lanes import RULES
+from rope_fusion.passes.analysis.lanes import RULES
 from tests.spellings import ALL
 
 aten = torch.ops.aten
@@ -44,7 +44,7 @@ SAMPLES = {
 def test_every_record_decomposes_into_ops_the_rules_read():
     """A record is an op Inductor decomposes before its post-grad passes, into ops with lane rules: the form the
     rules are written for. An op added without a sample call fails here."""
-    from rope_fusion.passes import aten_form
+    from rope_fusion.passes.analysis import aten_form
 
     assert set(SAMPLES) == set(aten_form.DECOMPOSED_FIRST)
     for op, (args, kwargs) in SAMPLES.items():
@@ -113,7 +113,7 @@ def test_a_write_in_place_is_seen():
 def test_a_graph_it_cannot_trace_again_is_left_with_a_true_reason(monkeypatch):
     """Where the functional form cannot be traced, a graph that writes in place is not analysed (a fused rotation
     could read a value from before the write), and the near miss names the write."""
-    from rope_fusion.passes import aten_form
+    from rope_fusion.passes.analysis import aten_form
 
     case = ALL["M6_cogvideox_seq_assign"]
     args = case.make(torch.float32)
@@ -181,7 +181,7 @@ def test_fx_pass_as_a_torch_compile_backend_says_what_to_use(backend):
 
 def test_normal_form_keeps_the_inputs_names():
     """AOTAutograd's `tangents_*` inputs say a graph is a backward; the traced form keeps every input's name."""
-    from rope_fusion.passes import aten_form
+    from rope_fusion.passes.analysis import aten_form
 
     g = fx.Graph()
     x, t = g.placeholder("primals_1"), g.placeholder("tangents_1")

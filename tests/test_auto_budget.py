@@ -1,4 +1,4 @@
-"""What `auto` measures (passes/auto_budget.py): only the sites whose choice the factor table cannot call, only the
+"""What `auto` measures (passes/auto/auto_budget.py): only the sites whose choice the factor table cannot call, only the
 candidates it does not rule out, briefly where a brief timing settles the choice; decisions shared by every site of
 one signature, across the blocks of a model and its forward and backward graphs.
 
@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import rope_fusion
 from rope_fusion.ops.cost_model import SiteCost, cheapest, estimates
-from rope_fusion.passes import auto_budget, auto_decisions, auto_timing
+from rope_fusion.passes.auto import auto_budget, auto_decisions, auto_timing
 
 BF16 = 2
 

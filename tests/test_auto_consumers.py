@@ -1,4 +1,4 @@
-"""`auto` times a site with the consumers plain compile fuses after it (passes/auto_consumers.py): the views and
+"""`auto` times a site with the consumers plain compile fuses after it (passes/auto/auto_consumers.py): the views and
 layout changes up to attention, and attention's own input layout (Inductor's constraint for the attention kernel,
 applied by `rope_fusion::attention_layout`), so that a copy the fused op's result would need in the model is in
 every candidate's time. Real region extraction, real Inductor compiles and runs on the CPU; the clock is steered.
@@ -15,7 +15,7 @@ from conftest import check_numerics, compile_with_pass
 from rope_fusion.ops import backends
 from rope_fusion.ops.library import OPS
 from rope_fusion.ops.reference import rotary_reference
-from rope_fusion.passes import auto_consumers, auto_timing
+from rope_fusion.passes.auto import auto_consumers, auto_timing
 
 aten = torch.ops.aten
 LAYOUT = torch.ops.rope_fusion.attention_layout.default

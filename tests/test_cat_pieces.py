@@ -288,7 +288,7 @@ def test_auto_times_the_cat_op_on_the_pieces(triton_on_cpu, monkeypatch, tmp_pat
     nodes, then the cat op reading them (not the join Inductor writes and the plain kernel); it computes what the
     site left to Inductor computes, and the fold is emitted exactly where its timing wins."""
     from rope_fusion.ops import backends
-    from rope_fusion.passes import auto_timing
+    from rope_fusion.passes.auto import auto_timing
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(auto_timing.ENV, raising=False)

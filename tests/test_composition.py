@@ -7,7 +7,7 @@ runs Ascend's registered post passes), then compiles. `TorchNpuStandIn` reproduc
 stand-in Ascend pass that runs two folds of the kind Ascend registers (identity casts, chains of views) and
 records whether the graph it saw already held the fused op. Checked, in both orders of `install()` and the
 first compile, and with `inductor_options()`: both passes run on every graph, in the order the module docstring of
-passes/installation.py gives (ours first where the Ascend pass arrived after ours), the result is right, and the
+integrations/installation.py gives (ours first where the Ascend pass arrived after ours), the result is right, and the
 FX graph cache key changes when either pass's uuid does.
 """
 
@@ -150,7 +150,7 @@ def test_fx_graph_cache_key_holds_both_passes(npu, monkeypatch):
 
 
 def test_for_this_compile_rules():
-    from rope_fusion.passes.installation import _KEEP, ChainedPass, for_this_compile
+    from rope_fusion.integrations.installation import _KEEP, ChainedPass, for_this_compile
 
     ours, other, ascend = rope_fusion.RopeFusionPass(), rope_fusion.RopeFusionPass(), AscendStandInPostPass()
     chosen = for_this_compile(ascend, installed=ours)

@@ -55,6 +55,7 @@ RULES = [
     Rule(r"python examples/wan_demo\.py", "run", slow=True),
     Rule(r"python examples/vllm_config\.py", "run"),
     Rule(r"python examples/vllm_omni_block\.py", "run", slow=True),
+    Rule(r"python -m examples\.show_rewrites --changed", "run", slow=True),  # five cold compiles
     Rule(r"rope-fusion --(version|help)", "run"),
     Rule(r"rope-fusion explain examples\.wan_demo:tiny_wan", "run", slow=True),
     Rule(r"PYTHONPATH=/path/to/checkout rope-fusion explain examples\.wan_demo:tiny_wan", "run", slow=True,

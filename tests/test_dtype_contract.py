@@ -1,7 +1,7 @@
 """The op computes in the dtype the graph computes in (docs/design.md section 2).
 
 The op's own rule is fp32 math, fp64 when an input is fp64 and the output holds it. The pass feeds it so that
-this rule gives the graph's dtype (passes/grouping.py `arithmetic_dtype`, passes/emission.py `plan_group`):
+this rule gives the graph's dtype (passes/analysis/grouping.py `arithmetic_dtype`, passes/emission.py `plan_group`):
 fp64 data that the graph computes on in fp32 reaches the op as the fp32 cast the graph makes, so the result is
 eager's to the bit; fp64 angles whose cos and sin the graph casts to fp16 or bf16 reach an fp32 op as the
 tables, never as angles that the op would round to fp32 first (at positions near 1e7 that was 35x eager's

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_kernel_sites import _vllm_rotary_module, compile_capture
 
-from rope_fusion.passes import flash_attn_sites as fas
+from rope_fusion.passes.kernel_sites import flash_attn_sites as fas
 
 
 @pytest.fixture(scope="module")

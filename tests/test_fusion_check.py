@@ -23,7 +23,8 @@ import rope_fusion
 from rope_fusion.ops import backends, library, slice_write
 from rope_fusion.ops.backends import Backend, emit_op_call
 from rope_fusion.ops.library import OPS, DeviceKernel, reference_outputs
-from rope_fusion.passes import auto_decisions, auto_timing, fusion_check
+from rope_fusion.passes import fusion_check
+from rope_fusion.passes.auto import auto_decisions, auto_timing
 
 pytestmark = pytest.mark.triton_on_cpu(serves=("slice_write",))  # the Triton backend, in place for the slice op too
 

@@ -226,7 +226,7 @@ def test_chain_after_a_plain_function_has_a_stable_cache_key(fresh):
         chained = inductor_config.post_grad_custom_post_pass
         key = chained.uuid()
         assert key is not None and "0x" not in repr(key) and key == chained.uuid()
-        assert key[1] == rope_fusion.passes.installation._callable_uuid(_plain_pass)
+        assert key[1] == rope_fusion.integrations.installation._callable_uuid(_plain_pass)
     finally:
         rope_fusion.uninstall()
     assert inductor_config.post_grad_custom_post_pass is _plain_pass

@@ -26,7 +26,7 @@ from test_kernel_sites import (  # noqa: E402
 )
 
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
-from rope_fusion.passes.flash_attn_sites import FLASH_ATTN  # noqa: E402
+from rope_fusion.passes.kernel_sites.flash_attn_sites import FLASH_ATTN  # noqa: E402
 
 QK = "rope_fusion.rotary_qk"
 

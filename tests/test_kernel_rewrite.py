@@ -1,4 +1,4 @@
-"""Rotary kernels already in the graph (passes/kernel_scan.py) become one `rotary_qk` per q/k pair.
+"""Rotary kernels already in the graph (passes/kernel_sites/kernel_scan.py) become one `rotary_qk` per q/k pair.
 
 The graphs are the real ones of tests/test_kernel_sites.py (its module docstring says how: vLLM's flash-attn Triton
 kernel traced on the CPU by `cpu_triton_tracing`, a capture backend that runs the post-grad passes and then the graph
@@ -35,8 +35,8 @@ from test_kernel_sites import (  # noqa: E402  (pytest puts tests/ on sys.path: 
 )
 
 import rope_fusion  # noqa: E402
-from rope_fusion.passes import kernel_scan as kscan  # noqa: E402
-from rope_fusion.passes.flash_attn_sites import FLASH_ATTN  # noqa: E402
+from rope_fusion.passes.kernel_sites import kernel_scan as kscan  # noqa: E402
+from rope_fusion.passes.kernel_sites.flash_attn_sites import FLASH_ATTN  # noqa: E402
 
 LAUNCH = "target=torch.ops.higher_order.triton_kernel_wrapper_functional"  # a launch in a graph's text
 

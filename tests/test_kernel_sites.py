@@ -55,9 +55,9 @@ from triton_interpreted import interpreted as interpreted_kernel  # noqa: E402
 
 from examples.vllm_omni_block import cpu_triton_tracing  # noqa: E402  (one copy, in the example users run)
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
-from rope_fusion.passes import flash_attn_sites as fas  # noqa: E402
-from rope_fusion.passes import kernel_scan as kscan  # noqa: E402
-from rope_fusion.passes import vllm_op_sites as vos  # noqa: E402
+from rope_fusion.passes.kernel_sites import flash_attn_sites as fas  # noqa: E402
+from rope_fusion.passes.kernel_sites import kernel_scan as kscan  # noqa: E402
+from rope_fusion.passes.kernel_sites import vllm_op_sites as vos  # noqa: E402
 
 FA_MODULE = "vllm.vllm_flash_attn.ops.triton.rotary"
 

@@ -1,4 +1,4 @@
-"""The KV-cache fold (passes/kv_cache_fold.py) on a vLLM-style graph: vLLM's real RotaryEmbedding (get_rope) and
+"""The KV-cache fold (passes/folds/kv_cache_fold.py) on a vLLM-style graph: vLLM's real RotaryEmbedding (get_rope) and
 its real `vllm::unified_kv_cache_update` registration, compiled through Inductor with the pass.
 
 Stand-ins, said so: vLLM's attention package does not import here (einops is missing from its --no-deps install,
@@ -132,7 +132,7 @@ def test_unknown_backend_runs_vllms_path(vllm_parts):
 
 
 def test_token_bound_under_auto():
-    from rope_fusion.passes.kv_cache_fold_auto import MAX_TOKENS, decide
+    from rope_fusion.passes.folds.kv_cache_fold_auto import MAX_TOKENS, decide
 
     assert decide("auto", MAX_TOKENS)[0] and not decide("auto", MAX_TOKENS + 1)[0]
     fold, why = decide("auto", MAX_TOKENS + 1)
@@ -262,7 +262,7 @@ def _triton_chosen():
     """`auto` asked for, with a chooser that takes the Triton kernel for every site: what `auto` picks on a GPU
     where the kernel measures fastest, on the CPU's interpreted kernel."""
     from rope_fusion.ops.backends import get_backend
-    from rope_fusion.passes.choosers import Choice, Chooser
+    from rope_fusion.passes.auto.choosers import Choice, Chooser
 
     triton, inductor = get_backend("triton"), get_backend("inductor")
 

@@ -1,4 +1,4 @@
-"""Unit tests of the lane algebra's transfer rules (rope_fusion/passes/lane_rules.py) and of lanes.py.
+"""Unit tests of the lane algebra's transfer rules (rope_fusion/passes/analysis/lane_rules.py) and of lanes.py.
 
 Each test builds a tiny FX graph by hand whose nodes carry fake tensors in `meta["val"]`, as a post-grad
 graph does, runs the LaneInterpreter and checks the exact LaneValue of the node under test: its shape, k
@@ -17,8 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from rope_fusion import fx_nodes, fx_sizes
-from rope_fusion.passes import lane_rules, lanes
-from rope_fusion.passes.lanes import LaneInterpreter, LaneValue
+from rope_fusion.passes.analysis import lane_rules, lanes
+from rope_fusion.passes.analysis.lanes import LaneInterpreter, LaneValue
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -126,7 +126,7 @@ def test_lane_rule_registers_a_rule_for_several_targets(monkeypatch):
 def test_run_without_registered_rules_raises(monkeypatch, g):
     g.op(aten.neg.default, g.input("x", 2, 4))
     monkeypatch.setattr(lanes, "RULES", {})
-    with pytest.raises(RuntimeError, match="import rope_fusion.passes.lane_rules"):
+    with pytest.raises(RuntimeError, match="import rope_fusion.passes.analysis.lane_rules"):
         LaneInterpreter(g.graph).run()
 
 

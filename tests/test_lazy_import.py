@@ -69,7 +69,7 @@ def test_public_names_load_on_first_use():
         print(json.dumps({"names": names, "in_dir": all(n in dir(rope_fusion) for n in rope_fusion.__all__),
                           "same": rope_fusion.RopeFusionPass is sys.modules["rope_fusion.passes"].RopeFusionPass,
                           "dict": rope_fusion.__dict__.get("vllm_pass") is rope_fusion.vllm_pass,
-                          "passes": rope_fusion.passes.installation.install is rope_fusion.install}))
+                          "passes": rope_fusion.integrations.installation.install is rope_fusion.install}))
     """)
     assert out["names"]["RopeFusionPass"] == "ABCMeta" and out["names"]["install"] == "function"
     assert out["names"]["vllm_pass"] == "VllmRopeFusionPass" and out["names"]["compat"] == "module"

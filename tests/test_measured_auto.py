@@ -1,5 +1,5 @@
-"""`auto` that measures (passes/auto_timing.py, passes/auto_decisions.py): timings steer the choice, decisions are
-cached on disk and read back without timing, any failure falls back to the table, and Inductor's FX graph cache
+"""`auto` that measures (passes/auto/auto_timing.py, passes/auto/auto_decisions.py): timings steer the choice, decisions
+are cached on disk and read back without timing, any failure falls back to the table, and Inductor's FX graph cache
 never serves a graph compiled under other decisions.
 
 Measuring is CUDA-only; these tests add "cpu" to `_MEASURE_DEVICE_TYPES`, so the region extraction, the
@@ -23,7 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import rope_fusion
 from rope_fusion.cli import main as cli_main
 from rope_fusion.ops import cost_model
-from rope_fusion.passes import auto_decisions, auto_region, auto_timing
+from rope_fusion.passes.auto import auto_decisions, auto_region, auto_timing
 
 
 def rotate_half(x):
@@ -324,7 +324,7 @@ def test_calibrate_writes_a_table_the_fallback_reads(cache_root, monkeypatch):
     """`rope-fusion calibrate`'s rows, run on the CPU with the clock steered (the Triton variant needs a GPU)."""
     import shutil
 
-    from rope_fusion.passes import calibration
+    from rope_fusion.passes.auto import calibration
 
     shutil.rmtree(auto_decisions.cache_dir(), ignore_errors=True)
     clock = Clock()

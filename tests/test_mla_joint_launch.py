@@ -248,8 +248,8 @@ def test_npu_graph_form(monkeypatch):
     rope lanes (the head put back by a cat) and on k_pe whole."""
     import test_npu_stacks as stacks
 
+    from rope_fusion.integrations import fx_pass
     from rope_fusion.kernels import npu
-    from rope_fusion.passes import fx_pass
 
     monkeypatch.setattr(npu, "OP_NAMESPACE", stacks.NS)
     monkeypatch.setattr(fx_pass, "NPU_DEVICE_TYPES", ("npu", "cpu"))

@@ -13,9 +13,9 @@ import rope_fusion
 from rope_fusion.ops import backends
 from rope_fusion.ops.backends import emit_op_call
 from rope_fusion.ops.library import OPS
-from rope_fusion.passes import fold_registry
 from rope_fusion.passes.emission import unflatten
-from rope_fusion.passes.fold_registry import Fold, Folded, FoldSite
+from rope_fusion.passes.folds import fold_registry
+from rope_fusion.passes.folds.fold_registry import Fold, Folded, FoldSite
 
 
 def _rope(x, cos, sin):

@@ -15,10 +15,10 @@ import pathlib
 import pytest
 import torch
 
+from rope_fusion.integrations.fx_pass import FxPass
 from rope_fusion.kernels import npu, npu_graph
 from rope_fusion.ops.schema import RotaryCall, RotaryParams
-from rope_fusion.passes import matcher
-from rope_fusion.passes.fx_pass import FxPass
+from rope_fusion.passes.analysis import matcher
 from rope_fusion.passes.report import GraphRecord, Report, Site, plain_params
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "rope_fusion"
@@ -31,7 +31,7 @@ TOUCHED = {
     "ops/lowering.py": "Inductor's lowering of the op",
     "kernels/triton_plan.py": "the Triton host planner: the kernel's arguments for it",
     "kernels/triton_kernel.py": "the Triton kernel's own code for it",
-    "passes/matcher.py": "the detector: the graph pattern that proves the parameter's value",
+    "passes/analysis/matcher.py": "the detector: the graph pattern that proves the parameter's value",
 }
 # Optional: the NPU's fast path. Until a field is in npu.BRIDGE_FIELDS the bridge runs the reference (logged) and
 # the graph form refuses the site by name; listing it there obliges npu_graph.py to map it too.

@@ -1,4 +1,4 @@
-"""The QK-norm before a rotation becomes the fused op's prologue (docs/design.md section 2, passes/norms.py):
+"""The QK-norm before a rotation becomes the fused op's prologue (docs/design.md section 2, passes/analysis/norms.py):
 each norm spelling of real code folds, the normed tensor is never written, and the result keeps the numerics
 contract against fp64; norms the op cannot take stay in the graph with the reason in the report."""
 

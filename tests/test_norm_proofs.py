@@ -1,7 +1,7 @@
-"""A QK-norm folds into the op only when the pass proves that the op's rows are the norm's rows (passes/norms.py):
-the layout between the norm and the rotation is followed factor by factor, the weight is permuted as the lanes
-are, and eps is read exactly from whatever form the graph spells it in. Otherwise the norm stays in the graph,
-the rotation still fuses, and the report says why in terms of the layout. Each case compares the compiled
+"""A QK-norm folds into the op only when the pass proves that the op's rows are the norm's rows
+(passes/analysis/norms.py): the layout between the norm and the rotation is followed factor by factor, the weight is
+permuted as the lanes are, and eps is read exactly from whatever form the graph spells it in. Otherwise the norm stays
+in the graph, the rotation still fuses, and the report says why in terms of the layout. Each case compares the compiled
 result with eager and fp64 (the numerics contract, docs/design.md section 2)."""
 
 from __future__ import annotations

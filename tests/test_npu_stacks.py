@@ -27,9 +27,9 @@ import torch
 from conftest import check_numerics
 
 import rope_fusion
+from rope_fusion.integrations import fx_pass as fx_pass_module
 from rope_fusion.kernels import npu as bridge
 from rope_fusion.passes import fusion_check
-from rope_fusion.passes import fx_pass as fx_pass_module
 
 NS = "rope_fusion_test_npu_stacks"
 CALLS: list = []

@@ -3,10 +3,10 @@
 Where the forward reads the slice twice (`y[:, 2:] * cos + rotate_half(y[:, 2:]) * sin`: two slice nodes, as a
 model that slices in each product writes it), autograd pads each product's gradient with zero rows on its own and
 adds the two: `slice_scatter(zeros, g * cos) + slice_scatter(zeros, rotate_half_T(g * sin))`. The backward graph
-fused nothing and reported nothing, under Inductor and under `rope_fusion.backend`. passes/padded_sums.py rewrites
-such a sum as the padded sum; the rotation is then a site, in the backward as in the forward. Checked: the sites of
-both graphs, no near misses, and the gradients of every input against fp64 (the numerics contract) on fresh random
-inputs; with the Triton kernel (interpreted) too.
+fused nothing and reported nothing, under Inductor and under `rope_fusion.backend`. passes/analysis/padded_sums.py
+rewrites such a sum as the padded sum; the rotation is then a site, in the backward as in the forward. Checked: the
+sites of both graphs, no near misses, and the gradients of every input against fp64 (the numerics contract) on fresh
+random inputs; with the Triton kernel (interpreted) too.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def test_sums_padded_differently_are_left_as_they_are():
     import torch.fx as fx
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from rope_fusion.passes.padded_sums import merge_padded_sums
+    from rope_fusion.passes.analysis.padded_sums import merge_padded_sums
 
     def alike(a, b):
         z = torch.zeros(4, 6, 8)

@@ -1,8 +1,8 @@
-"""Unit tests of rope_fusion/passes/poly.py: the polynomials that are the entries of the lane algebra."""
+"""Unit tests of rope_fusion/passes/analysis/poly.py: the polynomials that are the entries of the lane algebra."""
 
 from __future__ import annotations
 
-from rope_fusion.passes import poly
+from rope_fusion.passes.analysis import poly
 
 X0, X1 = ("x", 1, False, 0), ("x", 1, False, 1)
 C0, S0 = ("cos", 1, False, 0), ("sin", 1, False, 0)

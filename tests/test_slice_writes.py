@@ -265,7 +265,7 @@ def test_auto_times_the_fold_with_the_scatter_it_removes(triton_on_cpu, monkeypa
     written bases (the scatters Inductor fuses into the rotation), "triton" is the fold itself, the in-place op on
     the bases. The three compute the same bases, and the fold is emitted exactly where its timing wins."""
     from rope_fusion.ops import backends
-    from rope_fusion.passes import auto_decisions, auto_timing
+    from rope_fusion.passes.auto import auto_decisions, auto_timing
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(auto_timing.ENV, raising=False)
@@ -368,8 +368,8 @@ def test_the_timed_fold_clones_a_base_where_inductor_would(fn, n, clone):
     from torch.func import functionalize
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from rope_fusion.passes import auto_timing
-    from rope_fusion.passes.slice_writes import SliceWrite
+    from rope_fusion.passes.auto import auto_timing
+    from rope_fusion.passes.folds.slice_writes import SliceWrite
 
     q, k, v, cos, sin = inputs()
     args = [q, k, v][:n] + [cos, sin]
@@ -386,7 +386,7 @@ def test_timed_candidates_write_back_into_inputs_as_the_graph_does(triton_on_cpu
     """Rotations written back into the function's inputs: plain compile copies each written base into its input
     (`copy_`), so "left" and "inductor" are timed with those copies, and the fold writes the inputs in place."""
     from rope_fusion.ops import backends
-    from rope_fusion.passes import auto_timing
+    from rope_fusion.passes.auto import auto_timing
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(auto_timing.ENV, raising=False)

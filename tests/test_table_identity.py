@@ -1,10 +1,10 @@
 """A table is the node the op reads with its full geometry, never a node whose lanes merely look alike.
 
-Computed tables (`c * 2`, `cs * 0.9`) are found by their lanes (passes/matcher.py `_gathered`): each lane is one
-atom with its grid rank, and the rank says which leading index the atom stands for. A key without it once
+Computed tables (`c * 2`, `cs * 0.9`) are found by their lanes (passes/analysis/matcher.py `_gathered`): each lane is
+one atom with its grid rank, and the rank says which leading index the atom stands for. A key without it once
 let `c * 2` ([2, 8], one row per head) stand for its own row `(c * 2)[0]`, and a scaled packed `[S, 2, D]`
 table stand for its cos half. q and k share one launch only where their table views broadcast alike
-(passes/grouping.py `table_view_geometry`). Every case: the number of fused sites, the result against eager,
+(passes/analysis/grouping.py `table_view_geometry`). Every case: the number of fused sites, the result against eager,
 and the numerics contract against fp64 (docs/design.md section 2).
 """
 

@@ -160,7 +160,8 @@ def test_complex_freqs_are_real_tables_for_the_backend_choice(cdtype, real):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from rope_fusion.kernels.triton_rotary import supports
-    from rope_fusion.passes import emission, sites
+    from rope_fusion.passes import emission
+    from rope_fusion.passes.analysis import sites
 
     def rope(x, freqs):
         xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))

@@ -1,4 +1,4 @@
-"""The slice-write fold writes only into bases it may write in place (passes/written_bases.py, ops/overlap.py).
+"""The slice-write fold writes only into bases it may write in place (passes/folds/written_bases.py, ops/overlap.py).
 
 The fold hands the base to `auto_functionalized`; Inductor writes into the base itself where nothing reads its
 memory afterwards, else into a copy of the base's storage up to its last element. A base whose elements share

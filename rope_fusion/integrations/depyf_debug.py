@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from ..passes import installation as installing
 from ..passes.report import Report, fused_text
 from ..passes.rope_pass import RopeFusionPass, log
+from . import installation as installing
 
 _lock = threading.Lock()
 _active: list[DebugSession] = []  # innermost last; the patched __call__ dumps into _active[-1]

@@ -91,18 +91,6 @@ def vllm_cudagraph_mode() -> str | None:
     return getattr(mode, "name", None)
 
 
-def vllm_compile_range() -> tuple[int, int] | None:
-    """(start, end), inclusive, of the token range vLLM is compiling the current graph for (its pass context, which
-    vLLM sets around its post-grad passes), or None outside a vLLM compile (never imports vLLM). The KV-cache fold's
-    token bound reads it where the graph's token count is symbolic (passes/kv_cache_fold_auto.py)."""
-    module = sys.modules.get(VLLM_PASS_MODULE)
-    context = getattr(module, "_pass_context", None)
-    span = getattr(context, "compile_range", None)
-    if span is None:
-        return None
-    return int(span.start), int(span.end)
-
-
 def vllm_inductor_pass() -> Any:
     """vLLM's InductorPass when its module is imported already, else None (never imports vLLM)."""
     module = sys.modules.get(VLLM_PASS_MODULE)
@@ -131,5 +119,5 @@ def vllm_installed() -> bool:
         return False
 
 
-__all__ = ["VLLM_PASS_MODULE", "VllmRopeFusionPass", "pass_class", "rebind", "vllm_compile_range", "vllm_inductor_pass",
+__all__ = ["VLLM_PASS_MODULE", "VllmRopeFusionPass", "pass_class", "rebind", "vllm_inductor_pass",
            "vllm_installed", "vllm_pass"]

@@ -21,7 +21,7 @@ vllm-ascend (vllm_ascend/platform.py) sets `use_inductor = False` and compiles w
 
 `vllm_ascend_pass()` is an instance of a class derived from vLLM's `VllmInductorPass` (built on first call, which
 imports vLLM) that runs `FxPass` on the GraphModule it is given: the graph is an AOTAutograd forward graph on the
-NPU, so its sites become torch_npu's ops (passes/fx_pass.py). It reads nothing from a VllmConfig, so it is made
+NPU, so its sites become torch_npu's ops (integrations/fx_pass.py). It reads nothing from a VllmConfig, so it is made
 without one (VllmInductorPass's constructor, which wants one, is not called). vLLM deep-copies and pickles its
 config: a copy is a new pass with the same options and an empty report, as for `rope_fusion.vllm_pass`.
 Checked on the CPU through vllm-ascend's own `GraphFusionPassManager`, imported from its source tree (it needs no
@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ..passes.fx_pass import FxPass
+from .fx_pass import FxPass
 
 
 @functools.lru_cache(maxsize=1)

@@ -42,7 +42,7 @@ class SiteSpec:
     table_dtype: torch.dtype  # the real dtype of the table view the op reads
     params: RotaryParams
     cost: SiteCost | None = None  # what `auto`'s cost model needs (ops/cost_model.py)
-    # the site as graph nodes, for `auto` to time its choices (passes/auto_timing.py `AutoSite`); not compared
+    # the site as graph nodes, for `auto` to time its choices (passes/auto/auto_timing.py `AutoSite`); not compared
     measure: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
@@ -87,7 +87,7 @@ class Backend:
     name: str
     supports: Callable[[SiteSpec], str | None]  # None when the backend takes the site, else the reason
     emit: Emit
-    # the folds (passes/fold_registry.py, by name) whose data movement this backend's node takes over: those
+    # the folds (passes/folds/fold_registry.py, by name) whose data movement this backend's node takes over: those
     # Inductor cannot fuse with an opaque node, where the lowering fuses them already
     folds: tuple[str, ...] = ()
 
@@ -130,7 +130,7 @@ def choose_backend(requested: str, spec: SiteSpec,
     """The backend for one site and, when it is not the one asked for, why each better one was passed over
     (`auto` passing over a backend for its own rule is not a fallback and gives no reasons). Under `auto` on
     a GPU the cost model decides, unless `decision` ((choice, why): what `auto` measured on the device,
-    passes/auto_timing.py) is given; either may raise LeftToInductor: the site is better not fused."""
+    passes/auto/auto_timing.py) is given; either may raise LeftToInductor: the site is better not fused."""
     load_backends()
     if requested == "auto":
         order = AUTO_ORDER.get(spec.device_type, ["inductor"])

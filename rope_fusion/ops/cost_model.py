@@ -88,8 +88,8 @@ GATHERED_LOWERING_FACTOR = {"neox": 1.8}
 @dataclasses.dataclass(frozen=True)
 class Factors:
     """One device's factor table: the dicts above by name. `H200` is the default; `rope-fusion calibrate`
-    (passes/calibration.py) writes a table measured on the current GPU, which `auto`'s table fallback then reads
-    (passes/auto_decisions.py). A calibrated table names only the entries it measured; the rest are the H200's."""
+    (passes/auto/calibration.py) writes a table measured on the current GPU, which `auto`'s table fallback then reads
+    (passes/auto/auto_decisions.py). A calibrated table names only the entries it measured; the rest are the H200's."""
 
     triton: dict
     triton_padded: dict

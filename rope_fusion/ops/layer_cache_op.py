@@ -1,5 +1,5 @@
 """`rope_fusion::rotary_qk_into_layer_cache`: the rotation of q and k and vLLM's KV-cache write of one attention layer
-in one op, which the KV-cache fold (passes/kv_cache_fold.py) puts where vLLM's graph has the rotation and
+in one op, which the KV-cache fold (passes/folds/kv_cache_fold.py) puts where vLLM's graph has the rotation and
 `vllm::unified_kv_cache_update(k, v, layer_name)`.
 
 Like vLLM's op, it finds the layer's cache and slots at run time in vLLM's forward context (the layer is

@@ -32,7 +32,7 @@ def join_pairs(a: torch.Tensor, b: torch.Tensor, interleaved: bool, blocks: int 
 def gather_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """`table[positions]` for positions in [0, rows), the op's rule; any other position raises IndexError, a
     negative one included. Advanced indexing would wrap a negative position: the pass emits that wrap in the
-    graph where the model indexed so (passes/gathers.py), so every backend checks one rule.
+    graph where the model indexed so (passes/analysis/gathers.py), so every backend checks one rule.
 
     Positions on the CPU are checked here, where reading them costs no device sync, so the error names them;
     elsewhere `index_select` checks them on the device (torch's own error)."""

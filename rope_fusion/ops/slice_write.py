@@ -14,7 +14,7 @@ the implementations build the `RotaryCall` of the slices and run the reference o
 
 `rope_fusion::rotary*_into_` write the rotation of tensors of their own into such slices: `out` is a join built
 after the rotation (`cat([rope(q_img), q_txt], 2)`, HunyuanVideo's and Qwen-Image's joint attention), and tensor i's
-rotation goes to `outs[i].narrow(...)` where the cat would have copied it (passes/joined_writes.py). x and its
+rotation goes to `outs[i].narrow(...)` where the cat would have copied it (passes/folds/joined_writes.py). x and its
 slice must not share memory unless x is that slice: such a call is computed apart first, then copied in.
 """
 
@@ -102,7 +102,7 @@ def slice_views(bases: Sequence[torch.Tensor], bounds: tuple) -> list:
 
 def _symbolic_rows(name: str, b: torch.Tensor, d: int, s, e) -> torch.Tensor:
     """Rows [s, e) of a fake tensor along d, with symbolic bounds, as a view that adds no guard: the pass emits
-    the op only for bounds it proved in range without one (passes/slice_writes.py), a bound known out of range
+    the op only for bounds it proved in range without one (passes/folds/slice_writes.py), a bound known out of range
     still raises, and the eager op checks the ints of every call."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_or
 

@@ -22,16 +22,16 @@ from ..fx_nodes import chain_back
 from ..fx_sizes import as_int
 from ..ops.backends import AUTO_ORDER, Refusal, SiteSpec, get_backend
 from ..ops.schema import OP_NAMES, TENSOR_NAMES, RotaryCall, RotaryParams
-from . import fold_planning
-from .auto_timing import AutoSite
-from .choosers import Choice
-from .fold_registry import Fold, Folded, FoldSite, folds
+from .analysis.gathers import gather_of, op_positions
+from .analysis.grouping import arithmetic_dtype, launch_params
+from .analysis.norms import NormPrologue, dies_with, norm_prologue
+from .analysis.site import KernelTables, Site, TableRef
+from .auto.auto_timing import AutoSite
+from .auto.choosers import Choice
+from .auto.site_costs import site_spec
+from .folds import fold_planning
+from .folds.fold_registry import Fold, Folded, FoldSite, folds
 from .fx_util import CASTS, PASS_THROUGH
-from .gathers import gather_of, op_positions
-from .grouping import arithmetic_dtype, launch_params
-from .norms import NormPrologue, dies_with, norm_prologue
-from .site import KernelTables, Site, TableRef
-from .site_costs import site_spec
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -97,7 +97,7 @@ class Emitter:
         # returns a Refusal) and what the choice names instead takes it; a backend asked for by name emits what it can
         self.requested = requested
         self._made: dict = {}
-        # cat node -> the joined tensor as the last group that writes into it left it (passes/joined_writes.py)
+        # cat node -> the joined tensor as the last group that writes into it left it (passes/folds/joined_writes.py)
         self.joins: dict = {}
 
     def call(self, target: Any, args: tuple, kwargs: dict | None = None, like: fx.Node | None = None) -> fx.Node:
@@ -403,7 +403,7 @@ def norm_weight(em: Emitter, norm: NormPrologue, m: Site) -> fx.Node | None:
 def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node, choose: Callable[[SiteSpec], Choice],
                depends_on: Callable) -> PlannedGroup:
     """New nodes for one site or q/k pair, inserted before `anchor`; no existing use changes. The folds are asked
-    first (passes/fold_planning.py), so that `choose` sees the site as it would run; then the chosen backend's
+    first (passes/folds/fold_planning.py), so that `choose` sees the site as it would run; then the chosen backend's
     first fold that holds emits the group, else the backend itself (or what the choice names where it refuses)."""
     m0 = group[0]
     _check_inputs_precede(group, nodes, depends_on)

@@ -6,7 +6,7 @@ device, a planner that gets a stride wrong, a vendor op whose semantics differ f
 fused RoPE kernels keep meeting such bugs (wrong interleaved MRoPE under compile, a rotary custom op with wrong
 values), and none of them fails a compile. So the fused form is evaluated against the model's own code:
 
-- where `auto` times its candidates on the device (passes/auto_timing.py), each fused candidate's outputs are
+- where `auto` times its candidates on the device (passes/auto/auto_timing.py), each fused candidate's outputs are
   compared with "left"'s, the site's region as plain Inductor compiles it, on the inputs the timing builds (the
   site's shapes, strides and dtypes): `CandidateCheck`. A candidate that disagrees is not timed;
 - with `RopeFusionPass(verify=True)` or ROPE_FUSION_VERIFY=1 (the test suite sets it), every planned group is
@@ -44,7 +44,7 @@ import torch.fx as fx
 
 from ..ops.backends import LeftToInductor
 from ..ops.library import reference_kernels
-from .auto_region import starts_region, walk_region
+from .auto.auto_region import starts_region, walk_region
 
 log = logging.getLogger("rope_fusion")
 aten = torch.ops.aten

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from ..ops import host_tables  # noqa: F401  (defines the op)
-from .grouping import fake_mode_of
+from .analysis.grouping import fake_mode_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -2,8 +2,8 @@
 
 Inductor keys its FX graph cache on a custom pass's `uuid()`, which `CustomGraphPass` asks for; a pass whose code
 changed must key a new entry, so the uuid of ours covers every source file (`source_hash`). Both the pass and the
-chain that `install()` builds around it (installation.py) derive from `PassBase`, and `auto`'s stored decisions
-(auto_decisions.py) name the sources they were measured with, so this sits below all three.
+chain that `install()` builds around it (integrations/installation.py) derive from `PassBase`, and `auto`'s stored
+decisions (passes/auto/auto_decisions.py) name the sources they were measured with, so this sits below all three.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """`RopeFusionPass`: the Inductor post-grad custom pass.
 
-One call walks the graph through four steps: find the rotations (sites.py), group q with k (grouping.py),
-plan and commit the fused nodes (emission.py), and cache host tables (host_tables.py). The failure policy
-(docs/design.md section 5) holds at every step: the graph is snapshotted first; a failure while planning one
-group leaves that group unfused, any other failure restores the snapshot, and the report and the log line
+One call walks the graph through four steps: find the rotations (analysis/sites.py), group q with k
+(analysis/grouping.py), plan and commit the fused nodes (emission.py), and cache host tables (host_tables.py). The
+failure policy (docs/design.md section 5) holds at every step: the graph is snapshotted first; a failure while planning
+one group leaves that group unfused, any other failure restores the snapshot, and the report and the log line
 say which happened.
 
 The pass object is what Inductor's FX graph cache and vLLM's config hash see, so its `uuid()` covers the
@@ -23,19 +23,20 @@ import torch.fx as fx
 
 from ..fx_sizes import hint_reads
 from ..ops.backends import BACKEND_NAMES, LeftToInductor, SiteSpec
-from . import auto_timing, emission, fusion_check
+from . import emission, fusion_check
+from .analysis.grouping import pair_up
+from .analysis.padded_sums import merge_padded_sums
+from .analysis.provenance import dtype_name, named_values, role, rotation_source, source_line, tensor_name
+from .analysis.sites import find_sites
+from .analysis.symbolic_sizes import check_none_needed, hold_symbolic, site_roots
+from .auto import auto_timing
+from .auto.choosers import AUTO_CHOOSER, Choice, Chooser, GraphFacts
+from .auto.site_costs import graph_host_bound
 from .cache_ledger import LEDGER, take_in_cache_replays
-from .choosers import AUTO_CHOOSER, Choice, Chooser, GraphFacts
 from .emission import Emitter, GraphTransaction
-from .grouping import pair_up
-from .kernel_scan import claim_kernel_sites
-from .padded_sums import merge_padded_sums
+from .kernel_sites.kernel_scan import claim_kernel_sites
 from .pass_identity import PassBase, source_hash
-from .provenance import dtype_name, named_values, role, rotation_source, source_line, tensor_name
 from .report import FROM_CACHE, GraphError, GraphRecord, Kernel, Miss, Report, Site, fused_text, plain_params
-from .site_costs import graph_host_bound
-from .sites import find_sites
-from .symbolic_sizes import check_none_needed, hold_symbolic, site_roots
 
 log = logging.getLogger("rope_fusion")
 
@@ -66,13 +67,13 @@ class RopeFusionPass(PassBase):
         # Whether the compiled graph is replayed in CUDA graphs, which changes what a launch costs `auto`
         # (ops/cost_model.py): None reads it from the compile (`replayed_in_cuda_graphs`).
         self.cuda_graphs = cuda_graphs
-        # `auto` times its choices on the compile's GPU (passes/auto_timing.py): "auto" where the factor table cannot
-        # call the choice (passes/auto_budget.py), True at every site, False never (the table decides)
+        # `auto` times its choices on the compile's GPU (passes/auto/auto_timing.py): "auto" where the factor table
+        # cannot call the choice (passes/auto/auto_budget.py), True at every site, False never (the table decides)
         self.measure = measure
         # every fused group evaluated eagerly against the code it replaces before it is committed
         # (passes/fusion_check.py); None reads ROPE_FUSION_VERIFY
         self.verify = verify
-        # how a site's backend is picked (passes/choosers.py): the backend asked for or `auto`, unless a pass for
+        # how a site's backend is picked (passes/auto/choosers.py): the backend asked for or `auto`, unless a pass for
         # another compile stack names its own
         self.chooser = chooser
         self.report = Report(refresh=take_in_cache_replays)
@@ -273,12 +274,12 @@ class RopeFusionPass(PassBase):
         self.report.host_tables += [f"{index}:{name}" for name in names]
 
     def _run_epilogues(self, graph: fx.Graph, index: int, planned: list, first_kernel: int) -> None:
-        """The folds that act on what the fused nodes feed (passes/fold_registry.py `epilogues`), each in its own
+        """The folds that act on what the fused nodes feed (passes/folds/fold_registry.py `epilogues`), each in its own
         transaction: a failure keeps the sites fused and the graph around them as it was. Each outcome is its
         fused node's kernel's fold line, or a near miss where no fused node feeds the place."""
         if not planned:
             return
-        from .fold_registry import epilogues, fused_node
+        from .folds.fold_registry import epilogues, fused_node
 
         kernels = {fused_node(p): first_kernel + i for i, p in enumerate(planned)}  # before a fold erases them
         kernels.pop(None, None)
@@ -332,7 +333,7 @@ class RopeFusionPass(PassBase):
         hash) and whether it measures: a graph compiled under other decisions must not be served."""
         if self.backend != "auto" or not self.chooser.reads_decisions:
             return ""
-        from .auto_decisions import fingerprint
+        from .auto.auto_decisions import fingerprint
 
         on, _ = auto_timing.enabled(self.measure)
         return f"-m{int(on)}-d{fingerprint()}"
