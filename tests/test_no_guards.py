@@ -1,9 +1,9 @@
 """The pass adds no guards, so dynamic shapes compile exactly as often as without it.
 
 The analysis reads sizes that it needs as ints (lane counts) at their example values without guarding on them
-(fx_sizes.py, `hint_reads`). A site whose proof read a symbolic size is left unfused and reported, naming the
-size (passes/analysis/symbolic_sizes.py): fused, it would hold for that value only. Before, such sizes were
-guarded: a Conv1d block with time last compiled 8 graphs (and fell back to eager at the recompile limit) for 10 sizes under
+(fx_sizes.py, `hint_reads`). A site whose proof read a symbolic size is left unfused and reported, naming the size
+(passes/analysis/symbolic_sizes.py): fused, it would hold for that value only. Before, such sizes were guarded: a
+Conv1d block with time last compiled 8 graphs (and fell back to eager at the recompile limit) for 10 sizes under
 `dynamic=True`, a write-back `q[:, :, t:] = rope(q[:, :, t:])` compiled one graph per text length, another head dim
 compiled again, and a head dim marked dynamic (`torch._dynamo.mark_dynamic`) failed the compile. Sizes known only at
 run time (`nonzero`, `.item()`) have no example value: sites over them fuse where no decision needs them.
