@@ -20,11 +20,12 @@ import random
 
 import torch
 import torch.nn.functional as F
-from conftest import check_numerics, compile_with_pass
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from rope_fusion.passes import lanes, matcher, sites
 from rope_fusion.passes.matcher import SCAN_LANES, Acceptor, looks_like_rotation
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import check_numerics
 
 
 def _pairwise(entries) -> bool:
@@ -208,7 +209,7 @@ def test_the_analysis_shortcuts_leave_every_answer_unchanged(monkeypatch):
     widths where the shortcuts act: the sites found (every field of each match) and the near-miss reasons are
     the same with the shortcuts switched off. Among them: complex pairs inside a head (where the wider
     grouping is the head), strided slices, pass-through heads, 2x2 matrices, norms per head and across heads."""
-    from spellings import ALL
+    from tests.spellings import ALL
 
     calls = [(case.id, case.fn, case.make(case.dtypes[0])) for case in ALL.values()]
     calls.append(("wide projection", _wide_projection_into_heads,

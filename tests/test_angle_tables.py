@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import check_numerics, compile_with_pass
 
 from rope_fusion.ops.reference import rotary_reference
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import check_numerics
 
 B, S, H, D = 1, 24, 4, 32
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.fx as fx
-from conftest import as_tuple, check_numerics
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import rope_fusion
 from rope_fusion.passes.lanes import RULES
+from tests.helpers.numerics import as_tuple, check_numerics
 from tests.spellings import ALL
 
 aten = torch.ops.aten

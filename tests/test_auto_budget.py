@@ -14,13 +14,14 @@ import collections
 
 import pytest
 import torch
-from conftest import check_numerics, compile_with_pass
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import rope_fusion
 from rope_fusion.ops.cost_model import SiteCost, cheapest, estimates
 from rope_fusion.passes import auto_budget, auto_decisions, auto_timing
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import check_numerics
 
 BF16 = 2
 

@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from conftest import check_numerics, compile_with_pass
 
 from rope_fusion.ops import backends
 from rope_fusion.ops.library import OPS
 from rope_fusion.ops.reference import rotary_reference
 from rope_fusion.passes import auto_consumers, auto_timing
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import check_numerics
 
 aten = torch.ops.aten
 LAYOUT = torch.ops.rope_fusion.attention_layout.default

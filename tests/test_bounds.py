@@ -14,9 +14,10 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import check_numerics, compile_with_pass
 
 from rope_fusion.ops.reference import rotary_reference
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import check_numerics
 
 D = 16  # head dim; the cache holds cos | sin of D // 2 lanes each
 ROWS = 16
@@ -163,10 +164,10 @@ def test_triton_kernel_asserts_on_a_row_outside_the_cache():
     compiles its kernels and this one with them on: `assert_indirect_indexing`); rows in range rotate right."""
     pytest.importorskip("triton")
     import triton.runtime.interpreter as interpreter
-    from test_triton_kernels import KERNEL, poisoned_outputs
 
     import rope_fusion.kernels.triton_rotary as tr
     from rope_fusion.ops.schema import RotaryParams
+    from tests.helpers.interpreted_rotary import KERNEL, poisoned_outputs
 
     torch.manual_seed(1)
     cache = torch.randn(ROWS, D)

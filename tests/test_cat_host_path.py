@@ -4,7 +4,7 @@ the compiled kernel on the GPU, with every kernel parameter passed positionally 
 slots per call. The joined form's q2, k2 and their weights are parameters after the constexprs: a replay that fixed
 them as constants would rotate the first call's pieces on every later call.
 
-The Triton kernel runs interpreted on the CPU (tests/triton_interpreted.py, as tests/test_cat_pieces.py runs it;
+The Triton kernel runs interpreted on the CPU (tests/helpers/triton_interpreted.py, as tests/test_cat_pieces.py runs it;
 one test runs a process with TRITON_INTERPRET=1 itself). The compiled kernel's replay is run here through a stand-in
 compiled kernel whose launcher runs the interpreted kernel with the replay's positional arguments; the static
 launcher's argument layout is checked on a CAT launch compiled for sm_90 on the CPU (as tests/test_static_launch.py
@@ -159,7 +159,7 @@ def _launch(args, kw):
 def test_repeated_calls_of_one_geometry_plan_once(triton_on_cpu, norm, positions, dtype):
     """Fresh inputs of one geometry each call: each call's own result (fp64 reference), one plan, one launch a
     call."""
-    from test_triton_kernels import poisoned_outputs
+    from tests.helpers.interpreted_rotary import poisoned_outputs
 
     for _ in range(4):
         args, kw = _inputs(dtype=dtype, norm=norm, positions=positions)

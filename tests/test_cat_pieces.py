@@ -2,7 +2,7 @@
 node for a backend whose node Inductor cannot fuse with the cat: `rope_fusion::rotary*_cat` reads each piece (its
 own norm weight folded) and writes the joined rotation once, one launch for q and k, no cat left.
 
-The Triton kernel runs interpreted on the CPU (tests/triton_interpreted.py); Inductor compiles the rest of the
+The Triton kernel runs interpreted on the CPU (tests/helpers/triton_interpreted.py); Inductor compiles the rest of the
 graph to C++. The numerics are checked against an fp64 evaluation of the model's own code on fresh inputs.
 """
 
@@ -15,11 +15,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import check_numerics, compile_with_pass  # noqa: E402
-from test_triton_kernels import poisoned_outputs  # noqa: E402
-
 from rope_fusion.ops import cat_rotary  # noqa: E402
 from rope_fusion.ops.reference import rms_norm, rotary_reference  # noqa: E402
+from tests.helpers.compile_pass import compile_with_pass  # noqa: E402
+from tests.helpers.interpreted_rotary import poisoned_outputs  # noqa: E402
+from tests.helpers.numerics import check_numerics  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TEXT, IMAGE, HEADS, D = 3, 5, 2, 16

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import check_numerics, compile_with_pass
 
 from rope_fusion.compat.flash_attn import apply_rotary_emb
 from tests.helpers.compat import assert_pass_matches_dropin, dropin_calls
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import check_numerics
 
 B, S, H, D, S_RO = 3, 6, 4, 64, 16
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import check_numerics, compile_with_pass
 
 import rope_fusion
 from tests.helpers.compat import assert_pass_matches_dropin, dropin_calls
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import check_numerics
 
 T, H, HK, D, EPS = 5, 4, 2, 64, 1e-6
 

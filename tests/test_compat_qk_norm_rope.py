@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import check_numerics, rel_err
 
 from rope_fusion.compat import vllm_omni
 from rope_fusion.compat.direct import ALL_PLANS
 from tests.helpers.compat import kernel_on_cpu  # noqa: F401  (a fixture)
+from tests.helpers.numerics import check_numerics, rel_err
 
 T, HQ, HK, EPS = 6, 4, 2, 1e-6
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]

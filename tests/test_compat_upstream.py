@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import check_numerics, compile_with_pass
 
 from rope_fusion import compat
 from tests.helpers.compat import assert_pass_matches_dropin, dropin_calls
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import check_numerics
 
 diffusers_emb = pytest.importorskip("diffusers.models.embeddings")
 hf_llama = pytest.importorskip("transformers.models.llama.modeling_llama")

@@ -16,11 +16,12 @@ import types
 
 import pytest
 import torch
-from conftest import check_numerics, compile_with_pass, rel_err
 
 from rope_fusion.compat import vllm as compat_vllm
 from rope_fusion.ops.reference import rotary_reference
 from tests.helpers.compat import assert_pass_matches_dropin, dropin_calls, kernel_on_cpu  # noqa: F401  (a fixture)
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import check_numerics, rel_err
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 T, HQ, HK, MAX_POS = 7, 4, 2, 64

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import check_numerics, compile_with_pass
 
 from rope_fusion.compat import vllm_omni
 from tests.helpers.compat import assert_pass_matches_dropin, dropin_calls
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import check_numerics
 
 B, S, H, D = 2, 8, 4, 64
 DTYPES = [torch.float32, torch.bfloat16]

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import check_numerics, rel_err
 
 from rope_fusion.compat import vllm_vision
 from rope_fusion.ops.reference import rotary_reference
 from tests.helpers.compat import kernel_on_cpu  # noqa: F401  (a fixture)
+from tests.helpers.numerics import check_numerics, rel_err
 
 S, H, D = 12, 4, 80
 

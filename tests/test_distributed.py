@@ -17,9 +17,9 @@ import sys
 
 import pytest
 import torch
-from conftest import rel_err
 
 from examples.distributed_attention import Case, Sizes, make_inputs
+from tests.helpers.numerics import rel_err
 
 pytestmark = pytest.mark.slow  # one two-rank launch of about 30 s: CI runs it with -m slow
 

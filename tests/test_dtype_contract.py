@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import as_tuple, check_numerics, compile_with_pass, fp64_eval, rel_err
+
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import as_tuple, check_numerics, fp64_eval, rel_err
 
 
 def rot_half(x):

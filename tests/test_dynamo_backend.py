@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import check_numerics
 
 import rope_fusion
+from tests.helpers.numerics import check_numerics
 from tests.zoo.entries import by_name
 from tests.zoo.harness import float_leaves
 

@@ -5,7 +5,7 @@ Triton kernel's own launcher (never `wrap_triton`, which only a tracer needs), v
 the CUDA planner serves CPU tensors with the kernel under Triton's interpreter (as tests/test_triton_kernels.py
 runs it), so the numbers are the kernel's, checked against an fp64 oracle, and the launcher's calls are counted.
 Calls that need autograd, run under torch.compile or under fake tensors go through the op instead. The NPU
-selection runs with the stand-in torch_npu ops of tests/test_npu_bridge.py.
+selection runs with the stand-in torch_npu ops of tests/helpers/npu_standins.py.
 """
 
 from __future__ import annotations
@@ -192,9 +192,8 @@ def test_cpu_runs_the_reference():
 
 @pytest.fixture
 def npu_on_cpu(monkeypatch):
-    import test_npu_bridge as nb
-
     from rope_fusion.kernels import npu as bridge
+    from tests.helpers import npu_standins as nb
 
     monkeypatch.setattr(bridge, "OP_NAMESPACE", nb.NS)
     monkeypatch.setattr(bridge, "_LOGGED", set())

@@ -14,11 +14,11 @@ import logging
 
 import pytest
 import torch
-from conftest import check_numerics
 
 import rope_fusion
 from rope_fusion.ops import backends as B
 from rope_fusion.passes import emission, host_tables, rope_pass
+from tests.helpers.numerics import check_numerics
 from tests.zoo.harness import InOrder
 
 

@@ -1,7 +1,7 @@
 """flash-attn's own launches stay where a `flash_attn_sites.KEPT_LAUNCHES` record says they measured faster than
 the one fused launch that would replace them; elsewhere its launches become sites. No record is kept today (the
 merged launch measured faster at every geometry), so the tests register one for whole 128-lane interleaved rows
-over 16 tokens or more. The real kernel module of the installed vLLM, traced on the CPU (tests/test_kernel_sites.py's
+over 16 tokens or more. The real kernel module of the installed vLLM, traced on the CPU (tests/helpers/kernel_sites.py's
 capture backend: Inductor's front half and post-grad passes, the graph the pass sees).
 """
 
@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernel_sites import _vllm_rotary_module, compile_capture
 
 from rope_fusion.passes import flash_attn_sites as fas
+from tests.helpers.kernel_sites import compile_capture, vllm_rotary_module
 
 
 @pytest.fixture(scope="module")
 def R():
-    return _vllm_rotary_module()
+    return vllm_rotary_module()
 
 
 @pytest.fixture

@@ -17,13 +17,14 @@ import shutil
 
 import pytest
 import torch
-from conftest import check_numerics, compile_with_pass, contract_errors, static_lanes
 
 import rope_fusion
 from rope_fusion.ops import backends, library, slice_write
 from rope_fusion.ops.backends import Backend, emit_op_call
 from rope_fusion.ops.library import OPS, DeviceKernel, reference_outputs
 from rope_fusion.passes import auto_decisions, auto_timing, fusion_check
+from tests.helpers.compile_pass import compile_with_pass, static_lanes
+from tests.helpers.numerics import check_numerics, contract_errors
 
 pytestmark = pytest.mark.triton_on_cpu(serves=("slice_write",))  # the Triton backend, in place for the slice op too
 

@@ -14,10 +14,10 @@ import copy
 import pickle
 
 import torch
-from conftest import check_numerics
 
 import rope_fusion
 from rope_fusion.passes import emission
+from tests.helpers.numerics import check_numerics
 
 
 def aten_graph(fn, *args):

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import check_numerics, compile_with_pass, static_lanes
 
 import rope_fusion
 from rope_fusion.ops.reference import rotary_reference
+from tests.helpers.compile_pass import compile_with_pass, static_lanes
+from tests.helpers.numerics import check_numerics
 
 
 def _cache(rows=32, width=8, dtype=torch.float32):

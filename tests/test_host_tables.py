@@ -106,7 +106,7 @@ def _rotated(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 def test_a_table_written_through_any_path_is_copied_again(path):
     """The cache's copy after a write matches the table as written, checked on a rotation against fp64: a stale
     copy rotates by the old angles (an error of order 1)."""
-    from conftest import rel_err
+    from tests.helpers.numerics import rel_err
 
     cache = H.HostTableCache()
     holder = _host_table(path)
@@ -218,8 +218,9 @@ class _HostTableRope(torch.nn.Module):
 def test_gpu_host_tables_copied_once_and_refreshed_when_written(path):
     """Copied once while unchanged; after a write through any path, the compiled model rotates by the new table
     (the contract against fp64, with eager's error as the bound)."""
-    from conftest import rel_err
     from torch.profiler import ProfilerActivity, profile
+
+    from tests.helpers.numerics import rel_err
 
     holder = _host_table(path, 64, 64)
     m = _HostTableRope(holder["t"])

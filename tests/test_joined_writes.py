@@ -4,7 +4,7 @@ for a backend whose node Inductor cannot write into the cat: `rope_fusion::rotar
 an `empty` joined tensor, the groups that write into one join are chained, the other pieces are scattered into
 their rows, and no cat is left.
 
-The Triton kernel runs interpreted on the CPU (tests/triton_interpreted.py); Inductor compiles the rest of the
+The Triton kernel runs interpreted on the CPU (tests/helpers/triton_interpreted.py); Inductor compiles the rest of the
 graph to C++. The numerics are checked against an fp64 evaluation of the model's own code on fresh inputs.
 """
 
@@ -18,11 +18,12 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from conftest import check_numerics, compile_with_pass  # noqa: E402
 from torch._inductor.utils import run_and_get_code  # noqa: E402
 
 import rope_fusion  # noqa: E402
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
+from tests.helpers.compile_pass import compile_with_pass  # noqa: E402
+from tests.helpers.numerics import check_numerics  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TEXT, IMAGE, HEADS, D = 3, 5, 2, 16

@@ -1,12 +1,12 @@
 """A rotary kernel call and a native spelling of the same rotation on the same tables share one `rotary_qk`.
 
 vllm-omni style blocks may rotate q with flash-attn's Triton kernel (vLLM's copy, traced on the CPU as in
-tests/test_kernel_sites.py) and k with torch ops on the same cos/sin [S, R/2] tensors (vLLM's
+tests/helpers/kernel_sites.py) and k with torch ops on the same cos/sin [S, R/2] tensors (vLLM's
 `_apply_rotary_emb_torch`: NeoX halves joined by `cat`, interleaved pairs by `stack(...).flatten(-2)`). They pair
 exactly when the native tables are views of the kernel's cos and sin that read, over either x, the rows the
 kernel reads (its int offset included); anything else (other tables, another offset, another pairing style,
 tensor offsets) stays two launches. Each case compiles the function plainly (the kernel runs interpreted) and with
-the pass (tests/test_kernel_rewrite.py), compares the two, and the fused result with an fp64 reference.
+the pass (tests/helpers/pass_capture.py), compares the two, and the fused result with an fp64 reference.
 """
 
 from __future__ import annotations
@@ -16,17 +16,16 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_kernel_rewrite import LAUNCH, PassCapture, assert_same  # noqa: E402
-from test_kernel_sites import (  # noqa: E402
-    R,  # noqa: F401  (fixture)
-    _fa_inputs,
-    capture_backend,
-    compile_capture,
-    cpu_triton_tracing,
-)
-
+from examples.vllm_omni_block import cpu_triton_tracing  # noqa: E402
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
 from rope_fusion.passes.flash_attn_sites import FLASH_ATTN  # noqa: E402
+from tests.helpers.kernel_sites import (  # noqa: E402
+    R,  # noqa: F401  (fixture)
+    capture_backend,
+    compile_capture,
+    fa_inputs,
+)
+from tests.helpers.pass_capture import LAUNCH, PassCapture, assert_same  # noqa: E402
 
 QK = "rope_fusion.rotary_qk"
 
@@ -107,7 +106,7 @@ def assert_clean(cap: OrderCapture) -> None:
 def test_kernel_and_native_become_one_rotary_qk(R, interleaved, kernel_first, rd):  # noqa: F811
     """q by the kernel and k natively (or the other way round; the group reads the first site's tables), full and
     partial rotary: one `rotary_qk` for both sites, the launch gone."""
-    q, k, cos, sin = _fa_inputs(torch.float32, rd, seqlen_ro=8)
+    q, k, cos, sin = fa_inputs(torch.float32, rd, seqlen_ro=8)
 
     def f(q, k, cos, sin):
         if kernel_first:
@@ -127,7 +126,7 @@ def test_kernel_and_native_become_one_rotary_qk(R, interleaved, kernel_first, rd
 def test_same_offset_pairs(R):  # noqa: F811
     """Kernel offset 3 against native rows `cos[3:3+S]`, and offset 0 against `cos[:S]` of a longer table: the
     same rows, one launch each."""
-    q, k, cos, sin = _fa_inputs(torch.float32, 32)
+    q, k, cos, sin = fa_inputs(torch.float32, 32)
     s = q.shape[1]
 
     def f(q, k, cos, sin):
@@ -159,10 +158,10 @@ def test_near_misses_stay_two_launches(R, case):  # noqa: F811
     """Not provably the same numbers: each site keeps its own `rotary` launch. (Tensor offsets: rows by run-time
     values, even when they happen to be 0.)"""
     kw, nat = NEAR_MISSES[case]
-    q, k, cos, sin = _fa_inputs(torch.float32, 32, seqlen_ro=8)
-    cos2, sin2 = _fa_inputs(torch.float32, 32, seqlen_ro=8, seed=1)[2:]
+    q, k, cos, sin = fa_inputs(torch.float32, 32, seqlen_ro=8)
+    cos2, sin2 = fa_inputs(torch.float32, 32, seqlen_ro=8, seed=1)[2:]
     if case in ("other-offset", "offset-vs-shifted-rows"):
-        q, k, cos, sin = _fa_inputs(torch.float32, 32, seqlen_ro=16)
+        q, k, cos, sin = fa_inputs(torch.float32, 32, seqlen_ro=16)
 
     def f(q, k, cos, sin, cos2, sin2):
         return R.apply_rotary(q, cos, sin, **kw), nat(k, cos, sin, cos2, sin2, q.shape[1])
@@ -178,8 +177,8 @@ def test_near_misses_stay_two_launches(R, case):  # noqa: F811
 def test_four_calls_two_tables(R):  # noqa: F811
     """Image q/k on one table, text q/k on another (same shapes), called q_img, q_txt, k_txt, k_img with q by the
     kernel and k natively: two `rotary_qk`, each on one table (first come first paired would take q_img, k_txt)."""
-    q, k, ci, si = _fa_inputs(torch.float32, 64, seqlen_ro=8, seed=2)
-    qt, kt, ct, st = _fa_inputs(torch.float32, 64, seqlen_ro=8, seed=3)
+    q, k, ci, si = fa_inputs(torch.float32, 64, seqlen_ro=8, seed=2)
+    qt, kt, ct, st = fa_inputs(torch.float32, 64, seqlen_ro=8, seed=3)
 
     def f(q, k, qt, kt, ci, si, ct, st):
         return (R.apply_rotary(q, ci, si), R.apply_rotary(qt, ct, st), native(kt, ct, st), native(k, ci, si))

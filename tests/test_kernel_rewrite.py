@@ -1,12 +1,13 @@
 """Rotary kernels already in the graph (passes/kernel_scan.py) become one `rotary_qk` per q/k pair.
 
-The graphs are the real ones of tests/test_kernel_sites.py (its module docstring says how: vLLM's flash-attn Triton
-kernel traced on the CPU by `cpu_triton_tracing`, a capture backend that runs the post-grad passes and then the graph
-with an fx Interpreter that launches Triton kernels interpreted; stand-ins with vLLM's schemas for its CUDA ops).
-Here the post-grad custom pass is `RopeFusionPass` followed by that capture, so the compiled function runs the graph
-the pass left. Each case compiles the same function twice, plainly (the kernels run, interpreted) and with the
-pass, and compares outputs and in-place updated inputs: fp32 results agree to an ulp, bf16 ones to one rounding
-(Triton's interpreter rounds fp32 -> bf16 toward zero, torch to nearest).
+The graphs are the real ones of tests/helpers/kernel_sites.py (its module docstring says how: vLLM's flash-attn
+Triton kernel traced on the CPU by `cpu_triton_tracing`, a capture backend that runs the post-grad passes and then
+the graph with an fx Interpreter that launches Triton kernels interpreted; stand-ins with vLLM's schemas for its CUDA
+ops, tests/helpers/vllm_ops.py). Here the post-grad custom pass is `RopeFusionPass` followed by that capture
+(tests/helpers/pass_capture.py), so the compiled function runs the graph the pass left. Each case compiles the same
+function twice, plainly (the kernels run, interpreted) and with the pass, and compares outputs and in-place updated
+inputs: fp32 results agree to an ulp, bf16 ones to one rounding (Triton's interpreter rounds fp32 -> bf16 toward
+zero, torch to nearest).
 """
 
 from __future__ import annotations
@@ -18,86 +19,29 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_kernel_sites import (  # noqa: E402  (pytest puts tests/ on sys.path: it has no __init__.py)
-    C_CASES,
+import rope_fusion  # noqa: E402
+from examples.vllm_omni_block import cpu_triton_tracing  # noqa: E402
+from rope_fusion.passes.flash_attn_sites import FLASH_ATTN  # noqa: E402
+from tests.helpers.kernel_sites import (  # noqa: E402
     FA_CASES,
-    Capture,
     R,  # noqa: F401  (fixture)
-    _fa_inputs,
-    _ulps_close,
-    c_case_inputs,
-    capture_backend,
-    compile_capture,
-    cpu_triton_tracing,
-    flashinfer_case,
+    fa_inputs,
     interpreted,
+    ulps_close,
+)
+from tests.helpers.pass_capture import (  # noqa: E402
+    LAUNCH,
+    PassCapture,
+    assert_same,
+    fused_call,
+    plain_and_fused,
+)
+from tests.helpers.vllm_ops import (  # noqa: E402
+    C_CASES,
+    c_case_inputs,
+    flashinfer_case,
     vllm_ops,  # noqa: F401  (fixture)
 )
-
-import rope_fusion  # noqa: E402
-from rope_fusion.passes import kernel_scan as kscan  # noqa: E402
-from rope_fusion.passes.flash_attn_sites import FLASH_ATTN  # noqa: E402
-
-LAUNCH = "target=torch.ops.higher_order.triton_kernel_wrapper_functional"  # a launch in a graph's text
-
-
-class PassCapture(Capture):
-    """RopeFusionPass, then what the capture records: the graph the compiled function runs, and the kernel sites
-    left in it."""
-
-    def __init__(self, **pass_kw):
-        super().__init__()
-        self.p = rope_fusion.RopeFusionPass(**pass_kw)
-        self.before, self.site_order = "", []
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        self.before = str(graph)
-        self.site_order = [s.node.name for s in kscan.find_kernel_sites(graph)[0]]
-        self.p(graph)
-        super().__call__(graph)
-
-    def pairs(self) -> list:
-        """The sites of each fused launch, as indices of the kernel sites in graph order."""
-        rep = self.p.report
-        return sorted(sorted(self.site_order.index(rep.sites[i].node) for i in k.sites) for k in rep.kernels)
-
-
-def compile_fused(fn, *args, ttir: bool = True, v2: bool = True, dynamic: bool = False):
-    """`compile_capture` with RopeFusionPass in front of the capture: (outputs, PassCapture)."""
-    import torch._functorch.config as fconfig
-
-    torch._dynamo.reset()
-    cap = PassCapture()
-    with cpu_triton_tracing(ttir), torch._inductor.config.patch(enable_auto_functionalized_v2=v2), \
-            fconfig.patch(enable_autograd_cache=False), torch.no_grad():
-        out = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=capture_backend(cap))(*args)
-    return out, cap
-
-
-def _clones(args):
-    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
-
-
-def plain_and_fused(fn, *args, dynamic_dims: dict | None = None, **kw):
-    """Run fn compiled plainly and with the pass on clones of args: (plain outs, plain args, fused outs, fused args,
-    the PassCapture). The args come back as the compiled function left them (in-place updates). `dynamic_dims`:
-    {arg index: dims} to mark dynamic on the clones."""
-    pa, fa = _clones(args), _clones(args)
-    for i, dims in (dynamic_dims or {}).items():
-        for t in (pa[i], fa[i]):
-            torch._dynamo.mark_dynamic(t, dims)
-    plain, _ = compile_capture(fn, *pa, **kw)
-    fused, cap = compile_fused(fn, *fa, **kw)
-    return plain, pa, fused, fa, cap
-
-
-def assert_same(fused, plain) -> None:
-    for f, p in zip(fused, plain):
-        if isinstance(p, torch.Tensor) and p.is_floating_point():
-            assert f.dtype == p.dtype and f.shape == p.shape
-            _ulps_close(f, p)
-        elif isinstance(p, torch.Tensor):
-            assert torch.equal(f, p)
 
 
 def assert_one_pair(cap: PassCapture, origin: str) -> None:
@@ -107,11 +51,6 @@ def assert_one_pair(cap: PassCapture, origin: str) -> None:
     assert rep.kernels[0].op == "rope_fusion.rotary_qk" and rep.kernels[0].sites == [0, 1]
     assert [s.origin for s in rep.sites] == [origin, origin]
     assert cap.sites == [] and cap.misses == []  # nothing of the kind is left in the graph the function runs
-
-
-def fused_call(cap: PassCapture) -> torch.fx.Node:
-    (node,) = [n for n in cap.gm.graph.nodes if n.op == "call_function" and "rope_fusion" in str(n.target)]
-    return node
 
 
 def assert_copies_read_fused(cap: PassCapture, n: int) -> None:
@@ -135,7 +74,7 @@ def test_flash_attn_pair_becomes_one_rotary_qk(R, case):  # noqa: F811
     """NeoX and interleaved, full and partial rotary, int and tensor offsets (batch 1's offset 14 reaches past the
     16-row table: rows >= 16 rotate by the identity), conjugate, k rotated in place into a graph input."""
     dtype, rd, inter, conj, offs, inplace = FA_CASES[case]
-    q, k, cos, sin = _fa_inputs(dtype, rd)
+    q, k, cos, sin = fa_inputs(dtype, rd)
     off = torch.tensor([2, 14], dtype=torch.int32) if offs == "tensor" else offs
 
     def f(q, k, cos, sin, off):
@@ -161,7 +100,7 @@ def test_flash_attn_pair_becomes_one_rotary_qk(R, case):  # noqa: F811
 def test_fallback_without_ttir_analysis(R):  # noqa: F811
     """torch assumed every input mutated: getitem(launch, "X"/"COS"/"SIN") feed the next launch and are copied back
     into the graph inputs. They equal the inputs (the kernel stores only through OUT): nothing re-runs the kernel."""
-    q, k, cos, sin = _fa_inputs(torch.float32, 32)
+    q, k, cos, sin = fa_inputs(torch.float32, 32)
 
     def f(q, k, cos, sin):
         return R.apply_rotary(q, cos, sin, seqlen_offsets=3), R.apply_rotary(k, cos, sin, seqlen_offsets=3)
@@ -179,8 +118,8 @@ def test_fallback_without_ttir_analysis(R):  # noqa: F811
 def test_vllm_apply_rotary_emb_forward_cuda(R):  # noqa: F811
     """vLLM's ApplyRotaryEmb.forward_cuda: [S, H, D] unsqueezed, fp32 compute, cast back. The op reads bf16 x (the
     upcast is exact) and rounds once to fp32; the cast back stays."""
-    q, k = (t[0] for t in _fa_inputs(torch.bfloat16, 64, b=1)[:2])
-    cos, sin = (t[:8] for t in _fa_inputs(torch.float32, 64)[2:])
+    q, k = (t[0] for t in fa_inputs(torch.bfloat16, 64, b=1)[:2])
+    cos, sin = (t[:8] for t in fa_inputs(torch.float32, 64)[2:])
 
     def forward_cuda(x, cos, sin):
         out = R.apply_rotary(x.unsqueeze(0).float(), cos.float(), sin.float(), interleaved=True)
@@ -199,7 +138,7 @@ def test_dynamic_token_count(R):  # noqa: F811
     """Symbolic sequence length and table rows (vLLM marks the token count dynamic); q and k are head slices of one
     projection, strided views with one sequence-length symbol. Int offset 3 slices the tables by a symbolic end; the
     tensor offset 20 reaches past the 24 rows."""
-    q, k, cos, sin = _fa_inputs(torch.float32, 32, s=16, seqlen_ro=24)
+    q, k, cos, sin = fa_inputs(torch.float32, 32, s=16, seqlen_ro=24)
     qk = torch.cat([q, k], dim=2)
     off = torch.tensor([0, 20], dtype=torch.int64)
 
@@ -219,7 +158,7 @@ def test_rewritten_graph_compiles_with_inductor(R):  # noqa: F811
     """Real Inductor on the CPU: it cannot generate code for a user Triton kernel on the CPU, so the compile only
     succeeds because no launch is left; the op's lowering (per-batch offsets past the table, a symbolic sequence
     length) matches the kernel run eagerly (interpreted) to one bf16 rounding, on two sequence lengths."""
-    q, k, cos, sin = _fa_inputs(torch.bfloat16, 48, s=16, seqlen_ro=24)
+    q, k, cos, sin = fa_inputs(torch.bfloat16, 48, s=16, seqlen_ro=24)
     qk, off = torch.cat([q, k], dim=2), torch.tensor([4, 19], dtype=torch.int32)
 
     def f(qk, cos, sin, off):
@@ -261,14 +200,14 @@ def test_varlen_is_the_packed_op(R):  # noqa: F811
     node = fused_call(cap)
     call = RotaryCall.parse(node.args, node.kwargs, 1)
     assert call.cu_seqlens is not None and call.cu_seqlens.op == "placeholder" and call.positions is None
-    _ulps_close(fused[0], plain[0])
+    ulps_close(fused[0], plain[0])
 
 
 def test_different_tables_do_not_pair(R):  # noqa: F811
     """Two attentions (tables a and b) called as q_a, q_b, k_a, k_b, and q_a again at another offset: pairs follow
     the tables, not the order; the odd one out is a single `rotary`."""
-    q, k, ca, sa = _fa_inputs(torch.float32, 32, seed=1)
-    cb, sb = _fa_inputs(torch.float32, 32, seed=2)[2:]
+    q, k, ca, sa = fa_inputs(torch.float32, 32, seed=1)
+    cb, sb = fa_inputs(torch.float32, 32, seed=2)[2:]
 
     def f(q, k, ca, sa, cb, sb):
         return (R.apply_rotary(q, ca, sa), R.apply_rotary(q, cb, sb), R.apply_rotary(k, ca, sa),

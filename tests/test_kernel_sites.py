@@ -1,37 +1,24 @@
 """`rope_fusion.passes.kernel_sites` (flash_attn_sites, vllm_op_sites) on real post-grad graphs built on the CPU.
 
-How the real flash-attn Triton kernel gets into a CPU post-grad graph (no GPU, CPU torch, triton installed):
-- vLLM's kernel module `vllm.vllm_flash_attn.ops.triton.rotary` comes from the installed wheel, unmodified. Its
-  package `vllm.vllm_flash_attn` raises ImportError without the CUDA flash-attention extensions, so an empty
-  package object with the real `__path__` stands in for that one `__init__` (`_vllm_rotary_module`); the kernel's
-  module name stays `vllm.vllm_flash_attn.ops.triton.rotary`. `vllm.vllm_flash_attn.layers.rotary` also needs
-  einops (not a test dependency), so the tests call `ops.triton.rotary.apply_rotary`, which it wraps.
-- The module is imported WITHOUT TRITON_INTERPRET: under it `triton.jit` returns an InterpretedFunction, which
-  Dynamo does not know as a Triton kernel (it inlines its Python and fails on `data_ptr`).
-- `cpu_triton_tracing()` (examples/vllm_omni_block.py) patches, for the duration of a compile:
-  `torch.utils._triton.has_triton` -> True (it is False without a GPU, and Dynamo then inlines
-  `JITFunction.run`, failing on `triton._C.libtriton.getenv_bool`);
-  `torch.cuda._get_device_index` and (where torch has it) Dynamo's `CUDADeviceVariable._get_device_index_fn`
-  map None to -1, so the wrapper's `with torch.cuda.device(x.device.index)` is the no-op its docs promise (a CPU
-  torch build raises `TypeError: '<' not supported between NoneType and int`); and, when no Triton driver is
-  active, a driver that
-  reports a CUDA sm_90 target, so torch's TTIR analysis of which arguments the kernel writes runs as on a GPU
-  (`tensors_to_clone=["OUT"]`). Without it torch logs a warning and assumes every input is mutated (the graph
-  then also has getitem(launch, "X"/"COS"/"SIN") nodes); `test_fallback_without_ttir_analysis` covers that form.
-- Full Inductor would then have to generate code for a user Triton kernel on the CPU; instead, as in
-  tests/zoo/harness.py, the backend is Inductor's `compile_fx` with an `inner_compile` that runs the post-grad
-  passes (where `post_grad_custom_post_pass` sees exactly what the rope_fusion pass sees) and then runs a copy of
-  that graph with an fx Interpreter that launches each Triton kernel as `InterpretedFunction(jit.fn)`, which is
-  what `triton.jit` builds under TRITON_INTERPRET=1. So the compiled function runs, on the CPU, the graph the pass
-  saw, with the kernel's own code; every node's value is kept for the numerics checks.
-vLLM's `_C.rotary_embedding` (a CUDA extension) and the flashinfer op are registered as stand-ins with the same
-schemas in test namespaces; `vllm_op_sites.VLLM_C_NAMESPACE` / `VLLM_NAMESPACE` point the recogniser at them.
+The graphs are built by tests/helpers/kernel_sites.py (its docstring says how: vLLM's flash-attn Triton kernel
+traced on the CPU, a capture backend that runs the post-grad passes and then the graph with the kernel
+interpreted); vLLM's CUDA rotary ops are the stand-ins of tests/helpers/vllm_ops.py, with the real schemas.
+
+`cpu_triton_tracing()` (examples/vllm_omni_block.py) patches, for the duration of a compile:
+`torch.utils._triton.has_triton` -> True (it is False without a GPU, and Dynamo then inlines `JITFunction.run`,
+failing on `triton._C.libtriton.getenv_bool`); `torch.cuda._get_device_index` and (where torch has it) Dynamo's
+`CUDADeviceVariable._get_device_index_fn` map None to -1, so the wrapper's `with torch.cuda.device(x.device.index)`
+is the no-op its docs promise (a CPU torch build raises `TypeError: '<' not supported between NoneType and int`);
+and, when no Triton driver is active, a driver that reports a CUDA sm_90 target, so torch's TTIR analysis of which
+arguments the kernel writes runs as on a GPU (`tensors_to_clone=["OUT"]`). Without it torch logs a warning and
+assumes every input is mutated (the graph then also has getitem(launch, "X"/"COS"/"SIN") nodes);
+`test_fallback_without_ttir_analysis` covers that form. `vllm.vllm_flash_attn.layers.rotary` also needs einops
+(not a test dependency), so the tests call `ops.triton.rotary.apply_rotary`, which it wraps.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import importlib.machinery
 import importlib.util
@@ -48,223 +35,37 @@ tl = pytest.importorskip("triton.language")
 from torch._higher_order_ops.triton_kernel_wrap import (  # noqa: E402
     kernel_side_table,
     triton_kernel_wrapper_functional,
-    triton_kernel_wrapper_mutation,
 )
-from torch._prims_common import clone_preserve_strides  # noqa: E402
-from triton_interpreted import interpreted as interpreted_kernel  # noqa: E402
 
 from examples.vllm_omni_block import cpu_triton_tracing  # noqa: E402  (one copy, in the example users run)
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
 from rope_fusion.passes import flash_attn_sites as fas  # noqa: E402
 from rope_fusion.passes import kernel_scan as kscan  # noqa: E402
-from rope_fusion.passes import vllm_op_sites as vos  # noqa: E402
-
-FA_MODULE = "vllm.vllm_flash_attn.ops.triton.rotary"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the real kernel module, and tracing it on the CPU
-
-
-def _vllm_rotary_module():
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:
-        pytest.skip(f"vllm is not installed: {type(e).__name__}: {e}")
-    pkg = "vllm.vllm_flash_attn"
-    if pkg not in sys.modules:
-        spec = importlib.util.find_spec(pkg)
-        if spec is None or not spec.submodule_search_locations:
-            pytest.skip("vllm.vllm_flash_attn is not in the installed vllm")
-        stub = types.ModuleType(pkg)
-        stub.__path__ = list(spec.submodule_search_locations)
-        stub.__spec__ = importlib.machinery.ModuleSpec(pkg, None, is_package=True)
-        stub.__spec__.submodule_search_locations = stub.__path__
-        sys.modules[pkg] = stub
-    mod = importlib.import_module(FA_MODULE)
-    if not isinstance(mod.rotary_kernel, triton.runtime.jit.JITFunction):
-        pytest.skip(f"{FA_MODULE} was imported under TRITON_INTERPRET=1 (its kernel is not a JITFunction)")
-    return mod
-
-
-def _load_as(path: str, name: str):
-    """Execute a kernel file under another module name, without registering it in sys.modules."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(scope="module")
-def R():
-    return _vllm_rotary_module()
-
-
-@contextlib.contextmanager
-def interpreted(mod):
-    """The module's kernel as TRITON_INTERPRET=1 builds it, for eager calls of its wrapper."""
-    jit = mod.rotary_kernel
-    mod.rotary_kernel = _interp(jit)
-    try:
-        yield
-    finally:
-        mod.rotary_kernel = jit
-
-
-def _interp(jit):
-    return interpreted_kernel(jit)  # with its @triton.jit helpers interpreted too (rope_fusion's kernel has some)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the backend: Inductor's front half + post-grad passes, then the pass-visible graph run by an fx Interpreter
-
-
-def _launch(hop_kwargs: dict, kw: dict) -> None:
-    jit = fas.unwrap_jit(kernel_side_table.get_kernel(hop_kwargs["kernel_idx"]))
-    consts = kernel_side_table.get_constant_args(hop_kwargs["constant_args_idx"])
-    every = {**consts, **kw}
-    (grid,) = hop_kwargs["grid"]
-    _interp(jit)[tuple(int(g) for g in grid)](*[every[n] for n in jit.arg_names])
-
-
-class _Run(torch.fx.Interpreter):
-    def __init__(self, gm):
-        super().__init__(gm)
-        self.values: dict = {}
-
-    def run_node(self, n):
-        v = super().run_node(n)
-        self.values[n] = v.clone() if isinstance(v, torch.Tensor) else v  # inputs get copy_'d into at the end
-        return v
-
-    def call_function(self, target, args, kwargs):
-        if target is triton_kernel_wrapper_functional:
-            kw = dict(kwargs["kwargs"])
-            for k in kwargs["tensors_to_clone"]:
-                kw[k] = clone_preserve_strides(kw[k])
-            _launch(kwargs, kw)
-            return {k: kw[k] for k in kwargs["tensors_to_clone"]}
-        if target is triton_kernel_wrapper_mutation:
-            _launch(kwargs, dict(kwargs["kwargs"]))
-            return None
-        return super().call_function(target, args, kwargs)
-
-
-def _seen(site, nodes: dict, vm: dict) -> types.SimpleNamespace:
-    """A site as these tests read it: the kernel's options, x, result and table inputs as nodes of the copied
-    graph, and the layout of x the kernel addresses (bshd, thd; t(hd), bs(hd) when its heads are flattened)."""
-    t = site.tables
-    rec = dict(kind=site.origin, node=site.node, x=nodes[site.x.name], head_dim=site.x.head_dim, tables=t,
-               rotary_dim=site.params.rotary_dim, interleaved=site.params.interleaved,
-               conjugate=site.params.conjugate, cos=None, sin=None, seqlen_offset=0, cu_seqlens=None,
-               cos_sin_cache=None, positions=None)
-    rec.update({"cos_sin_cache" if f.name == "cache" else f.name: getattr(t, f.name) for f in dataclasses.fields(t)
-                if f.name not in ("kind", "rows")})
-    rec = {k: vm[v] if isinstance(v, torch.fx.Node) else v for k, v in rec.items()}
-    if rec["positions"] is None:
-        rec["layout"] = "bshd" if rec["cu_seqlens"] is None else "thd"
-    else:
-        lead = "t" if rec["positions"].meta["val"].dim() == 1 else "bs"
-        rec["layout"] = lead + ("(hd)" if site.x.blocks else "hd")
-    return types.SimpleNamespace(**rec)
-
-
-class Capture:
-    """What the post-grad custom pass saw: the sites and misses, and (after a call) every node's value."""
-
-    def __init__(self):
-        self.sites, self.misses, self.graph_text = [], [], ""
-        self.gm = None
-        self.values: dict = {}
-
-    def __call__(self, graph: torch.fx.Graph) -> None:  # the post-grad custom pass
-        sites, misses = kscan.find_kernel_sites(graph)
-        self.graph_text = str(graph)
-        # later post-grad passes rewrite this graph (the functional launches become mutations): keep a copy, and
-        # point the sites at the copy's nodes
-        vm: dict = {}
-        g = torch.fx.Graph()
-        g.output(g.graph_copy(graph, vm))
-        self.gm = torch.fx.GraphModule(graph.owning_module, g)
-        nodes = {n.name: n for n in graph.nodes}
-        self.sites = [_seen(s, nodes, vm) for s in sites]
-        self.misses = [(vm[n], r) for n, r in misses]
-
-    def uuid(self):
-        return None
-
-    def value(self, node):
-        return self.values[node]
-
-    def const(self, a):
-        return self.value(a) if isinstance(a, torch.fx.Node) else a
-
-
-def capture_backend(cap: Capture):
-    from torch._functorch.aot_autograd import make_boxed_func
-    from torch._inductor import compile_fx as cfx
-    from torch._inductor.virtualized import V
-
-    def inner_compile(gm, example_inputs, **kwargs):
-        cfx.view_to_reshape(gm)
-        with torch.no_grad():
-            fake_mode = cfx.fake_tensor_prop(gm, example_inputs)
-        with V.set_fake_mode(fake_mode):
-            cfx._recursive_post_grad_passes(gm, is_inference=kwargs.get("is_inference", False))
-
-        def run(*args):
-            r = _Run(cap.gm)
-            out = r.run(*args)
-            cap.values = r.values
-            return out
-        return make_boxed_func(run)
-
-    def backend(gm, example_inputs):
-        return cfx.compile_fx(gm, example_inputs, inner_compile=inner_compile,
-                              config_patches={"post_grad_custom_post_pass": cap, "fx_graph_cache": False,
-                                              "fx_graph_remote_cache": False})
-    return backend
-
-
-def compile_capture(fn, *args, ttir: bool = True, v2: bool = True):
-    """Compile `fn` through the capture backend and run it once: (outputs, Capture)."""
-    import torch._functorch.config as fconfig
-
-    torch._dynamo.reset()
-    cap = Capture()
-    with cpu_triton_tracing(ttir), torch._inductor.config.patch(enable_auto_functionalized_v2=v2), \
-            fconfig.patch(enable_autograd_cache=False), torch.no_grad():
-        out = torch.compile(fn, fullgraph=True, dynamic=False, backend=capture_backend(cap))(*args)
-    return out, cap
-
-
-def _ulps_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Within one ulp of the dtype, elementwise. (fp32 results come out bit-identical here; in bf16 Triton 3.9's
-    interpreter rounds fp32 -> bf16 toward zero where torch, and GPUs, round to nearest: one ulp apart.)"""
-    eps = torch.finfo(expected.dtype).eps
-    scale = expected.abs().max().item() or 1.0
-    torch.testing.assert_close(actual, expected, rtol=eps, atol=eps * 1e-3 * scale)
-
+from tests.helpers.kernel_sites import (  # noqa: E402
+    FA_CASES,
+    FA_MODULE,
+    Capture,
+    GraphRun,
+    R,  # noqa: F401  (fixture)
+    capture_backend,
+    compile_capture,
+    fa_inputs,
+    interpreted,
+    load_as,
+    ulps_close,
+)
+from tests.helpers.vllm_ops import (  # noqa: E402
+    C_CASES,
+    V_NS,
+    c_case_inputs,
+    flashinfer_case,
+    flashinfer_rotary_embedding,
+    vllm_ops,  # noqa: F401  (fixture)
+)
 
 # ---------------------------------------------------------------------------------------------------------
 # 1-3: flash-attn's kernel, q and k rotated by two launches
 
-
-def _fa_inputs(dtype, rotary_dim, head_dim=64, b=2, s=8, hq=4, hk=2, seqlen_ro=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, s, hq, head_dim, generator=g).to(dtype)
-    k = torch.randn(b, s, hk, head_dim, generator=g).to(dtype)
-    ang = torch.rand(seqlen_ro, rotary_dim // 2, generator=g) * 6.0
-    return q, k, ang.cos().to(dtype), ang.sin().to(dtype)
-
-
-FA_CASES = {
-    # name: (dtype, rotary_dim, interleaved, conjugate, offsets, inplace)
-    "neox-full-fp32-int0": (torch.float32, 64, False, False, 0, False),
-    "interleaved-partial-bf16-int3": (torch.bfloat16, 32, True, False, 3, False),
-    "neox-partial-conj-fp32-tensor": (torch.float32, 48, False, True, "tensor", False),
-    "interleaved-full-bf16-tensor-inplace": (torch.bfloat16, 64, True, True, "tensor", True),
-}
 
 
 def _expected_site_fields(site, dtype, rotary_dim, interleaved, conjugate):
@@ -285,13 +86,13 @@ def _check_fa_site_numerics(cap, site, seqlen):
     c, s = fas.flash_attn_tables(cos, sin, seqlen, off)
     ref = rotary_reference(x, c, s, interleaved=site.interleaved, rotary_dim=site.rotary_dim, full_tables=False,
                            conjugate=site.conjugate, out_dtype=site.node.meta["val"].dtype)
-    _ulps_close(cap.value(site.node), ref)
+    ulps_close(cap.value(site.node), ref)
 
 
 @pytest.mark.parametrize("case", list(FA_CASES))
-def test_flash_attn_q_and_k(R, case):
+def test_flash_attn_q_and_k(R, case):  # noqa: F811
     dtype, rd, inter, conj, offs, inplace = FA_CASES[case]
-    q, k, cos, sin = _fa_inputs(dtype, rd)
+    q, k, cos, sin = fa_inputs(dtype, rd)
     # tensor offsets: batch 1 reaches past the 16-row table (rows 14..) -> the kernel's cos=1, sin=0 rows
     off = torch.tensor([2, 14], dtype=torch.int32) if offs == "tensor" else offs
 
@@ -339,7 +140,7 @@ def _as_module(path: str, name: str):
                 m.__path__ = []
                 sys.modules[pkg] = m
                 added.append(pkg)
-        mod = _load_as(path, name)
+        mod = load_as(path, name)
         sys.modules[name] = mod
         added.append(name)
         yield mod
@@ -359,14 +160,14 @@ def _flash_attn_from(path: str):
         sys.modules.update(saved)
 
 
-def test_flash_attn_module_name(R):
+def test_flash_attn_module_name(R):  # noqa: F811
     """The same kernel code under flash-attn's module name (as upstream flash-attn 2.7.x ships it)."""
     with _flash_attn_from(R.__file__) as fa:
         _flash_attn_module_name(fa)
 
 
 def _flash_attn_module_name(fa):
-    q, k, cos, sin = _fa_inputs(torch.float32, 32)
+    q, k, cos, sin = fa_inputs(torch.float32, 32)
 
     def f(q, k, cos, sin):
         return fa.apply_rotary(q, cos, sin), fa.apply_rotary(k, cos, sin)
@@ -377,9 +178,9 @@ def _flash_attn_module_name(fa):
         _check_fa_site_numerics(cap, site, seqlen=8)
 
 
-def test_fallback_without_ttir_analysis(R):
+def test_fallback_without_ttir_analysis(R):  # noqa: F811
     """No driver at all: torch assumes every input is mutated; later launches read getitem(launch, "COS")."""
-    q, k, cos, sin = _fa_inputs(torch.float32, 32)
+    q, k, cos, sin = fa_inputs(torch.float32, 32)
 
     def f(q, k, cos, sin):
         return R.apply_rotary(q, cos, sin), R.apply_rotary(k, cos, sin)
@@ -403,7 +204,7 @@ def _upstream_files() -> list:
 
 
 @pytest.mark.parametrize("path", _upstream_files() or [None])
-def test_upstream_flash_attn_file(R, path):
+def test_upstream_flash_attn_file(R, path):  # noqa: F811
     """Any upstream flash-attn version: the v1 signature (program ids m, batch, head until April 2025; m, head,
     batch after, as in vLLM's copy) or the v2 one (flash-attn 2.8: nheads, ROTARY_DIM, BLOCK_H, wrap_triton)."""
     if path is None:
@@ -413,7 +214,7 @@ def test_upstream_flash_attn_file(R, path):
 
 
 def _upstream(fa):
-    q, k, cos, sin = _fa_inputs(torch.bfloat16, 48)
+    q, k, cos, sin = fa_inputs(torch.bfloat16, 48)
 
     def f(q, k, cos, sin, off):
         return (fa.apply_rotary(q, cos, sin, seqlen_offsets=off, interleaved=True),
@@ -426,9 +227,9 @@ def _upstream(fa):
         _check_fa_site_numerics(cap, site, seqlen=8)
 
 
-def test_dynamic_token_count(R):
+def test_dynamic_token_count(R):  # noqa: F811
     """vLLM marks the token count dynamic: seqlen, seqlen_ro, grid and strides are symbolic in the launch."""
-    q, k, cos, sin = _fa_inputs(torch.float32, 32, s=16)
+    q, k, cos, sin = fa_inputs(torch.float32, 32, s=16)
     for t in (q, k):
         torch._dynamo.mark_dynamic(t, 1)
     for t in (cos, sin):
@@ -444,7 +245,7 @@ def test_dynamic_token_count(R):
         _check_fa_site_numerics(cap, site, seqlen=16)
 
 
-def _vllm_layers_rotary(R):
+def _vllm_layers_rotary(R):  # noqa: F811
     """vllm.vllm_flash_attn.layers.rotary (what ApplyRotaryEmb.forward_cuda and vllm-omni call). It imports einops
     for its pure-torch reference functions only; when einops is absent an empty stand-in lets it import."""
     name = "vllm.vllm_flash_attn.layers.rotary"
@@ -462,13 +263,13 @@ def _vllm_layers_rotary(R):
             sys.modules.pop("einops", None)
 
 
-def test_apply_rotary_emb_as_vllm_custom_op_calls_it(R):
+def test_apply_rotary_emb_as_vllm_custom_op_calls_it(R):  # noqa: F811
     """vLLM's ApplyRotaryEmb.forward_cuda (model_executor/layers/rotary_embedding/common.py; the class itself needs
     more of vLLM than is installed): x [S, H, D] -> unsqueeze(0), fp32 compute, apply_rotary_emb through the
     ApplyRotaryEmb autograd.Function, squeeze, cast back."""
     layers = _vllm_layers_rotary(R)
-    q, k, cos, sin = (t[0] for t in _fa_inputs(torch.bfloat16, 64, b=1))
-    cos, sin = _fa_inputs(torch.float32, 64)[2:]
+    q, k, cos, sin = (t[0] for t in fa_inputs(torch.bfloat16, 64, b=1))
+    cos, sin = fa_inputs(torch.float32, 64)[2:]
 
     def forward_cuda(x, cos, sin, is_neox_style=False, enable_fp32_compute=True):
         x = x.unsqueeze(0)
@@ -493,13 +294,13 @@ def test_apply_rotary_emb_as_vllm_custom_op_calls_it(R):
 # 2: what is not expressible is reported, with its reason
 
 
-def test_fp64_is_reported_and_varlen_is_a_site(R):
+def test_fp64_is_reported_and_varlen_is_a_site(R):  # noqa: F811
     """An fp64 launch is reported; a varlen one is a site of the op's packed form (tests/test_packed_sequences.py
     checks what it fuses into)."""
     x = torch.randn(12, 4, 64)
     cos, sin = (torch.rand(16, 16) * 3).cos(), (torch.rand(16, 16) * 3).sin()
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
-    q64, _, c64, s64 = _fa_inputs(torch.float64, 32)
+    q64, _, c64, s64 = fa_inputs(torch.float64, 32)
 
     def f(x, cos, sin, cu, q64, c64, s64):
         return R.apply_rotary(x, cos, sin, cu_seqlens=cu, max_seqlen=7), R.apply_rotary(q64, c64, s64)
@@ -512,9 +313,9 @@ def test_fp64_is_reported_and_varlen_is_a_site(R):
 
 
 @pytest.fixture(scope="module")
-def fa_graph(R):
+def fa_graph(R):  # noqa: F811
     """One captured graph (partial rotary, tail copy), for surgery."""
-    q, k, cos, sin = _fa_inputs(torch.float32, 32)
+    q, k, cos, sin = fa_inputs(torch.float32, 32)
 
     def f(q, k, cos, sin):
         return R.apply_rotary(q, cos, sin, seqlen_offsets=2), R.apply_rotary(k, cos, sin, seqlen_offsets=2)
@@ -558,14 +359,14 @@ def test_graph_surgery_is_reported(fa_graph, surgery, reason):
     assert reason in misses[0][1], misses[0][1]
 
 
-def test_mutation_form_is_reported(R):
+def test_mutation_form_is_reported(R):  # noqa: F811
     """Dynamo's own graph (before functionalization) holds triton_kernel_wrapper_mutation."""
-    q, k, cos, sin = _fa_inputs(torch.float32, 64)
+    q, k, cos, sin = fa_inputs(torch.float32, 64)
     seen = []
 
     def backend(gm, example_inputs):
         seen.append(kscan.find_kernel_sites(gm.graph))
-        return lambda *args: _Run(gm).run(*args)  # the mutation launch, interpreted
+        return lambda *args: GraphRun(gm).run(*args)  # the mutation launch, interpreted
 
     torch._dynamo.reset()
     with cpu_triton_tracing():
@@ -607,7 +408,7 @@ def rotary_kernel(OUT, X, N, BLOCK: tl.constexpr):  # flash-attn's name and modu
 """
 
 
-def test_near_miss_kernels_are_not_sites(R):
+def test_near_miss_kernels_are_not_sites(R):  # noqa: F811
     # vLLM's own file under its module name, one sign of the kernel flipped: same signature, other math
     src = open(R.__file__).read()
     assert src.count("o1 = x0 * sin + x1 * cos") == 1
@@ -615,7 +416,7 @@ def test_near_miss_kernels_are_not_sites(R):
     spoofed_rotary_kernel = _exec_as(SPOOFED, FA_MODULE, "spoofed")["rotary_kernel"]
 
     x = torch.randn(100)
-    q, _, cos, sin = _fa_inputs(torch.float32, 32)
+    q, _, cos, sin = fa_inputs(torch.float32, 32)
 
     def f(x, q, cos, sin):
         o1, o2 = torch.empty_like(x), torch.empty_like(x)
@@ -636,83 +437,6 @@ def test_near_miss_kernels_are_not_sites(R):
 
 # ---------------------------------------------------------------------------------------------------------
 # 4: vLLM's in-place ops, through stand-ins with the real schemas
-
-C_NS, V_NS = "rope_fusion_test_vllm_C", "rope_fusion_test_vllm"
-C_SCHEMA = ("rotary_embedding(Tensor positions, Tensor! query, Tensor!? key, int head_size, Tensor cos_sin_cache, "
-            "bool is_neox, int rope_dim_offset=0, bool inverse=False) -> ()")
-
-
-def _rotate_lanes(lanes: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
-    """fp32 pair rotation of lanes [..., R] with cos/sin [..., R/2] (the CUDA kernels' per-pair math)."""
-    r = lanes.shape[-1]
-    x = lanes.float()
-    a, b = (x[..., : r // 2], x[..., r // 2:]) if is_neox else (x[..., 0::2], x[..., 1::2])
-    oa, ob = a * cos - b * sin, b * cos + a * sin
-    return torch.cat((oa, ob), -1) if is_neox else torch.stack((oa, ob), -1).flatten(-2)
-
-
-def _c_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset=0, inverse=False):
-    """vLLM csrc/pos_encoding_kernels.cu, addressing included: token t, head h, lane d of a tensor at
-    t*stride(positions.dim()-1) + h*head_stride + d, head_stride from QUERY for both tensors."""
-    pos = positions.reshape(-1)
-    n = pos.numel()
-    r = cos_sin_cache.size(1)
-    head_stride = query.stride(-2) if query.dim() == positions.dim() + 2 else head_size
-    cs = cos_sin_cache[pos].float()
-    cos, sin = cs[:, None, : r // 2], cs[:, None, r // 2:]
-    if inverse:
-        sin = -sin
-    for t in (query, key):
-        if t is None:
-            continue
-        heads = t.numel() // n // head_size
-        view = t.as_strided((n, heads, head_size), (t.stride(positions.dim() - 1), head_stride, 1),
-                            t.storage_offset())
-        lanes = view[..., rope_dim_offset: rope_dim_offset + r]
-        lanes.copy_(_rotate_lanes(lanes, cos, sin, is_neox).to(t.dtype))
-
-
-def _flashinfer_rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_size: int,
-                                 cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
-    """flashinfer.rope.apply_rope_with_cos_sin_cache_inplace as documented: (nnz, -1, head_size) views, float32
-    cache, first R lanes of each head rotated, fp32 math."""
-    if cos_sin_cache.dtype != torch.float32:
-        raise ValueError("cos_sin_cache should be float32")
-    r = cos_sin_cache.size(1)
-    cs = cos_sin_cache[positions.long()]
-    cos, sin = cs[:, None, : r // 2], cs[:, None, r // 2:]
-    for t in (query, key):
-        lanes = t.view(t.shape[0], -1, head_size)[..., :r]
-        lanes.copy_(_rotate_lanes(lanes, cos, sin, is_neox).to(t.dtype))
-
-
-@pytest.fixture(scope="module")
-def vllm_ops():
-    from torch.library import infer_schema
-
-    libs = [torch.library.Library(C_NS, "FRAGMENT"), torch.library.Library(V_NS, "FRAGMENT")]
-    libs[0].define(C_SCHEMA)
-    libs[0].impl("rotary_embedding", _c_rotary_embedding, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"{C_NS}::rotary_embedding", lambda *a, **k: None, lib=libs[0])
-    try:  # how vLLM registers its flashinfer op (vllm/model_executor/layers/rotary_embedding/common.py)
-        from vllm.utils.torch_utils import direct_register_custom_op
-    except Exception:  # a partial vLLM install: the same steps by hand
-        direct_register_custom_op = None
-    if direct_register_custom_op is not None:
-        direct_register_custom_op("flashinfer_rotary_embedding", _flashinfer_rotary_embedding,
-                                  mutates_args=["query", "key"], fake_impl=lambda *a, **k: None,
-                                  target_lib=libs[1], dispatch_key="CompositeExplicitAutograd")
-    else:
-        libs[1].define("flashinfer_rotary_embedding" + infer_schema(_flashinfer_rotary_embedding,
-                                                                    mutates_args=["query", "key"]))
-        libs[1].impl("flashinfer_rotary_embedding", _flashinfer_rotary_embedding, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{V_NS}::flashinfer_rotary_embedding", lambda *a, **k: None, lib=libs[1])
-    saved = vos.VLLM_C_NAMESPACE, vos.VLLM_NAMESPACE
-    vos.VLLM_C_NAMESPACE, vos.VLLM_NAMESPACE = C_NS, V_NS
-    yield getattr(torch.ops, C_NS).rotary_embedding, getattr(torch.ops, V_NS).flashinfer_rotary_embedding
-    vos.VLLM_C_NAMESPACE, vos.VLLM_NAMESPACE = saved
-    for lib in libs:
-        lib._destroy()
 
 
 def _native(positions, query, key, head_size, rotary_dim, cache, is_neox):
@@ -746,10 +470,10 @@ def _check_vllm_site_numerics(cap, site):
         xh = x
     ref = rotary_reference(xh, cos, sin, interleaved=site.interleaved, rotary_dim=r, full_tables=False,
                            conjugate=site.conjugate, out_dtype=x.dtype).reshape(x.shape)
-    _ulps_close(cap.value(site.node), ref)
+    ulps_close(cap.value(site.node), ref)
 
 
-def test_other_rotary_ops_are_reported(vllm_ops):
+def test_other_rotary_ops_are_reported(vllm_ops):  # noqa: F811
     """A rotary op that is not one of the recognised ones (here vLLM's XPU op's schema) is a miss, not a site."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -763,7 +487,7 @@ def test_other_rotary_ops_are_reported(vllm_ops):
     lib._destroy()
 
 
-def test_c_stand_in_matches_forward_native(vllm_ops):
+def test_c_stand_in_matches_forward_native(vllm_ops):  # noqa: F811
     c_op, _ = vllm_ops
     g = torch.Generator().manual_seed(1)
     pos = torch.randint(0, 40, (7,), generator=g)
@@ -776,27 +500,9 @@ def test_c_stand_in_matches_forward_native(vllm_ops):
         torch.testing.assert_close(k, ek)
 
 
-C_CASES = {
-    # name: (v2, query shape, key shape or None, dtype, rotary_dim, is_neox, inverse)
-    "flat-neox-full-fp32-v1": (False, (7, 4 * 64), (7, 2 * 64), torch.float32, 64, True, False),
-    "heads-gptj-partial-inverse-bf16-v2": (True, (7, 4, 64), (7, 2, 64), torch.bfloat16, 32, False, True),
-    "flat-query-only-v2": (True, (7, 4 * 64), None, torch.float32, 48, True, False),
-}
-
-
-def c_case_inputs(case: str) -> tuple:
-    """(positions, query, key or None, cos|sin cache) of a C_CASES case, seeded."""
-    _, qs, kshape, dtype, rd, _, _ = C_CASES[case]
-    g = torch.Generator().manual_seed(2)
-    pos = torch.randint(0, 32, (7,), generator=g)
-    cache = torch.randn(32, rd, generator=g).to(dtype)
-    q = torch.randn(qs, generator=g).to(dtype)
-    k = torch.randn(kshape, generator=g).to(dtype) if kshape else None
-    return pos, q, k, cache
-
 
 @pytest.mark.parametrize("case", list(C_CASES))
-def test_vllm_c_rotary_embedding(vllm_ops, case):
+def test_vllm_c_rotary_embedding(vllm_ops, case):  # noqa: F811
     c_op, _ = vllm_ops
     v2, qs, kshape, dtype, rd, is_neox, inverse = C_CASES[case]
     pos, q, k, cache = c_case_inputs(case)
@@ -817,7 +523,7 @@ def test_vllm_c_rotary_embedding(vllm_ops, case):
         _check_vllm_site_numerics(cap, site)
 
 
-def test_vllm_c_dynamic_token_count(vllm_ops):
+def test_vllm_c_dynamic_token_count(vllm_ops):  # noqa: F811
     """vLLM marks num_tokens dynamic; positions and query may carry different symbols (the op checks equality)."""
     c_op, _ = vllm_ops
     g = torch.Generator().manual_seed(7)
@@ -838,7 +544,7 @@ def test_vllm_c_dynamic_token_count(vllm_ops):
         _check_vllm_site_numerics(cap, site)
 
 
-def test_vllm_qkv_split(vllm_ops):
+def test_vllm_qkv_split(vllm_ops):  # noqa: F811
     """vLLM's own pattern: q, k = qkv.split(...); v1 gives each rotated half a node, v2 does not."""
     c_op, _ = vllm_ops
     g = torch.Generator().manual_seed(3)
@@ -860,7 +566,7 @@ def test_vllm_qkv_split(vllm_ops):
     assert "slice of a larger tensor" in cap.misses[0][1]
 
 
-def test_vllm_batched_positions_and_v2_reshape(vllm_ops):
+def test_vllm_batched_positions_and_v2_reshape(vllm_ops):  # noqa: F811
     c_op, _ = vllm_ops
     g = torch.Generator().manual_seed(4)
     cache = torch.randn(32, 64, generator=g)
@@ -891,7 +597,7 @@ def test_vllm_batched_positions_and_v2_reshape(vllm_ops):
         _check_vllm_site_numerics(cap, site)
 
 
-def test_vllm_c_not_expressible(vllm_ops):
+def test_vllm_c_not_expressible(vllm_ops):  # noqa: F811
     c_op, _ = vllm_ops
     g = torch.Generator().manual_seed(5)
     cache = torch.randn(32, 32, generator=g)
@@ -913,22 +619,8 @@ def test_vllm_c_not_expressible(vllm_ops):
     assert "head stride" in reasons[1]
 
 
-def flashinfer_case(fi_op) -> tuple:
-    """(f, pos, q, k, cache, generator): vLLM's flashinfer rotary op in place on a flat q and a [T, H, D] k,
-    GPT-J pairs, rotary 32 of 64; the generator goes on where the inputs end."""
-    g = torch.Generator().manual_seed(6)
-    pos = torch.randint(0, 32, (6,), generator=g, dtype=torch.int32)
-    cache = torch.randn(32, 32, generator=g)
-    q, k = torch.randn(6, 4 * 64, generator=g).bfloat16(), torch.randn(6, 2, 64, generator=g).bfloat16()
 
-    def f(pos, q, k, cache):
-        fi_op(pos, q, k, 64, cache, False)
-        return q + 0, k + 0
-
-    return f, pos, q, k, cache, g
-
-
-def test_vllm_flashinfer_op(vllm_ops):
+def test_vllm_flashinfer_op(vllm_ops):  # noqa: F811
     _, fi_op = vllm_ops
     f, pos, q, k, cache, g = flashinfer_case(fi_op)
     _, cap = compile_capture(f, pos, q.clone(), k.clone(), cache, v2=False)
@@ -940,7 +632,7 @@ def test_vllm_flashinfer_op(vllm_ops):
     # forward_native's formula agrees with the stand-in (fp32 inputs, so that both are exact to fp32)
     qf, kf = torch.randn(6, 4 * 64, generator=g), torch.randn(6, 2 * 64, generator=g)
     eq, ek = _native(pos.long(), qf, kf, 64, 32, cache, False)
-    _flashinfer_rotary_embedding(pos, qf, kf, 64, cache, False)
+    flashinfer_rotary_embedding(pos, qf, kf, 64, cache, False)
     torch.testing.assert_close(qf, eq)
     torch.testing.assert_close(kf, ek)
 

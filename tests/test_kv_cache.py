@@ -2,11 +2,11 @@
 cache at slot_mapping, in one call.
 
 Each case runs twice on the CPU: through the reference (no device kernel), and through the Triton kernel's KV_CACHE
-form run by Triton's interpreter (tests/triton_interpreted.py, as tests/test_cat_pieces.py runs the kernel). Both are
-checked against an fp64 evaluation of the rotation on fresh random inputs (the op's reference on fp64 inputs) and an
-independent reading of the cache: every written slot holds its token's rows (k rotated, v copied, each rounded once
-into the cache's dtype; an FP8 cache within half an e4m3 step of x / scale, saturated at 448), and every byte of
-every other slot, of a cache filled with random bytes first, is as it was (padding slots -1, tokens past
+form run by Triton's interpreter (tests/helpers/triton_interpreted.py, as tests/test_cat_pieces.py runs the
+kernel). Both are checked against an fp64 evaluation of the rotation on fresh random inputs (the op's reference on fp64
+inputs) and an independent reading of the cache: every written slot holds its token's rows (k rotated, v copied, each
+rounded once into the cache's dtype; an FP8 cache within half an e4m3 step of x / scale, saturated at 448), and every
+byte of every other slot, of a cache filled with random bytes first, is as it was (padding slots -1, tokens past
 slot_mapping). The cases cover every option of the rotary schema at least once, GQA, both strided layouts and
 Ascend's NZ (the reference's; the kernel declines it, logged), FP8 caches, packed sequences and MLA's one cache.
 """
@@ -440,9 +440,8 @@ def test_compat_vllm_rotary_embedding_writes_the_cache(path, vllm_rope, neox, kv
     its layer's `forward_native`, then an index_put of k and v into the cache rows of their slots. q within the
     numerics contract of the pair's own result; the caches within one rounding of the fp64 pair (an FP8 cache: half
     an e4m3 step of x / scale); key left as it was (its rotation lives in the cache)."""
-    from conftest import check_numerics
-
     from rope_fusion.compat import vllm as compat_vllm
+    from tests.helpers.numerics import check_numerics
 
     D, T, HQ, HK, BLOCKS, BS = 32, 5, 4, 2, 3, 4
     layer = vllm_rope(D, neox, torch.bfloat16)

@@ -11,9 +11,10 @@ import os
 
 import pytest
 import torch
-from conftest import check_numerics, check_unchanged, compile_with_pass, static_lanes
 
 import rope_fusion
+from tests.helpers.compile_pass import compile_with_pass, static_lanes
+from tests.helpers.numerics import check_numerics, check_unchanged
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

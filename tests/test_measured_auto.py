@@ -16,7 +16,6 @@ import pickle
 
 import pytest
 import torch
-from conftest import check_numerics, compile_with_pass, static_lanes
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -24,6 +23,8 @@ import rope_fusion
 from rope_fusion.cli import main as cli_main
 from rope_fusion.ops import cost_model
 from rope_fusion.passes import auto_decisions, auto_region, auto_timing
+from tests.helpers.compile_pass import compile_with_pass, static_lanes
+from tests.helpers.numerics import check_numerics
 
 
 def rotate_half(x):

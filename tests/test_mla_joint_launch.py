@@ -13,11 +13,12 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import check_numerics, compile_with_pass
 
 import rope_fusion
 from rope_fusion.ops.library import reference_outputs
 from rope_fusion.ops.schema import RotaryCall, RotaryParams
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import check_numerics
 
 B, H, T, NOPE, R, ROWS = 2, 4, 16, 32, 16, 40
 
@@ -149,10 +150,9 @@ def test_direct_calls_say_what_is_wrong():
 
 def _triton():
     pytest.importorskip("triton")
-    from test_triton_kernels import KERNEL, poisoned_outputs
-
     import rope_fusion.kernels.triton_launch as launching
     import rope_fusion.kernels.triton_plan as planner
+    from tests.helpers.interpreted_rotary import KERNEL, poisoned_outputs
 
     return launching, planner, KERNEL, poisoned_outputs
 
@@ -230,9 +230,8 @@ def test_planner_at_deepseek_v3_sizes():
 # -- the NPU bridge and graph form, with stand-in torch_npu ops ----------------------------------------------
 
 def test_npu_bridge(monkeypatch):
-    from test_npu_stacks import CALLS, NS
-
     from rope_fusion.kernels import npu
+    from tests.helpers.npu_graph_stacks import CALLS, NS
 
     monkeypatch.setattr(npu, "OP_NAMESPACE", NS)
     CALLS.clear()
@@ -246,10 +245,9 @@ def test_npu_bridge(monkeypatch):
 def test_npu_graph_form(monkeypatch):
     """The pass on an NPU graph (npugraph_ex's call): q and k_pe are one group, emitted as torch_npu's ops on q's
     rope lanes (the head put back by a cat) and on k_pe whole."""
-    import test_npu_stacks as stacks
-
     from rope_fusion.kernels import npu
     from rope_fusion.passes import fx_pass
+    from tests.helpers import npu_graph_stacks as stacks
 
     monkeypatch.setattr(npu, "OP_NAMESPACE", stacks.NS)
     monkeypatch.setattr(fx_pass, "NPU_DEVICE_TYPES", ("npu", "cpu"))
@@ -257,9 +255,9 @@ def test_npu_graph_form(monkeypatch):
     q, k, cos, sin, positions = inputs(torch.float32, seed=6)
     c, s = cos[positions].float(), sin[positions].float()
     fn = lambda q, k, c, s: mla(q, k, c, s, False)  # noqa: E731
-    out, config, rep = stacks._run(fn, (q, k, c, s))
+    out, config, rep = stacks.run_stack(fn, (q, k, c, s))
     assert len(rep.sites) == 2 and len(rep.kernels) == 1, rep.table()
-    targets = stacks._targets(config)
+    targets = stacks.graph_targets(config)
     assert targets.count(stacks.ROTARY_MUL) == 2 and not any(t.startswith("rope_fusion.") for t in targets), targets
     close(out, exact(q, k, cos, sin, positions, False), torch.float32, "npu graph form")
 

@@ -4,9 +4,11 @@ unchanged, and the near miss recorded in the report."""
 from __future__ import annotations
 
 import pytest
-from conftest import as_tuple, check_numerics, check_unchanged, compile_with_pass, rel_err, to_fp64
-from spellings import NEAR_MISSES
-from spellings.near_misses import MAY_FUSE_PARTS
+
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import as_tuple, check_numerics, check_unchanged, rel_err, to_fp64
+from tests.spellings import NEAR_MISSES
+from tests.spellings.near_misses import MAY_FUSE_PARTS
 
 
 @pytest.mark.parametrize("case", NEAR_MISSES + MAY_FUSE_PARTS, ids=lambda c: c.id)

@@ -18,10 +18,11 @@ import re
 
 import pytest
 import torch
-from conftest import check_numerics, compile_with_pass
 from torch._inductor.compile_fx import compile_fx
 
 import rope_fusion
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import check_numerics
 
 pytestmark = pytest.mark.triton_on_cpu(serves=("slice_write",))  # the Triton backend, in place for the slice op too
 

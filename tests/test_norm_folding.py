@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import check_numerics, compile_with_pass
+
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import check_numerics
 
 H, D, S = 4, 32, 16
 
@@ -191,8 +193,8 @@ def qwen3_block_nhd(q, k, wq, wk, cos, sin):
 def test_real_models_fold_their_qk_norm(name, folded):
     """diffusers' Wan (torch.nn.RMSNorm over every head) and transformers' Qwen3 (per-head Qwen3RMSNorm),
     tiny random configs, inference: every site takes its norm, and the model keeps the numerics contract."""
-    from zoo.entries import by_name
-    from zoo.harness import run_entry
+    from tests.zoo.entries import by_name
+    from tests.zoo.harness import run_entry
 
     res = run_entry(by_name(name), torch.float32)
     assert not res.failure and not res.errors, res.failure or res.errors

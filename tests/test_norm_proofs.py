@@ -10,7 +10,9 @@ import random
 
 import pytest
 import torch
-from conftest import check_numerics, compile_with_pass, static_lanes
+
+from tests.helpers.compile_pass import compile_with_pass, static_lanes
+from tests.helpers.numerics import check_numerics
 
 
 def rotate_half(x):
@@ -301,10 +303,10 @@ def test_olmo2_reports_where_its_norm_across_heads_is():
     """transformers' OLMo2 norms q over all 4 heads (64 lanes) and k over its 2 (32 lanes) on [B, S, H*D], then
     views them as [B, H, S, D]: the heads are not next to the lanes, so the op cannot take the norm; the report
     says so for each tensor, and the rotations fuse within the contract."""
-    from zoo.entries import LLM16, Entry, _tf
-    from zoo.harness import run_entry
+    from tests.zoo.entries import LLM16, Entry, hf_model
+    from tests.zoo.harness import run_entry
 
-    entry = Entry("olmo2", _tf("Olmo2Config", "Olmo2Model", LLM16), 4, 2, 2, "modeling_olmo2.py",
+    entry = Entry("olmo2", hf_model("Olmo2Config", "Olmo2Model", LLM16), 4, 2, 2, "modeling_olmo2.py",
                   "Olmo2Attention.forward: q_norm/k_norm over [B, S, H*D], then apply_rotary_pos_emb")
     res = run_entry(entry, torch.float32)
     assert not res.failure and not res.errors, res.failure or res.errors

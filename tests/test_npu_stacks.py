@@ -2,12 +2,12 @@
 
 npugraph_ex and TorchAir run a custom FX pass as `pass_fn(gm, example_inputs, config)` on each ATen graph that
 AOTAutograd produced (npugraph_ex/npu_fx_compiler.py `_optimize_fx`, through its GraphTransformObserver), the
-option `post_grad_custom_pre_pass` before their own passes. `npugraph_ex_like` below is that call around
-AOTAutograd with Inductor's decompositions. torch_npu needs the CANN runtime, so its ops are stand-ins here, in
-a test namespace, with the real schemas and the documented semantics and constraints; each asserts the
-constraints and logs its call when it runs (not when the graph's fake values are propagated). The graphs are
-CPU graphs that the pass treats as NPU graphs (`NPU_DEVICE_TYPES`), so this checks what the pass writes into the
-graph and that it computes the rotation, not torch_npu's kernels or any Ascend hardware.
+option `post_grad_custom_pre_pass` before their own passes. `npugraph_ex_like` (tests/helpers/npu_graph_stacks.py)
+is that call around AOTAutograd with Inductor's decompositions. torch_npu needs the CANN runtime, so its ops are
+stand-ins there, in a test namespace, with the real schemas and the documented semantics and constraints; each
+asserts the constraints and logs its call when it runs (not when the graph's fake values are propagated). The
+graphs are CPU graphs that the pass treats as NPU graphs (`NPU_DEVICE_TYPES`), so this checks what the pass writes
+into the graph and that it computes the rotation, not torch_npu's kernels or any Ascend hardware.
 
 Checked: under TorchAir's graph mode q and k in BSND and TND (vLLM's token layout) become one
 `npu_apply_rotary_pos_emb`, TND passed as BSND (GE has no TND converter); in graphs that run node by node, where
@@ -20,82 +20,24 @@ under GE is left unfused with the reason. Results meet the numerics contract.
 from __future__ import annotations
 
 import copy
-import types
 
 import pytest
 import torch
-from conftest import check_numerics
 
 import rope_fusion
 from rope_fusion.kernels import npu as bridge
-from rope_fusion.passes import fusion_check
 from rope_fusion.passes import fx_pass as fx_pass_module
-
-NS = "rope_fusion_test_npu_stacks"
-CALLS: list = []
-ROTARY_MUL = f"{NS}.npu_rotary_mul.default"
-APPLY = f"{NS}.npu_apply_rotary_pos_emb.default"
-ROPE_OPS = ("rope_fusion.rotary.default", "rope_fusion.rotary_qk.default")
-
-_lib = torch.library.Library(NS, "DEF")
-_lib.define("npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor")
-_lib.define("npu_apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin, str layout='BSH', "
-            "str rotary_mode='half') -> (Tensor, Tensor)")
-
-# npu_rotary_mul's documented table shapes per x layout ('half'); 'interleave' takes the first of each only.
-_TABLE_FORMS = {"BNSD": ("11SD", "B1SD", "BNSD"), "BSND": ("1S1D", "BS1D", "BSND"), "SBND": ("S11D", "SB1D", "SBND")}
-
-
-def _documented(x_shape, t_shape, mode) -> bool:
-    for layout, forms in _TABLE_FORMS.items():
-        sizes = dict(zip(layout, x_shape))
-        for form in forms[:1] if mode == "interleave" else forms:
-            if all(t == (1 if f == "1" else sizes[f]) for f, t in zip(form, t_shape)):
-                b, n = sizes["B"], sizes["N"]
-                if (mode == "half" and b < 1000 and n < 1000) or (mode == "interleave" and b * n < 1000):
-                    return True
-    return False
-
-
-def _rotate(x, mode):
-    if mode == "half":
-        x1, x2 = x.chunk(2, -1)
-        return torch.cat((-x2, x1), -1)
-    return torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
-
-
-def _rotary_mul(x, r1, r2, rotary_mode="half"):
-    assert rotary_mode in ("half", "interleave")
-    assert x.dim() == r1.dim() == r2.dim() == 4 and r1.shape == r2.shape
-    assert x.dtype == r1.dtype == r2.dtype and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-    assert x.shape[-1] % 2 == 0 and x.shape[-1] < 896 and r1.shape[-1] == x.shape[-1]
-    assert _documented(tuple(x.shape), tuple(r1.shape), rotary_mode), (x.shape, r1.shape, rotary_mode)
-    if not fusion_check.checking():  # the pass's self-check evaluating the graph at compile time
-        CALLS.append(("rotary_mul", tuple(x.shape), tuple(r1.shape), rotary_mode))
-    return (r1.float() * x.float() + r2.float() * _rotate(x.float(), rotary_mode)).to(x.dtype)
-
-
-def _apply(query, key, cos, sin, layout="BSH", rotary_mode="half"):
-    assert layout in ("BSND", "TND") and rotary_mode == "half", (layout, rotary_mode)
-    assert query.dtype == key.dtype == cos.dtype == sin.dtype
-    d = query.shape[-1]
-    assert d in (64, 128) and key.shape[-1] == d
-    assert query.dim() == key.dim() == cos.dim() == (4 if layout == "BSND" else 3)
-    assert tuple(cos.shape) == tuple(sin.shape) == (*query.shape[:-2], 1, d), (cos.shape, query.shape)
-    assert cos.is_contiguous() and query.is_contiguous() and key.is_contiguous()
-    if not fusion_check.checking():  # the pass's self-check evaluating the graph at compile time
-        CALLS.append(("apply", tuple(query.shape), tuple(key.shape), layout))
-    for t in (query, key):  # in place, as torch_npu's kernel does
-        t.copy_(cos.float() * t.float() + sin.float() * _rotate(t.float(), "half"))
-    return query, key
-
-
-_lib.impl("npu_rotary_mul", _rotary_mul, "CPU")
-_lib.impl("npu_apply_rotary_pos_emb", _apply, "CPU")
-torch.library.register_fake(f"{NS}::npu_rotary_mul", lib=_lib)(
-    lambda x, r1, r2, rotary_mode="half": torch.empty_like(x))
-torch.library.register_fake(f"{NS}::npu_apply_rotary_pos_emb", lib=_lib)(
-    lambda q, k, cos, sin, layout="BSH", rotary_mode="half": (torch.empty_like(q), torch.empty_like(k)))
+from tests.helpers.npu_graph_stacks import (
+    APPLY,
+    CALLS,
+    NS,
+    ROPE_OPS,
+    ROTARY_MUL,
+    graph_targets,
+    run_stack,
+    stack_config,
+)
+from tests.helpers.numerics import check_numerics
 
 
 @pytest.fixture(autouse=True)
@@ -104,39 +46,6 @@ def npu_graphs(monkeypatch):
     monkeypatch.setattr(fx_pass_module, "NPU_DEVICE_TYPES", ("npu", "cpu"))
     CALLS.clear()
     yield
-
-
-def npugraph_ex_like(config):
-    """A Dynamo backend that calls `config.post_grad_custom_pre_pass(gm, example_inputs, config)` on every ATen
-    graph AOTAutograd produces, as npugraph_ex does, then runs the graph; it keeps the graphs' targets."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.backends.debugging import boxed_nop
-    from torch._inductor.decomposition import select_decomp_table
-
-    def compiler(gm, example_inputs):
-        config.post_grad_custom_pre_pass(gm, example_inputs, config)
-        config.graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
-        return boxed_nop(gm, example_inputs)
-
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=select_decomp_table())
-
-
-def _config(mode="npugraph_ex"):
-    """The fields of npugraph_ex's / TorchAir's CompilerConfig that the pass and the harness read."""
-    return types.SimpleNamespace(mode=types.SimpleNamespace(value=mode), graphs=[],
-                                 post_grad_custom_pre_pass=rope_fusion.FxPass())
-
-
-def _run(fn, args, mode="npugraph_ex"):
-    """Under GE (`max-autotune`) TorchAir converts each node and runs the GE graph, so no node is dispatched and
-    AOTAutograd's first-call aliasing check of custom ops never sees `npu_apply_rotary_pos_emb`; this harness
-    runs the graph's nodes instead, so there it turns that check off. Every other mode keeps it, as npugraph_ex
-    does."""
-    config = _config(mode)
-    torch._dynamo.reset()
-    with torch._functorch.config.patch(check_custom_op_aliasing=mode != "max-autotune"):
-        out = torch.compile(fn, backend=npugraph_ex_like(config), fullgraph=True)(*args)
-    return out, config, config.post_grad_custom_pre_pass.report
 
 
 def _rotate_half(x):
@@ -177,19 +86,15 @@ def _tables(shape, dtype=torch.float32, full=True):
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
-def _targets(config, i=0):
-    return config.graphs[i]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bsnd_pair_is_one_apply_rotary_pos_emb_under_ge(dtype):
     torch.manual_seed(0)
     q, k = torch.randn(2, 8, 4, 64).to(dtype), torch.randn(2, 8, 2, 64).to(dtype)  # BSND, GQA
     cos, sin = _tables((8, 1, 64), dtype)
-    out, config, r = _run(_neox_qk, (q, k, cos, sin), "max-autotune")
+    out, config, r = run_stack(_neox_qk, (q, k, cos, sin), "max-autotune")
     assert not r.errors and [(kk.op, kk.backend, kk.fallback) for kk in r.kernels] == \
         [("rope_fusion.rotary_qk", "npu", "")], r.table()
-    g = _targets(config)
+    g = graph_targets(config)
     assert g.count(APPLY) == 1 and ROTARY_MUL not in g and not any(t in g for t in ROPE_OPS), g
     assert CALLS == [("apply", (2, 8, 4, 64), (2, 8, 2, 64), "BSND")]
     check_numerics(_neox_qk, (q, k, cos, sin), out)
@@ -203,9 +108,9 @@ def test_a_graph_run_node_by_node_never_gets_the_aliasing_op():
     q, k = torch.randn(2, 8, 4, 64), torch.randn(2, 8, 2, 64)
     cos, sin = _tables((8, 1, 64))
     with torch._functorch.config.patch(error_on_custom_op_aliasing=True):
-        out, config, r = _run(_neox_qk, (q, k, cos, sin))
+        out, config, r = run_stack(_neox_qk, (q, k, cos, sin))
     assert [kk.backend for kk in r.kernels] == ["npu"], r.table()
-    g = _targets(config)
+    g = graph_targets(config)
     assert g.count(ROTARY_MUL) == 2 and APPLY not in g, g
     assert CALLS == [("rotary_mul", (2, 8, 4, 64), (1, 8, 1, 64), "half"),
                      ("rotary_mul", (2, 8, 2, 64), (1, 8, 1, 64), "half")], CALLS
@@ -223,7 +128,7 @@ def test_token_layout_pair(mode, expected):
     torch.manual_seed(0)
     q, k = torch.randn(6, 4, 128), torch.randn(6, 1, 128)
     cos, sin = _tables((6, 1, 64), full=False)
-    out, config, r = _run(_neox_half_tables, (q, k, cos, sin), mode)
+    out, config, r = run_stack(_neox_half_tables, (q, k, cos, sin), mode)
     assert [kk.backend for kk in r.kernels] == ["npu"], r.table()
     assert CALLS == expected, CALLS
     check_numerics(_neox_half_tables, (q, k, cos, sin), out)
@@ -238,9 +143,9 @@ def test_rotary_mul_per_tensor(fn, x_shape, t_shape, full, mode, table4):
     torch.manual_seed(0)
     q, k = torch.randn(x_shape), torch.randn(x_shape)
     cos, sin = _tables(t_shape, full=full)
-    out, config, r = _run(fn, (q, k, cos, sin))
+    out, config, r = run_stack(fn, (q, k, cos, sin))
     assert not r.errors and [kk.backend for kk in r.kernels] == ["npu"], r.table()
-    g = _targets(config)
+    g = graph_targets(config)
     assert g.count(ROTARY_MUL) == 2 and APPLY not in g and not any(t in g for t in ROPE_OPS), g
     rotated = (*x_shape[:-1], table4[-1])
     assert CALLS == [("rotary_mul", rotated, table4, mode)] * 2, CALLS
@@ -253,7 +158,7 @@ def test_backward_graph_rotates_back_with_rotary_mul():
     torch.manual_seed(0)
     q, k = (torch.randn(1, 4, 8, 64, requires_grad=True) for _ in range(2))
     cos, sin = _tables((1, 1, 8, 64))
-    (oq, ok), config, r = _run(_neox_qk, (q, k, cos, sin))
+    (oq, ok), config, r = run_stack(_neox_qk, (q, k, cos, sin))
     ((oq * 3).sum() + ok.pow(2).sum()).backward()
     # the custom-pass call does not say whether a graph is a training forward; a backward has tangents
     assert [s.graph_kind for s in r.sites] == ["forward or inference"] * 2 + ["backward"] * 2, r.table()
@@ -272,10 +177,10 @@ def test_a_site_the_npu_ops_cannot_take_keeps_the_rope_fusion_op():
     torch.manual_seed(0)
     q, k = torch.randn(2, 8, 2, 2, 64), torch.randn(2, 8, 2, 2, 64)
     cos, sin = _tables((8, 1, 1, 64))
-    out, config, r = _run(_five_dims, (q, k, cos, sin))
+    out, config, r = run_stack(_five_dims, (q, k, cos, sin))
     (kernel,) = r.kernels
     assert kernel.backend == "op" and "more than 4 dims" in kernel.fallback, r.table()
-    assert "rope_fusion.rotary_qk.default" in _targets(config) and not CALLS
+    assert "rope_fusion.rotary_qk.default" in graph_targets(config) and not CALLS
     check_numerics(_five_dims, (q, k, cos, sin), out)
 
 
@@ -284,11 +189,11 @@ def test_under_torchair_graph_mode_such_a_site_is_left_unfused_with_the_reason()
     torch.manual_seed(0)
     q, k = torch.randn(2, 8, 2, 2, 64), torch.randn(2, 8, 2, 2, 64)
     cos, sin = _tables((8, 1, 1, 64))
-    out, config, r = _run(_five_dims, (q, k, cos, sin), mode="max-autotune")
+    out, config, r = run_stack(_five_dims, (q, k, cos, sin), mode="max-autotune")
     assert not r.kernels and not r.errors and len(r.misses) == 2, r.table()
     assert all(m.reason.startswith("left in the graph: TorchAir's graph mode") and "more than 4 dims" in m.reason
                for m in r.misses), r.table()
-    g = _targets(config)
+    g = graph_targets(config)
     assert not any(t in g for t in ROPE_OPS) and "aten.cat.default" in g
     eq, ek = _five_dims(q, k, cos, sin)
     torch.testing.assert_close(out[0], eq)
@@ -305,7 +210,7 @@ def test_fx_pass_signature_is_the_custom_pass_one():
 
     def compiler(gm, example_inputs):
         before = gm.code
-        assert rope_fusion.fx_pass(gm, example_inputs, _config()) is None
+        assert rope_fusion.fx_pass(gm, example_inputs, stack_config()) is None
         got.append((before, gm.code))
         return gm.forward
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import as_tuple, check_numerics, compile_with_pass, contract_errors, fp64_eval, to_fp64
-from spellings import ALL, CATALOGUE
-from spellings.case import distinct_tables
-from spellings.checks import check_report
+
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import as_tuple, check_numerics, contract_errors, fp64_eval, to_fp64
+from tests.spellings import ALL, CATALOGUE
+from tests.spellings.case import distinct_tables
+from tests.spellings.checks import check_report
 
 
 def test_fp64_eval_computes_in_fp64():

@@ -197,7 +197,7 @@ def test_x_is_not_saved_for_backward_when_tables_need_no_grad():
 
 
 def test_requested_backend_that_cannot_run_falls_back_with_one_log_line(caplog):
-    from conftest import compile_with_pass
+    from tests.helpers.compile_pass import compile_with_pass
 
     def rope(x, cos, sin):
         x1, x2 = x.chunk(2, -1)

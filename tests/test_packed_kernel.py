@@ -19,7 +19,6 @@ import torch
 pytest.importorskip("triton")
 
 import triton.runtime.interpreter as interpreter  # noqa: E402
-from test_triton_kernels import KERNEL, poisoned_outputs  # noqa: E402
 
 import rope_fusion  # noqa: E402
 import rope_fusion.kernels.triton_launch as launching  # noqa: E402
@@ -27,6 +26,7 @@ from rope_fusion.ops.packed import unpacked  # noqa: E402
 from rope_fusion.ops.plan_cache import plan_cache  # noqa: E402
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
 from rope_fusion.ops.schema import RotaryCall, RotaryParams  # noqa: E402
+from tests.helpers.interpreted_rotary import KERNEL, poisoned_outputs  # noqa: E402
 
 
 def expected(x, cos, sin, cu, offsets, weight, **kw) -> torch.Tensor:

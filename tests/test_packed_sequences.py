@@ -5,7 +5,7 @@ x packs the tokens of several sequences back to back, [T, H, D]; token t of sequ
 sequence's slice of x rotated by its own rows of the tables in fp64 (`per_sequence`), without the op's positions
 or ops/packed.py. Checked: the reference (eager, CPU), the Inductor lowering (torch.compile), the Triton kernel
 under Triton's interpreter (as an op, as the public functions' direct path and as the user-kernel node the pass
-emits), the NPU bridge and its graph form with the stand-in torch_npu ops of tests/test_npu_bridge.py, gradients,
+emits), the NPU bridge and its graph form with the stand-in torch_npu ops of tests/helpers/npu_standins.py, gradients,
 the checks that fail loudly, and flash-attn's varlen launch in a compiled graph becoming one fused site.
 """
 
@@ -206,11 +206,11 @@ def test_triton_user_kernel_node():
     rotation."""
     pytest.importorskip("triton")
     import torch.fx as fx
-    from test_kernel_sites import _Run
     from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
 
     from rope_fusion.kernels import triton_launch
     from rope_fusion.kernels.triton_graph import emit_triton
+    from tests.helpers.kernel_sites import GraphRun
 
     if triton_launch.INTERPRETED:
         pytest.skip("the kernel module was imported under TRITON_INTERPRET=1: make_fx cannot trace it")
@@ -225,23 +225,22 @@ def test_triton_user_kernel_node():
     kw = hop.kwargs["kwargs"]
     assert kw["HAS_POS"] and kw["PACKED"] and kw["pos_ptr"] is nodes[4] and kw["off_ptr"] is nodes[5]
     assert not any(n.target is torch.ops.aten.searchsorted.Tensor for n in g.nodes)
-    got = _Run(fx.GraphModule({}, g)).run(*real)
+    got = GraphRun(fx.GraphModule({}, g)).run(*real)
     for o, x in zip(got, (q, k)):
         close(o, per_sequence(x, cos, sin, cu, off, **opts(True, 16)), torch.float32)
 
 
-# -- the NPU bridge, with the stand-in torch_npu ops of tests/test_npu_bridge.py -----------------------------
+# -- the NPU bridge, with the stand-in torch_npu ops of tests/helpers/npu_standins.py -----------------------------
 
 @pytest.fixture
 def npu_stand_ins(monkeypatch):
-    import test_npu_bridge
-
     from rope_fusion.kernels import npu as bridge
+    from tests.helpers import npu_standins
 
-    monkeypatch.setattr(bridge, "OP_NAMESPACE", test_npu_bridge.NS)
-    test_npu_bridge.CALLS.clear()
+    monkeypatch.setattr(bridge, "OP_NAMESPACE", npu_standins.NS)
+    npu_standins.CALLS.clear()
     bridge.stats.clear()
-    return test_npu_bridge.CALLS
+    return npu_standins.CALLS
 
 
 def test_npu_bridge(npu_stand_ins):
@@ -373,10 +372,10 @@ def test_flash_attn_varlen_launches_become_one_fused_site(offs, interleaved, inp
     tensor offsets, whose rows past the tables the kernel rotates by the identity: the positions the op would
     derive, clamped into an identity row."""
     pytest.importorskip("triton")
-    from test_kernel_rewrite import assert_same, fused_call, plain_and_fused
-    from test_kernel_sites import _vllm_rotary_module
+    from tests.helpers.kernel_sites import vllm_rotary_module
+    from tests.helpers.pass_capture import assert_same, fused_call, plain_and_fused
 
-    R = _vllm_rotary_module()
+    R = vllm_rotary_module()
     (q, k), cu, cos, sin = packed_batch(LENGTHS, heads=(4, 2), head_dim=64, rows=16, width=16)
     off = {"none": 0, "int": 7, "tensor": torch.tensor([0, 15, 10, 9], dtype=torch.int32)}[offs]
     # (sequence 2, 9 tokens from row 10, reaches past the 16 rows)
@@ -408,10 +407,10 @@ def test_flash_attn_varlen_launches_become_one_fused_site(offs, interleaved, inp
 def test_flash_attn_varlen_with_a_dynamic_token_count():
     """q and k split from one packed projection whose token count is dynamic: one rotary_qk all the same."""
     pytest.importorskip("triton")
-    from test_kernel_rewrite import assert_same, plain_and_fused
-    from test_kernel_sites import _vllm_rotary_module
+    from tests.helpers.kernel_sites import vllm_rotary_module
+    from tests.helpers.pass_capture import assert_same, plain_and_fused
 
-    R = _vllm_rotary_module()
+    R = vllm_rotary_module()
     (qk,), cu, cos, sin = packed_batch(LENGTHS, heads=(6,), head_dim=64, rows=16, width=16)
 
     def f(qk, cos, sin, cu):
@@ -432,8 +431,8 @@ def test_flash_attn_varlen_with_a_dynamic_token_count():
 def test_gpu_eager_and_compiled_varlen_site(offs):
     """Eagerly the Triton kernel at the derived positions; compiled, flash-attn's varlen launches of q and k become
     one rotary_qk on the Triton backend (its user-kernel node, which takes cu_seqlens), both the packed rotation."""
-    from conftest import compile_with_pass
-    from test_kernel_sites import _vllm_rotary_module
+    from tests.helpers.compile_pass import compile_with_pass
+    from tests.helpers.kernel_sites import vllm_rotary_module
 
     (q, k), cu, cos, sin = packed_batch(LENGTHS, heads=(4, 2), head_dim=64, rows=48, width=16)
     off = 5 if offs == "int" else torch.tensor([0, 30, 3, 11], dtype=torch.int32)
@@ -443,7 +442,7 @@ def test_gpu_eager_and_compiled_varlen_site(offs):
         got = rope_fusion.apply_rotary_qk(*dev[:4], cu_seqlens=dev[4], seqlen_offsets=dev[5], rotary_dim=32)
         for g, w in zip(got, want):
             close(g.cpu(), w, torch.float32)
-    R = _vllm_rotary_module()
+    R = vllm_rotary_module()
 
     def f(q, k, cos, sin, cu, off):
         kw = dict(seqlen_offsets=off, cu_seqlens=cu, max_seqlen=max(LENGTHS))

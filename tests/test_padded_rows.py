@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import check_numerics
 
 import rope_fusion
+from tests.helpers.numerics import check_numerics
 
 pytestmark = pytest.mark.triton_on_cpu(serves=("slice_write",))  # the Triton backend, in place for the slice op too
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import check_numerics, compile_with_pass
 
 import rope_fusion
 from rope_fusion.ops.reference import rotary_reference
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import check_numerics
 
 B, H, S, NOPE, ROPE = 1, 4, 16, 32, 16
 

@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import check_numerics, check_unchanged, compile_with_pass
+
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import check_numerics, check_unchanged
 
 B, S, H, D = 2, 7, 3, 16
 

@@ -13,11 +13,12 @@ import re
 
 import pytest
 import torch
-from conftest import check_numerics, compile_with_pass
 
 from rope_fusion.ops.schema import RotaryParams
 from rope_fusion.passes import report_text
 from rope_fusion.passes.report import GraphRecord, Kernel, Miss, Report, Site, plain_params
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import check_numerics
 
 FX_NAME = re.compile(r"\b(?:add|mul|sub|view|cat|arg\d+|clone|permute|neg|unsqueeze)_\d+\b")
 

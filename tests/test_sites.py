@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import torch
-from conftest import check_numerics, check_unchanged, compile_with_pass
+
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import check_numerics, check_unchanged
 
 
 def rotate_half(x):

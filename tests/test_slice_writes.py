@@ -3,7 +3,7 @@ is folded into the fused node for a backend whose node Inductor cannot fuse with
 `rope_fusion::rotary*_slice_` rotates the rows of the slice in place, emitted as `auto_functionalized`, and
 Inductor's reinplacing writes into the base (or into a clone of it, where the base is read again).
 
-The Triton kernel runs interpreted on the CPU (tests/triton_interpreted.py); Inductor compiles the rest of the
+The Triton kernel runs interpreted on the CPU (tests/helpers/triton_interpreted.py); Inductor compiles the rest of the
 graph to C++. The numerics are checked against an fp64 evaluation of the model's own code on fresh inputs.
 """
 
@@ -17,13 +17,14 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from conftest import check_numerics, compile_with_pass, fp64_eval  # noqa: E402
 from torch._inductor.utils import run_and_get_code  # noqa: E402
 
 import rope_fusion  # noqa: E402
 from rope_fusion.ops import slice_write  # noqa: E402
 from rope_fusion.ops.plan_cache import plan_cache  # noqa: E402
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
+from tests.helpers.compile_pass import compile_with_pass  # noqa: E402
+from tests.helpers.numerics import check_numerics, fp64_eval  # noqa: E402
 
 TEXT = 3
 

@@ -29,10 +29,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import rel_err
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import rope_fusion
+from tests.helpers.numerics import rel_err
 from tests.zoo.entries import by_name
 from tests.zoo.harness import InOrder
 

@@ -10,7 +10,6 @@ patched in. GPU tests run the compiled kernels on realistic shapes and skip with
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 
@@ -19,11 +18,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-from triton_interpreted import interpreted  # noqa: E402
 
 import rope_fusion  # noqa: E402
-import rope_fusion.kernels.triton_kernel as tk  # noqa: E402
 import rope_fusion.kernels.triton_launch as launching  # noqa: E402
 import rope_fusion.kernels.triton_plan as planner  # noqa: E402
 import rope_fusion.kernels.triton_rotary as tr  # noqa: E402
@@ -31,36 +27,14 @@ from rope_fusion.ops import backends  # noqa: E402
 from rope_fusion.ops.backends import SiteSpec  # noqa: E402
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
 from rope_fusion.ops.schema import RotaryParams  # noqa: E402
+from tests.helpers.interpreted_rotary import KERNEL, poisoned_outputs  # noqa: E402
 
 OP_INTERPRETED = launching.INTERPRETED  # only with TRITON_INTERPRET=1 for the run
-KERNEL = interpreted(tk.rotary_kernel)  # the kernel and its @triton.jit helpers, interpreted
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 # ---------------------------------------------------------------------------------------------------------
 # helpers
-
-
-@contextlib.contextmanager
-def poisoned_outputs():
-    """Output buffers start as NaN, so an element the kernel fails to write shows up as NaN. Also, for the
-    interpreted kernel: Triton's own reductions (`tl.sum`, a @jit function of its standard library, imported
-    compiled with torch before this module could set TRITON_INTERPRET) run interpreted too."""
-    real_empty, real_sum = torch.empty, triton.language.sum
-
-    def empty(*args, **kwargs):
-        out = real_empty(*args, **kwargs)
-        if out.is_floating_point():
-            out.fill_(float("nan"))
-        return out
-
-    torch.empty = empty
-    if not isinstance(real_sum, InterpretedFunction):
-        triton.language.sum = InterpretedFunction(real_sum.fn)
-    try:
-        yield
-    finally:
-        torch.empty, triton.language.sum = real_empty, real_sum
 
 
 def check(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from conftest import as_tuple, check_numerics, compile_with_pass
-from spellings import VARIATIONS
-from spellings.checks import check_report
-from spellings.variations import OPTIONAL
-from test_catalogue import compile_params, run_fused, self_check
+
+from tests.helpers.compile_pass import compile_with_pass
+from tests.helpers.numerics import as_tuple, check_numerics
+from tests.helpers.spelling_runs import compile_params, run_fused, self_check
+from tests.spellings import VARIATIONS
+from tests.spellings.checks import check_report
+from tests.spellings.variations import OPTIONAL
 
 DYNAMIC_TOO = {"V_gqa_different_head_counts", "V_vllm_native_gathered_cache", "V_odd_lanes_written_first"}
 

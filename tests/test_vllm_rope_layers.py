@@ -25,10 +25,10 @@ import types
 
 import pytest
 import torch
-from conftest import rel_err
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import rope_fusion
+from tests.helpers.numerics import rel_err
 from tests.zoo.harness import Capture, GraphRecord, InOrder, probe_passes
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -7,7 +7,7 @@ Inductor's scheduler; a view with an offset or gaps of a tensor the graph comput
 1e37 or NaN (the copy did not carry them). Those keep the scatter, with the reason on the kernel's report line;
 the rotation still fuses. Graph inputs' views and dense bases at offset 0 fold, read again or not.
 
-The Triton kernel runs interpreted on the CPU (tests/triton_interpreted.py); Inductor compiles the rest of the
+The Triton kernel runs interpreted on the CPU (tests/helpers/triton_interpreted.py); Inductor compiles the rest of the
 graph to C++. Every result is checked against an fp64 evaluation of the model's code on fresh inputs.
 """
 
@@ -18,9 +18,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import check_numerics, compile_with_pass  # noqa: E402
-
 from rope_fusion.ops.overlap import dense_from_start, overlap_reason  # noqa: E402
+from tests.helpers.compile_pass import compile_with_pass  # noqa: E402
+from tests.helpers.numerics import check_numerics  # noqa: E402
 
 TEXT = 3
 

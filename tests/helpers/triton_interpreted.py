@@ -7,7 +7,7 @@ compiles) needs interpreted helpers too: an interpreted kernel calling a compile
 @triton.jit'd outside of the scope of a kernel". `interpreted` rebuilds the kernel and every `@triton.jit` function
 of its module over one copy of the module's namespace, each an `InterpretedFunction`, so the kernel's calls find
 interpreted helpers while the module itself stays as imported. Triton's own library functions (`tl.sum`) are
-patched where the tests need them (test_triton_kernels.poisoned_outputs).
+patched where the tests need them (tests/helpers/interpreted_rotary.poisoned_outputs).
 """
 
 from __future__ import annotations
