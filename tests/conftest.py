@@ -57,8 +57,8 @@ def _plans_forgotten():
 
 @pytest.fixture(autouse=True)
 def _triton_language_restored():
-    """Some interpreted runs leave `triton.language`'s builtins patched (seen after tests/test_eager_op.py: 68
+    """Some interpreted runs leave `triton.language`'s builtins patched (seen after tests/ops/test_eager_op.py: 68
     builtins of triton.language.core), and a compiled kernel analysed later (torch's TTIR analysis of flash-attn's
-    rotary_kernel in tests/test_kernel_*.py) then fails, so every test gets the modules back as it found them."""
+    rotary_kernel in tests/passes/test_kernel_*.py) then fails, so every test gets the modules back as it found them."""
     with triton_language_kept():
         yield

@@ -1,8 +1,8 @@
 """The drop-ins on a CUDA GPU, the Triton kernel compiled: every call of a plan after the compiled launcher's check,
 inside a CUDA graph, the held tail and the row with its tail in the padding compiled for the device, and the in-place
 form leaving the lanes outside the rotation as they were; each against an fp64 evaluation of its contract.
-Skipped without a GPU (the CPU runs of the same paths interpret the kernel: tests/test_compat_*.py,
-tests/test_kernel_held_tail.py)."""
+Skipped without a GPU (the CPU runs of the same paths interpret the kernel: tests/compat/test_compat_*.py,
+tests/kernels/test_kernel_held_tail.py)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from rope_fusion.passes import matcher
 from rope_fusion.passes.fx_pass import FxPass
 from rope_fusion.passes.report import GraphRecord, Report, Site, plain_params
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "rope_fusion"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "rope_fusion"
 
 # The package files that adding an op parameter touches, and why each.
 TOUCHED = {

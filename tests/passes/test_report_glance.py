@@ -55,7 +55,7 @@ def test_a_near_miss_reads_by_source_line_and_tensor():
     line = next(i for i, ln in enumerate(open(__file__), 1) if "# the near miss" in ln)
     glance, verbose = r.table(), r.table(verbose=True)
     (miss,) = _lines(glance, "  near miss ")
-    assert miss.startswith(f"  near miss k_same_table at tests/test_report_glance.py:{line}: "), glance
+    assert miss.startswith(f"  near miss k_same_table at tests/passes/test_report_glance.py:{line}: "), glance
     assert r.misses[0].tensor == "k_same_table" and not FX_NAME.search(glance), glance
     assert f"node {r.misses[0].node}" in verbose and FX_NAME.search(r.misses[0].node)
     (site,) = _lines(glance, "  site ")
@@ -153,5 +153,5 @@ def test_paths_read_relative_to_site_packages_the_project_or_the_checkout(monkey
     assert report_text.short_path(sp) == os.sep.join(["diffusers", "models", "embeddings.py:997"])
     assert report_text.short_path(str(tmp_path / "model.py") + ":6") == "model.py:6"
     here = os.path.abspath(__file__) + ":3"
-    assert report_text.short_path(here) == os.path.join("tests", "test_report_glance.py") + ":3"
+    assert report_text.short_path(here) == os.path.join("tests", "passes", "test_report_glance.py") + ":3"
     assert report_text.short_path("<eval_with_key>.3:12") == "<eval_with_key>.3:12"

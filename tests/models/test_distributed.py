@@ -23,7 +23,7 @@ from tests.helpers.numerics import rel_err
 
 pytestmark = pytest.mark.slow  # one two-rank launch of about 30 s: CI runs it with -m slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "distributed_attention.py")
 WORLD = 2
 

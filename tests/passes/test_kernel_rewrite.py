@@ -183,7 +183,7 @@ def test_rewritten_graph_compiles_with_inductor(R):  # noqa: F811
 
 def test_varlen_is_the_packed_op(R):  # noqa: F811
     """A varlen launch becomes the op's packed form: cu_seqlens goes to the op, which derives the rows
-    (tests/test_packed_sequences.py covers offsets, pairs and numerics)."""
+    (tests/ops/test_packed_sequences.py covers offsets, pairs and numerics)."""
     from rope_fusion.ops.schema import RotaryCall
 
     x = torch.randn(12, 4, 64)

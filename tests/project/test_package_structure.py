@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent / "rope_fusion"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "rope_fusion"
 
 def _modules() -> dict[str, pathlib.Path]:
     out = {}

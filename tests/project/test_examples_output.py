@@ -15,7 +15,7 @@ import pytest
 
 import rope_fusion
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(args: list[str], tmp_path, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -295,7 +295,7 @@ def test_apply_rotary_emb_as_vllm_custom_op_calls_it(R):  # noqa: F811
 
 
 def test_fp64_is_reported_and_varlen_is_a_site(R):  # noqa: F811
-    """An fp64 launch is reported; a varlen one is a site of the op's packed form (tests/test_packed_sequences.py
+    """An fp64 launch is reported; a varlen one is a site of the op's packed form (tests/ops/test_packed_sequences.py
     checks what it fuses into)."""
     x = torch.randn(12, 4, 64)
     cos, sin = (torch.rand(16, 16) * 3).cos(), (torch.rand(16, 16) * 3).sin()

@@ -321,8 +321,8 @@ def test_rows_outside_raise(what):
 
 
 def test_rows_outside_raise_in_the_interpreted_kernel(interpreted_kernel, monkeypatch):
-    """The kernel's row assert on a derived row, under the interpreter with device asserts on (as tests/test_bounds.py
-    runs it: Inductor and the direct launches compile the assert in)."""
+    """The kernel's row assert on a derived row, under the interpreter with device asserts on (as
+    tests/ops/test_bounds.py runs it: Inductor and the direct launches compile the assert in)."""
     import dataclasses
 
     import triton.runtime.interpreter as interpreter

@@ -31,7 +31,7 @@ from benchmarks.spellings import vllm_apply_rotary  # vLLM's native rotation, on
 from rope_fusion.integrations import vllm as integ
 from rope_fusion.ops.reference import rotary_reference
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture

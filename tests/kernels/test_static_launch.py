@@ -7,7 +7,7 @@ Here, without a GPU: launches the host planner really makes (benchmarks/ptx_iden
 benchmarks/kernels.py's rows and the tests' forms plan them) are compiled for sm_90 to a cubin on the CPU, and the
 static launcher is built from each. The argument types it derives from the cubin's signature must be those of
 the arguments `static_arguments` picks: a pointer for every tensor, an int or a float for every scalar. Loading
-and launching need the GPU (tests/test_eager_op.py's CUDA tests check the launches' results there).
+and launching need the GPU (tests/ops/test_eager_op.py's CUDA tests check the launches' results there).
 """
 
 from __future__ import annotations

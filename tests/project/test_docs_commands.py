@@ -28,7 +28,7 @@ import sys
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "benchmark-history.md")]
 EXE = r"(?:python3?|pytest|pip|rope-fusion|torchrun|vllm|bash|[A-Z][A-Z_]*=\S+)"  # what a command starts with
 GPU = torch.cuda.is_available()
@@ -48,10 +48,11 @@ class Rule:
 RULES = [
     Rule(r"pip (install|wheel) .*", "not run", "an install step: CI's .ci/run makes a fresh venv with it"),
     Rule(r"pytest( -rs| -m slow| -n 0 -m fuzz tests/fuzz)?", "not run", "the test suite itself: CI's .ci/run"),
-    Rule(r"pytest tests/test_sites\.py tests/test_near_misses\.py tests/test_install\.py", "run", slow=True),
-    Rule(r"PYTHONPATH=<vllm-ascend checkout> pytest tests/test_npu_stacks\.py -k vllm_ascend", "proxy",
+    Rule(r"pytest tests/passes/test_sites\.py tests/passes/test_near_misses\.py tests/project/test_install\.py", "run",
+         slow=True),
+    Rule(r"PYTHONPATH=<vllm-ascend checkout> pytest tests/integrations/test_npu_stacks\.py -k vllm_ascend", "proxy",
          "a vllm-ascend checkout on the path; without one these tests skip", slow=True,
-         proxy="pytest -p no:cacheprovider tests/test_npu_stacks.py -k vllm_ascend"),
+         proxy="pytest -p no:cacheprovider tests/integrations/test_npu_stacks.py -k vllm_ascend"),
     Rule(r"python examples/wan_demo\.py", "run", slow=True),
     Rule(r"python examples/vllm_config\.py", "run"),
     Rule(r"python examples/vllm_omni_block\.py", "run", slow=True),
@@ -69,7 +70,8 @@ RULES = [
     Rule(r"vllm serve MODEL .*", "proxy", "vLLM's own command: a full vLLM install and a GPU", slow=True,
          proxy="python examples/vllm_config.py --check"),
     # The refusals take a process each (seconds, most of it importing torch): under -m slow; the default suite
-    # checks the benchmarks' refusal in one process (tests/test_benchmark_guards.py) and the CLI's (test_cli.py).
+    # checks the benchmarks' refusal in one process (tests/project/test_benchmark_guards.py) and the CLI's
+    # (test_cli.py).
     Rule(r"torchrun .*", "gpu", slow=True),
     Rule(r".*--device cuda.*", "gpu", slow=True),
     Rule(r"rope-fusion (bench|calibrate)", "gpu", slow=True),
@@ -131,7 +133,7 @@ COMMANDS = doc_commands()
 def test_the_docs_have_commands_and_every_command_has_a_rule():
     assert len(COMMANDS) > 20, COMMANDS
     missing = [f"{c.where}: {c.text}" for c in COMMANDS if rule_of(c.text) is None]
-    assert not missing, "commands without a rule in tests/test_docs_commands.py:\n" + "\n".join(missing)
+    assert not missing, "commands without a rule in tests/project/test_docs_commands.py:\n" + "\n".join(missing)
     unused = [r.pattern for r in RULES if not any(re.fullmatch(r.pattern, c.text) for c in COMMANDS)]
     assert not unused, f"rules that match no command of the docs: {unused}"
 

@@ -25,7 +25,7 @@ from rope_fusion.ops.schema import TENSOR_NAMES, RotaryParams
 
 FUNCTIONS = {1: rope_fusion.apply_rotary, 2: rope_fusion.apply_rotary_qk, 3: rope_fusion.apply_rotary_qkv}
 FIELDS = [f.name for f in dataclasses.fields(RotaryParams)]
-API_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "api.md")
+API_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "api.md")
 
 
 @pytest.mark.parametrize("arity", [1, 2, 3])

@@ -15,7 +15,7 @@ import rope_fusion
 from rope_fusion import cli
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def _rotate_half(x):

@@ -2,7 +2,7 @@
 
 Each row is a spelling in tests/spellings/catalogue.py. The self-check proves the spelling (the test data)
 against rotary_reference in eager; the compiled tests run on the CPU, static and dynamic=True (with the head dim
-static, as a model's config makes it: a symbolic one leaves the site, tests/test_no_guards.py)."""
+static, as a model's config makes it: a symbolic one leaves the site, tests/passes/test_no_guards.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 cache at slot_mapping, in one call.
 
 Each case runs twice on the CPU: through the reference (no device kernel), and through the Triton kernel's KV_CACHE
-form run by Triton's interpreter (tests/helpers/triton_interpreted.py, as tests/test_cat_pieces.py runs the
+form run by Triton's interpreter (tests/helpers/triton_interpreted.py, as tests/passes/test_cat_pieces.py runs the
 kernel). Both are checked against an fp64 evaluation of the rotation on fresh random inputs (the op's reference on fp64
 inputs) and an independent reading of the cache: every written slot holds its token's rows (k rotated, v copied, each
 rounded once into the cache's dtype; an FP8 cache within half an e4m3 step of x / scale, saturated at 448), and every

@@ -2,7 +2,7 @@
 compile, not to every pass with the same options (issue 27), and they are the records the pass made.
 
 The records of a fused graph travel with its cached artifact (`Report.graph_payload`, replayed by Inductor on a
-hit; fresh processes: tests/test_cache_reports.py). Here, in one process with Inductor's own caches on: two
+hit; fresh processes: tests/passes/test_cache_reports.py). Here, in one process with Inductor's own caches on: two
 passes with the same options compile the same function one after the other (the second compile is a hit), and
 a pass with other options compiles it too (its own cache entry).
 """

@@ -4,13 +4,14 @@ the compiled kernel on the GPU, with every kernel parameter passed positionally 
 slots per call. The joined form's q2, k2 and their weights are parameters after the constexprs: a replay that fixed
 them as constants would rotate the first call's pieces on every later call.
 
-The Triton kernel runs interpreted on the CPU (tests/helpers/triton_interpreted.py, as tests/test_cat_pieces.py runs it;
-one test runs a process with TRITON_INTERPRET=1 itself). The compiled kernel's replay is run here through a stand-in
-compiled kernel whose launcher runs the interpreted kernel with the replay's positional arguments; the static
-launcher's argument layout is checked on a CAT launch compiled for sm_90 on the CPU (as tests/test_static_launch.py
-checks the plain launches'). `python tests/test_cat_host_path.py` prints the host time of launch_cat at a Flux
-shape with the kernel launch stubbed; with `--gpu`, on CUDA, the replay's launcher, its results against the
-reference (eager and in a CUDA graph) and the op's host time per call, replayed and through the JIT launcher.
+The Triton kernel runs interpreted on the CPU (tests/helpers/triton_interpreted.py, as tests/passes/test_cat_pieces.py
+runs it; one test runs a process with TRITON_INTERPRET=1 itself). The compiled kernel's replay is run here through a
+stand-in compiled kernel whose launcher runs the interpreted kernel with the replay's positional arguments; the static
+launcher's argument layout is checked on a CAT launch compiled for sm_90 on the CPU (as
+tests/kernels/test_static_launch.py checks the plain launches'). `python tests/kernels/test_cat_host_path.py` prints the
+host time of launch_cat at a Flux shape with the kernel launch stubbed; with `--gpu`, on CUDA, the replay's launcher,
+its results against the reference (eager and in a CUDA graph) and the op's host time per call, replayed and through the
+JIT launcher.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from rope_fusion.kernels import triton_cat, triton_launch  # noqa: E402
 from rope_fusion.ops import cat_rotary  # noqa: E402
 from rope_fusion.ops.plan_cache import plan_cache  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 HEADS, D = 2, 16
 
 
@@ -379,7 +380,7 @@ def test_the_interpreter_keeps_the_jit_launcher():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the host-time measurement (not a test): `python tests/test_cat_host_path.py`
+# the host-time measurement (not a test): `python tests/kernels/test_cat_host_path.py`
 
 
 def host_time(calls: int = 200, rounds: int = 15) -> dict:

@@ -5,7 +5,7 @@ one signature, across the blocks of a model and its forward and backward graphs.
 The estimates are the real cost model's (ops/cost_model.py) on the sites of the zoo's GPU models as the pass costs
 them (shapes, dtypes, folded norms and table sources of their post-grad graphs); the integration tests run the
 pass on fake CUDA tensors (nothing to time on: what the budget decides shows in the report) and on the CPU with
-measuring on and the clock steered, as tests/test_measured_auto.py does.
+measuring on and the clock steered, as tests/passes/test_measured_auto.py does.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 An eager call goes straight to its device's kernel through a plan cached by the call's geometry: on CUDA the
 Triton kernel's own launcher (never `wrap_triton`, which only a tracer needs), validated once per geometry. Here
-the CUDA planner serves CPU tensors with the kernel under Triton's interpreter (as tests/test_triton_kernels.py
+the CUDA planner serves CPU tensors with the kernel under Triton's interpreter (as tests/kernels/test_triton_kernels.py
 runs it), so the numbers are the kernel's, checked against an fp64 oracle, and the launcher's calls are counted.
 Calls that need autograd, run under torch.compile or under fake tensors go through the op instead. The NPU
 selection runs with the stand-in torch_npu ops of tests/helpers/npu_standins.py.

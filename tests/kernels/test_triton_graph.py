@@ -1,6 +1,6 @@
 """The Triton backend as the pass emits it: Inductor's own `triton_kernel_wrapper_functional` node.
 
-The host side that plans the launch is the one tests/test_triton_kernels.py runs under the Triton
+The host side that plans the launch is the one tests/kernels/test_triton_kernels.py runs under the Triton
 interpreter; here the point is the node the pass writes into a post-grad graph: one launch for q and k,
 the options carried as constexprs, fresh output buffers marked as the written arguments, outputs of x's
 shape in out_dtype, and no inlining when sizes are symbolic (the pass then emits the op call).

@@ -18,7 +18,6 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-
 import rope_fusion  # noqa: E402
 import rope_fusion.kernels.triton_launch as launching  # noqa: E402
 import rope_fusion.kernels.triton_plan as planner  # noqa: E402
@@ -651,7 +650,7 @@ def test_norm_math_stays_fp32_when_eps_is_fp64():
         assert not meta["MATH_FP64"] and any(isinstance(v, float) for v in scalars)
         jobs += [[meta, scalars], [{**meta, "MATH_FP64": True}, scalars]]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", _TTIR_SCRIPT], input=json.dumps(jobs), capture_output=True,
                           text=True, env=env, cwd=root, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
