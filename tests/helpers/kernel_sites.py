@@ -8,7 +8,7 @@ the kernel interpreted, so the kernel-site tests read what the pass sees and wha
 - The module is imported WITHOUT TRITON_INTERPRET: under it `triton.jit` returns an InterpretedFunction, which
   Dynamo does not know as a Triton kernel (it inlines its Python and fails on `data_ptr`).
 - `cpu_triton_tracing()` (examples/vllm_omni_block.py) lets Dynamo and torch's TTIR analysis trace the kernel
-  without a GPU (tests/kernels/test_kernel_sites.py's docstring says what it patches and why).
+  without a GPU (tests/passes/test_kernel_sites.py's docstring says what it patches and why).
 - Full Inductor would then have to generate code for a user Triton kernel on the CPU; instead, as in
   tests/zoo/harness.py, `capture_backend` is Inductor's `compile_fx` with an `inner_compile` that runs the
   post-grad passes (where `post_grad_custom_post_pass` sees exactly what the rope_fusion pass sees) and then runs a

@@ -130,8 +130,8 @@ def norm_and_rotation_in_fp32_on_fp64_data(x, w, c, s):
 
 
 def norm_and_rotation_in_fp64(x, w, c, s):
-    """Both functions above without their casts, on fp64 inputs: the reference (conftest.fp64_eval would keep
-    their `.float()`, and with it an fp32 norm)."""
+    """Both functions above without their casts, on fp64 inputs: the reference (tests/helpers/numerics.fp64_eval would
+    keep their `.float()`, and with it an fp32 norm)."""
     xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
     return xn * c + rot_half(xn) * s
 

@@ -1,5 +1,6 @@
-"""The numerics contract (docs/design.md section 2) and the helper that checks it (conftest.check_numerics):
-fused error vs an fp64 evaluation of the original function <= the original's own error + eps(out dtype)."""
+"""The numerics contract (docs/design.md section 2) and the helper that checks it
+(tests/helpers/numerics.check_numerics): fused error vs an fp64 evaluation of the original function <= the original's
+own error + eps(out dtype)."""
 
 from __future__ import annotations
 
