@@ -251,7 +251,7 @@ def _interpret_on_cpu() -> None:
 
     from rope_fusion.kernels import triton_kernel, triton_launch
 
-    sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "tests"))
+    sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "tests", "helpers"))
     from triton_interpreted import interpreted
 
     triton_launch.rotary_kernel = interpreted(triton_kernel.rotary_kernel)

@@ -91,8 +91,9 @@ nproc
 tests=1
 for a in "$@"; do [[ $a == notests ]] && tests=0; done
 if (( tests )); then
-    run tests 240 "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
-        tests/test_triton_graph.py tests/test_kv_cache_gpu.py tests/test_dropins_gpu.py -k "gpu or cuda"
+    run tests 240 "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py \
+        tests/kernels/test_triton_graph.py tests/kernels/test_kv_cache_gpu.py tests/compat/test_dropins_gpu.py \
+        -k "gpu or cuda"
 fi
 
 n_models=0

@@ -22,9 +22,9 @@ vLLM's and falls back to flash-attn's). Without a CUDA build of vLLM the package
 imported; the kernel module is then loaded from its file under its real module name, which is what the pass checks.
 
 On the CPU (a CPU torch with triton installed, no GPU) the script uses the tracing recipe of the tests
-(tests/test_kernel_sites.py): while compiling, `cpu_triton_tracing()` lets Dynamo trace the Triton launch as it does
-on a GPU (triton reported available, the wrapper's CUDA device context a no-op, a driver reporting a CUDA target for
-torch's analysis of which arguments the kernel writes). The compile is then real Inductor with CPU code generation,
+(tests/passes/test_kernel_sites.py): while compiling, `cpu_triton_tracing()` lets Dynamo trace the Triton launch as it
+does on a GPU (triton reported available, the wrapper's CUDA device context a no-op, a driver reporting a CUDA target
+for torch's analysis of which arguments the kernel writes). The compile is then real Inductor with CPU code generation,
 which cannot generate code for a user Triton kernel: it succeeds only because the pass removed both launches. The
 reference is the block run eagerly with the kernel executed by Triton's interpreter. On a GPU everything runs
 plainly. The script prints the report and the largest difference to the reference, and exits non-zero when nothing
@@ -130,7 +130,7 @@ def module_from_file(path: str, name: str) -> types.ModuleType:
     return mod
 
 
-# -- tracing and running the kernel on the CPU (tests/test_kernel_sites.py explains each patch) -------------------
+# -- tracing and running the kernel on the CPU (tests/passes/test_kernel_sites.py explains each patch) -----------------
 
 class _FakeCudaDriver:
     """Only what torch's TTIR analysis (which kernel arguments are written) asks of the active Triton driver."""

@@ -25,7 +25,7 @@ NPU, so its sites become torch_npu's ops (integrations/fx_pass.py). It reads not
 without one (VllmInductorPass's constructor, which wants one, is not called). vLLM deep-copies and pickles its
 config: a copy is a new pass with the same options and an empty report, as for `rope_fusion.vllm_pass`.
 Checked on the CPU through vllm-ascend's own `GraphFusionPassManager`, imported from its source tree (it needs no
-torch_npu; the rest of its compiler does), with stand-in NPU ops (tests/test_npu_stacks.py); not on Ascend
+torch_npu; the rest of its compiler does), with stand-in NPU ops (tests/integrations/test_npu_stacks.py); not on Ascend
 hardware, and not through a vLLM engine.
 """
 

@@ -6,10 +6,10 @@ Two ways to compile, because a real Inductor compile (C++ code generation) takes
   whose inner compile runs the rewritten post-grad GraphModule eagerly: the graph the pass sees is the one
   real Inductor gives it, and the fused node runs its CPU eager implementation. About 0.4 s a case.
 - "full" (every Nth case, and every case whose failure only the generated code can show: rows gathered out
-  of range): real Inductor, as tests/conftest.compile_with_pass compiles, so the lowering runs too.
+  of range): real Inductor, as tests/helpers/compile_pass.compile_with_pass compiles, so the lowering runs too.
 
 Every case is compared with eager and with an fp64 evaluation (the function on its inputs cast to fp64;
-tests/conftest.fp64_eval), under the numerics contract of docs/design.md section 2: per output,
+tests/helpers/numerics.fp64_eval), under the numerics contract of docs/design.md section 2: per output,
 err(pass) <= err(eager) + eps, one rounding in the output dtype or in the narrowest dtype the function computes
 in, whichever is coarser (`_compute_eps`). A violation is a wrong number unless plain compile in the same
 mode is off by as much (then Inductor, not the pass, changed the result; counted as "plain off"). Plain
@@ -32,8 +32,8 @@ import time
 import torch
 
 import rope_fusion
-from tests.conftest import as_tuple, fp64_eval, rel_err
 from tests.fuzz.generator import Case, generate
+from tests.helpers.numerics import as_tuple, fp64_eval, rel_err
 from tests.zoo.harness import Capture, graph_level_backend
 
 # What can go wrong, in the order the summary prints them (a case can have several).

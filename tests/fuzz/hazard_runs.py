@@ -11,7 +11,6 @@ import time
 import torch
 
 import rope_fusion
-from tests.conftest import as_tuple, rel_err
 from tests.fuzz.generator import Case
 from tests.fuzz.harness import (
     BROKEN,
@@ -28,6 +27,7 @@ from tests.fuzz.harness import (
     record_report,
     violates,
 )
+from tests.helpers.numerics import as_tuple, rel_err
 
 # -- the backward of a training step ---------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """The Triton backend serving CPU tensors, as every CPU test and the zoo and fuzz runs set it up.
 
 The kernel modules are imported compiled (the graph tests trace them on fake tensors, which an interpreted kernel
-cannot do), so a CPU run swaps the interpreted kernels in (tests/triton_interpreted.py), says the launcher runs
+cannot do), so a CPU run swaps the interpreted kernels in (tests/helpers/triton_interpreted.py), says the launcher runs
 interpreted, and interprets Triton's own `tl.sum` (a `@jit` function of its standard library, imported compiled)
 for the norms. What the CPU then serves with the CUDA implementations is chosen by name from `SERVES`, because
 each extra table changes what the pass and the ops decide (a served cat op folds a cat that is otherwise left).
@@ -57,7 +57,7 @@ def install(mp: pytest.MonkeyPatch, serves: Iterable[str] = (), wrap: Callable[[
     import rope_fusion.kernels.triton_kernel as tk
     import rope_fusion.kernels.triton_launch as launching
     import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the CUDA implementations served here)
-    from tests.triton_interpreted import interpreted
+    from tests.helpers.triton_interpreted import interpreted
 
     unknown = sorted(set(serves) - set(SERVES))
     if unknown:

@@ -62,8 +62,10 @@ def _ids(n=16, vocab=128, b=1):
     return torch.randint(3, vocab, (b, n))
 
 
-def _tf(config_cls: str, model_cls: str, kwargs: dict, inputs: Callable | None = None,
+def hf_model(config_cls: str, model_cls: str, kwargs: dict, inputs: Callable | None = None,
         attr: str | None = None, attn: str = "sdpa"):
+    """A builder of a randomly initialised transformers model, by class names, so that an entry imports
+    transformers only when it runs."""
     def build():
         import transformers
         cfg = getattr(transformers, config_cls)(**kwargs)
@@ -139,53 +141,53 @@ def add(*entries: Entry) -> None:
 _L = "Attention.forward: apply_rotary_pos_emb(q, k) once per layer, 2 layers"
 _EP = TABLE_NAME_RE + "|embed_positions"  # GPT-J/CodeGen keep [sin|cos] in a buffer
 add(
-    Entry("llama", _tf("LlamaConfig", "LlamaModel", LLM16), 4, 2, 2, "modeling_llama.py",
+    Entry("llama", hf_model("LlamaConfig", "LlamaModel", LLM16), 4, 2, 2, "modeling_llama.py",
           "modeling_llama.py Llama" + _L + " (N1)", full_compile=True),
-    Entry("qwen2", _tf("Qwen2Config", "Qwen2Model", LLM), 4, 2, 2, "modeling_qwen2.py",
+    Entry("qwen2", hf_model("Qwen2Config", "Qwen2Model", LLM), 4, 2, 2, "modeling_qwen2.py",
           "modeling_qwen2.py Qwen2" + _L + " (N1)"),
-    Entry("qwen3", _tf("Qwen3Config", "Qwen3Model", LLM16), 4, 2, 2, "modeling_qwen3.py",
+    Entry("qwen3", hf_model("Qwen3Config", "Qwen3Model", LLM16), 4, 2, 2, "modeling_qwen3.py",
           "modeling_qwen3.py Qwen3" + _L + " (N1, after q/k RMSNorm)"),
-    Entry("mistral", _tf("MistralConfig", "MistralModel", LLM16), 4, 2, 2, "modeling_mistral.py",
+    Entry("mistral", hf_model("MistralConfig", "MistralModel", LLM16), 4, 2, 2, "modeling_mistral.py",
           "modeling_mistral.py Mistral" + _L + " (N1)", dtypes=("float32",)),
-    Entry("gemma3", _tf("Gemma3TextConfig", "Gemma3TextModel", dict(LLM16, sliding_window=8)), 4, 2, 2,
+    Entry("gemma3", hf_model("Gemma3TextConfig", "Gemma3TextModel", dict(LLM16, sliding_window=8)), 4, 2, 2,
           "modeling_gemma3.py", "modeling_gemma3.py Gemma3" + _L + "; sliding and full layers use "
           "different tables (local/global rope), still one q/k pair per layer"),
-    Entry("gpt_neox", _tf("GPTNeoXConfig", "GPTNeoXModel", LLM), 4, 2, 2, "modeling_gpt_neox.py",
+    Entry("gpt_neox", hf_model("GPTNeoXConfig", "GPTNeoXModel", LLM), 4, 2, 2, "modeling_gpt_neox.py",
           "modeling_gpt_neox.py GPTNeoXAttention.forward: apply_rotary_pos_emb on q/k[..., :R] with "
           "R = 0.25*16 = 4, cat with the pass-through (N3), 2 layers"),
-    Entry("phi", _tf("PhiConfig", "PhiModel", LLM), 4, 2, 2, "modeling_phi.py",
+    Entry("phi", hf_model("PhiConfig", "PhiModel", LLM), 4, 2, 2, "modeling_phi.py",
           "modeling_phi.py PhiAttention.forward: partial rotary R = 0.5*16 split in the caller (M4), 2 layers"),
-    Entry("phi3", _tf("Phi3Config", "Phi3Model", dict(LLM, partial_rotary_factor=0.5, pad_token_id=0)), 4, 2, 2,
+    Entry("phi3", hf_model("Phi3Config", "Phi3Model", dict(LLM, partial_rotary_factor=0.5, pad_token_id=0)), 4, 2, 2,
           "modeling_phi3.py", "modeling_phi3.py apply_rotary_pos_emb with q[..., :rotary_dim] (R = 8 of 16), "
           "2 layers"),
-    Entry("gptj", _tf("GPTJConfig", "GPTJModel", {"n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8,
+    Entry("gptj", hf_model("GPTJConfig", "GPTJModel", {"n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8,
                                                    "n_positions": 128, "vocab_size": 128}), 4, 2, 2,
           "modeling_gptj.py", "modeling_gptj.py GPTJAttention.forward: apply_rotary_pos_emb(k_rot), "
           "apply_rotary_pos_emb(q_rot), rotate_every_two (I6), R = 8 of 16, 2 layers", table_re=_EP),
-    Entry("codegen", _tf("CodeGenConfig", "CodeGenModel", {"n_embd": 64, "n_layer": 2, "n_head": 4,
+    Entry("codegen", hf_model("CodeGenConfig", "CodeGenModel", {"n_embd": 64, "n_layer": 2, "n_head": 4,
                                                            "rotary_dim": 8, "n_positions": 128, "n_ctx": 128,
                                                            "vocab_size": 128}), 4, 2, 2,
           "modeling_codegen.py", "modeling_codegen.py CodeGenAttention.forward: k_rot/q_rot, rotate_every_two "
           "(I6), R = 8 of 16, 2 layers", table_re=_EP, dtypes=("float32",)),
-    Entry("falcon", _tf("FalconConfig", "FalconModel", {"vocab_size": 128, "hidden_size": 64,
+    Entry("falcon", hf_model("FalconConfig", "FalconModel", {"vocab_size": 128, "hidden_size": 64,
                                                         "num_hidden_layers": 2, "num_attention_heads": 4,
                                                         "new_decoder_architecture": True, "num_kv_heads": 2,
                                                         "max_position_embeddings": 128}), 4, 2, 2,
           "modeling_falcon.py", "modeling_falcon.py FalconAttention.forward: apply_rotary_pos_emb(q, k), 2 layers"),
-    Entry("cohere", _tf("CohereConfig", "CohereModel", LLM), 4, 2, 2, "modeling_cohere.py",
+    Entry("cohere", hf_model("CohereConfig", "CohereModel", LLM), 4, 2, 2, "modeling_cohere.py",
           "modeling_cohere.py Cohere" + _L + " (M1: interleaved rotate_half, repeat_interleave tables, "
           ".float() upcast)"),
-    Entry("glm4", _tf("Glm4Config", "Glm4Model", dict(LLM16, pad_token_id=0, eos_token_id=1)), 4, 2, 2,
+    Entry("glm4", hf_model("Glm4Config", "Glm4Model", dict(LLM16, pad_token_id=0, eos_token_id=1)), 4, 2, 2,
           "modeling_glm4.py", "modeling_glm4.py Glm4" + _L + " (M1, partial 0.5: R = 8 of 16)"),
-    Entry("helium", _tf("HeliumConfig", "HeliumModel", LLM16), 4, 2, 2, "modeling_helium.py",
+    Entry("helium", hf_model("HeliumConfig", "HeliumModel", LLM16), 4, 2, 2, "modeling_helium.py",
           "modeling_helium.py Helium" + _L + " (M1 interleaved)", dtypes=("float32",)),
-    Entry("ernie4_5", _tf("Ernie4_5Config", "Ernie4_5Model", LLM16), 4, 2, 2, "modeling_ernie4_5.py",
+    Entry("ernie4_5", hf_model("Ernie4_5Config", "Ernie4_5Model", LLM16), 4, 2, 2, "modeling_ernie4_5.py",
           "modeling_ernie4_5.py Ernie4_5" + _L + " (M1 interleaved, fp32 math)"),
-    Entry("gpt_oss", _tf("GptOssConfig", "GptOssModel", dict(LLM16, num_local_experts=4, num_experts_per_tok=2,
+    Entry("gpt_oss", hf_model("GptOssConfig", "GptOssModel", dict(LLM16, num_local_experts=4, num_experts_per_tok=2,
                                                             sliding_window=8), attn="eager"), 4, 2, 2,
           "modeling_gpt_oss.py",
           "modeling_gpt_oss.py GptOss" + _L + " (M2: chunk halves, half tables, _apply_rotary_emb per tensor)"),
-    Entry("deepseek_v2", _tf("DeepseekV2Config", "DeepseekV2Model", dict(
+    Entry("deepseek_v2", hf_model("DeepseekV2Config", "DeepseekV2Model", dict(
         LLM, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
         first_k_dense_replace=1, n_group=1, topk_group=1, num_key_value_heads=4)), 4, 2, 2,
@@ -193,12 +195,12 @@ add(
           "modeling_deepseek_v2.py DeepseekV2Attention.forward: apply_rotary_emb(q_pe, k_pe) (complex, C2/M12) on "
           "the rope part (R = 8) split from q and the shared k_pe, 2 layers; q's site is cat(q_nope, q_pe), the "
           "whole head (rotary_offset 8), and shares one rotary_qk with k_pe (offset_q_only)"),
-    Entry("llama4", _tf("Llama4TextConfig", "Llama4TextModel", dict(
+    Entry("llama4", hf_model("Llama4TextConfig", "Llama4TextModel", dict(
         LLM16, intermediate_size_mlp=128, num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=1,
         no_rope_layers=[1, 1], attention_chunk_size=16)), 4, 2, 2, "modeling_llama4.py",
           "modeling_llama4.py Llama4TextAttention.forward: apply_rotary_emb(q, k) (view_as_complex, M12) in every "
           "layer with no_rope_layers[i] == 1, 2 layers"),
-    Entry("deepseek_v3", _tf("DeepseekV3Config", "DeepseekV3Model", dict(
+    Entry("deepseek_v3", hf_model("DeepseekV3Config", "DeepseekV3Model", dict(
         LLM, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
         first_k_dense_replace=1, n_group=1, topk_group=1, num_key_value_heads=4)), 4, 2, 2,

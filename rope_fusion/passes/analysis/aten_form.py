@@ -35,9 +35,9 @@ aten = torch.ops.aten
 
 # Ops the lane rules read in decomposed form only: each is one that Inductor's decomposition table decomposes
 # before its post-grad passes (the form the rules are written for), into ops that have lane rules
-# (tests/test_aten_form.py checks every record). Ops that Inductor keeps whole (`repeat`) stay whole here too: its
-# graphs hold them, and the rules read them as Inductor's graphs do. The views with copies (`view_copy`, ...) come
-# from a graph functionalized with its views removed.
+# (tests/passes/test_aten_form.py checks every record). Ops that Inductor keeps whole (`repeat`) stay whole here
+# too: its graphs hold them, and the rules read them as Inductor's graphs do. The views with copies (`view_copy`,
+# ...) come from a graph functionalized with its views removed.
 DECOMPOSED_FIRST = frozenset({
     aten.stack.default, aten.t.default, aten.rsub.Tensor,
     aten.new_zeros.default, aten.new_empty.default, aten.new_full.default, aten.new_ones.default,
