@@ -13,11 +13,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 
 def _known(cond) -> bool:
-    return bool(cond) if isinstance(cond, bool) else statically_known_true(cond)
+    if isinstance(cond, bool):
+        return cond
+    # symbolic sizes only: torch's symbolic-shapes module imports sympy (about 0.2 s), which `import rope_fusion`
+    # would otherwise pay for every eager user
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(cond)
 
 
 def _hint(v) -> int | None:
