@@ -28,10 +28,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import operator
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch import fx
+
 # the built-in folds, in the registry's order (each module registers its record when imported)
+# views that keep a tensor's elements: what a fold reads through to find the node a value comes from
+VIEW_OPS = (torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+            torch.ops.aten.alias.default)
 _BUILTIN = ("fold_slice_write", "fold_cat", "fold_joined_write", "kv_cache_fold")
 
 
@@ -159,27 +166,31 @@ def taken_by(backend: Any) -> tuple[Fold, ...]:
     return tuple(f for f in folds() if f.name in backend.folds)
 
 
+def strip_views(node: Any) -> Any:
+    """`node` read back through the views that keep its elements (`VIEW_OPS`)."""
+    while isinstance(node, fx.Node) and node.target in VIEW_OPS:
+        node = node.args[0]
+    return node
+
+
+def producer(node: Any) -> Any:
+    """The node behind `node` through views and one getitem: the multi-output node whose result it is."""
+    got = strip_views(node)
+    return got.args[0] if isinstance(got, fx.Node) and got.target is operator.getitem else got
+
+
 def fused_node(planned: Any) -> Any:
     """The fused op node behind a planned group's results (passes/emission.py `PlannedGroup`): what an epilogue's
     `FoldOutcome.fused` names. Views of a getitem of one multi-output node are read through; None where the
     results do not come from one node."""
-    import operator
-
-    import torch
-    from torch import fx
-
-    aten = torch.ops.aten
-    views = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.alias.default)
     sources = set()
     for final in planned.finals:
-        node = final
-        while isinstance(node, fx.Node) and node.target in views:
-            node = node.args[0]
-        if not (isinstance(node, fx.Node) and node.target is operator.getitem):
+        got = strip_views(final)
+        if not (isinstance(got, fx.Node) and got.target is operator.getitem):
             return None
-        sources.add(node.args[0])
+        sources.add(got.args[0])
     return sources.pop() if len(sources) == 1 else None
 
 
-__all__ = ["Fold", "FoldOutcome", "FoldSite", "Folded", "NotFolded", "epilogues", "folds", "fused_node",
-           "register_fold", "taken_by", "unregister_fold"]
+__all__ = ["VIEW_OPS", "Fold", "FoldOutcome", "FoldSite", "Folded", "NotFolded", "epilogues", "folds", "fused_node",
+           "producer", "register_fold", "strip_views", "taken_by", "unregister_fold"]

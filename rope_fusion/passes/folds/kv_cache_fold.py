@@ -31,11 +31,19 @@ from torch import fx
 from ...ops.library import OPS
 from ...ops.schema import optional_tensor_names
 from ..analysis.provenance import source_line
-from .fold_registry import Fold, Folded, FoldOutcome, FoldSite, NotFolded, register_fold
+from .fold_registry import (
+    VIEW_OPS,
+    Fold,
+    Folded,
+    FoldOutcome,
+    FoldSite,
+    NotFolded,
+    producer,
+    register_fold,
+    strip_views,
+)
 from .kv_cache_fold_auto import decide
 
-_VIEWS = (torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-          torch.ops.aten.alias.default)
 _ARITY = 4 + len(optional_tensor_names(2))  # q, k, cos, sin and the optional tensors of rotary_qk
 
 
@@ -58,21 +66,9 @@ def cache_update_op() -> Any:
     return getattr(packet, "default", None) if packet is not None else None
 
 
-def _strip_views(node: Any) -> Any:
-    while isinstance(node, fx.Node) and node.target in _VIEWS:
-        node = node.args[0]
-    return node
-
-
-def _producer(node: Any) -> Any:
-    """The node behind `node` through views and one getitem: a multi-output node where k is one of its results."""
-    got = _strip_views(node)
-    return got.args[0] if isinstance(got, fx.Node) and got.target is operator.getitem else got
-
-
 def _source_rotation(node: Any) -> tuple[fx.Node, fx.Node] | None:
     """(the rotary_qk node, its k getitem) where `node` is that k output or a view of it, else None."""
-    got = _strip_views(node)
+    got = strip_views(node)
     if not (isinstance(got, fx.Node) and got.target is operator.getitem and got.args[1] == 1):
         return None
     op = got.args[0]
@@ -101,7 +97,7 @@ def _layer_type(layer: Any) -> str | None:
 def _needs_k(k_get: fx.Node, update: fx.Node) -> bool:
     """Whether anything but the update (directly or through views only it reads) reads k rotated."""
     def only_update(n: fx.Node) -> bool:
-        return n is update or (n.target in _VIEWS and all(only_update(u) for u in n.users))
+        return n is update or (n.target in VIEW_OPS and all(only_update(u) for u in n.users))
     return not all(only_update(u) for u in k_get.users)
 
 
@@ -171,7 +167,7 @@ def fold_kv_cache_writes(graph: fx.Graph, backend: str) -> list[KvFold]:
         found = _why_not(update, order)
         layer = str(update.args[2].name if isinstance(update.args[2], fx.Node) else update.args[2])
         if isinstance(found, str):
-            outcomes.append(KvFold(_producer(update.args[0]), update.name, layer, False, found))
+            outcomes.append(KvFold(producer(update.args[0]), update.name, layer, False, found))
             continue
         rotation, k_get, v, layer_type = found
         fold, why = decide(backend, rotation.args[0].meta["val"].shape[0])
@@ -210,7 +206,7 @@ def _cache_update_of(k: fx.Node) -> fx.Node | None:
         for user in node.users:
             if user.target is update_op and user.args[0] is node:
                 return user
-            if user.target in _VIEWS:
+            if user.target in VIEW_OPS:
                 frontier.append(user)
     return None
 
