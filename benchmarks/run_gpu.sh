@@ -8,6 +8,7 @@
 # Steps (each optionally ending in @SECONDS, its time limit):
 #   kernels[:GROUPS]   python -m benchmarks.kernels [--groups GROUPS]         -> k.json, k.log
 #   models[:LIST]      python -m benchmarks.models [--models LIST] --profile  -> m.json, m.log (m2.*, ... after)
+#   models_cg[:LIST]   the same with --cudagraphs                              -> mc.json, mc.log
 #   profile:LIST       python -m benchmarks.profile --model LIST              -> p.json, p.log
 #                      (profile:none: only the --row / --spelling targets given in $PROFILE_ARGS)
 #   training[:LIST]    python -m benchmarks.training [--models LIST]          -> t.json, t.log
@@ -17,9 +18,10 @@
 #                      (qk_norm_rope.py, fused_qk_norm_rope.py, rotary.py) where there -> dr.json, dr.log
 #   norm_tiles         python -m benchmarks.norm_tiles (the planner before and after) -> nt.json, nt.log
 #   kv_cache           python -m benchmarks.kv_cache (RoPE + the KV-cache write) -> kv.json, kv.log
+#   compile_time[:LIST] python -m benchmarks.compile_time [--models LIST] (cold and warm) -> ct.json, ct.log
 #   notests            skip the GPU tests (which otherwise run first, -> tests.log)
 # Extra arguments per step: $KERNELS_ARGS, $MODELS_ARGS, $PROFILE_ARGS, $TRAINING_ARGS, $DROPINS_ARGS,
-# $KV_CACHE_ARGS (word-split).
+# $KV_CACHE_ARGS, $COMPILE_TIME_ARGS (word-split).
 # Deadline for the whole call: $RUN_DEADLINE seconds (default 570); a step gets at most what is left, and is
 # skipped when less than 30 s is left. A failing or timed-out step is reported and the next one runs (the
 # benchmarks rewrite their JSON after every row or model, so a timed-out step still leaves what it measured).
@@ -91,9 +93,10 @@ nproc
 tests=1
 for a in "$@"; do [[ $a == notests ]] && tests=0; done
 if (( tests )); then
-    run tests 240 "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py \
-        tests/kernels/test_triton_graph.py tests/kernels/test_kv_cache_gpu.py tests/compat/test_dropins_gpu.py \
-        -k "gpu or cuda"
+    # every test file with CUDA-only tests (skipped on the CPU), in parallel; $GPU_TESTS overrides the list
+    # shellcheck disable=SC2086
+    run tests 240 "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-6}" \
+        ${GPU_TESTS:-$(grep -rl "skipif(not torch.cuda" tests)} -k "gpu or cuda"
 fi
 
 n_models=0
@@ -116,6 +119,10 @@ for a in "$@"; do
             # shellcheck disable=SC2086
             run "models $arg" "${limit:-540}" "$OUT/m$suffix.log" python3 -m benchmarks.models --profile \
                 --out "$OUT/m$suffix.json" ${arg:+--models "$arg"} ${MODELS_ARGS:-} ;;
+        models_cg)
+            # shellcheck disable=SC2086
+            run "models_cg $arg" "${limit:-540}" "$OUT/mc.log" python3 -m benchmarks.models --cudagraphs \
+                --out "$OUT/mc.json" ${arg:+--models "$arg"} ${MODELS_ARGS:-} ;;
         profile)
             # shellcheck disable=SC2086
             models_arg=(--model "${arg:-all}")
@@ -148,9 +155,13 @@ for a in "$@"; do
             # shellcheck disable=SC2086
             run dropins "${limit:-420}" "$OUT/dr.log" python3 -m benchmarks.dropins --out "$OUT/dr.json" \
                 ${upstream[@]+"${upstream[@]}"} ${arg:+--sections ${arg//,/ }} ${DROPINS_ARGS:-} ;;
+        compile_time)
+            # shellcheck disable=SC2086
+            run compile_time "${limit:-360}" "$OUT/ct.log" python3 -m benchmarks.compile_time --out "$OUT/ct.json" \
+                ${arg:+--models ${arg//,/ }} ${COMPILE_TIME_ARGS:-} ;;
         norm_tiles)
             run norm_tiles "${limit:-300}" "$OUT/nt.log" python3 -m benchmarks.norm_tiles --out "$OUT/nt.json" ;;
-        *) note "unknown step '$a' (kernels[:GROUPS], models[:LIST], profile:LIST, training[:LIST], distributed, vllm_omni, dropins[:SECTIONS], norm_tiles, kv_cache, notests)" ;;
+        *) note "unknown step '$a' (kernels[:GROUPS], models[:LIST], models_cg[:LIST], profile:LIST, training[:LIST], distributed, vllm_omni, dropins[:SECTIONS], norm_tiles, kv_cache, compile_time[:LIST], notests)" ;;
     esac
 done
 note "all steps done; files in $OUT:"
