@@ -148,11 +148,12 @@ def evaluate(body: list, env: dict, outputs: list, wide: bool = False) -> list:
     return [env[o] for o in outputs]
 
 
-def _flat_tensors(out: Any) -> list:
-    if isinstance(out, torch.Tensor):
+def _flat(out: Any, kind: type) -> list:
+    """The leaves of type `kind` in a (nested) list or tuple, in order: a region's tensors, or its output nodes."""
+    if isinstance(out, kind):
         return [out]
     if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _flat_tensors(o)]
+        return [t for o in out for t in _flat(o, kind)]
     return []
 
 
@@ -219,7 +220,7 @@ class CandidateCheck:
             STATS["seconds"] += time.perf_counter() - start
             out = run()
             start = time.perf_counter()
-            self.first[name] = [t.clone() for t in _flat_tensors(out)[: self.n]]
+            self.first[name] = [t.clone() for t in _flat(out, torch.Tensor)[: self.n]]
             STATS["seconds"] += time.perf_counter() - start
             return out
         return first_call
@@ -257,18 +258,10 @@ class CandidateCheck:
         try:
             self._restore()
             env = dict(zip([n for n in g.nodes if n.op == "placeholder"], map(widened, self.left_inputs)))
-            return evaluate(body, env, list(_flat_nodes(out.args[0]))[: self.n], wide=True)
+            return evaluate(body, env, _flat(out.args[0], fx.Node)[: self.n], wide=True)
         except Exception as e:  # an op without an fp64 kernel: the model's code is the reference
             log.debug("rope_fusion: no fp64 reference of a site's region: %s: %s", type(e).__name__, e)
             return None
-
-
-def _flat_nodes(a: Any) -> list:
-    if isinstance(a, fx.Node):
-        return [a]
-    if isinstance(a, (list, tuple)):
-        return [n for x in a for n in _flat_nodes(x)]
-    return []
 
 
 def refused(refusals: dict, measured: str = "") -> FusionDisagreed:

@@ -104,19 +104,12 @@ import torch.fx
 
 from ...ops import packed
 from ..analysis.site import KernelTables, Site
-from .kernel_sites import (
-    FLOATS,
-    LOOKS_ROTARY,
+from .graph_values import (
     KernelMiss,
-    check_before,
     contiguous,
     contiguous_rows,
     eq,
     ge,
-    getitems,
-    is_call,
-    kernel_site,
-    kernel_site_of,
     known,
     size_key,
     static_bool,
@@ -124,6 +117,7 @@ from .kernel_sites import (
     tensor_of,
     value_of,
 )
+from .kernel_sites import FLOATS, LOOKS_ROTARY, check_before, getitems, is_call, kernel_site, kernel_site_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -20,10 +20,11 @@ Anything else whose name says rotary/rope (another Triton kernel such as vLLM's 
 ops such as `vllm::rocm_aiter_triton_rotary_embedding`, `vllm::xpu_apply_rotary_emb`, `vllm::mrope`; not the
 `rope_fusion`, `aten` and `prims` namespaces) is reported, never claimed: its semantics have not been checked here.
 
-This module holds the checks on graph values that every kind uses (sizes may be symbolic: a check passes only when
-it holds for every value of the symbols, and adds no guard), `kernel_site_of` (a kind's rotated tensor as a
-`Site`), and the registry that each kind's module adds its recogniser to with `@kernel_site(kind)`. kernel_scan.py
-imports those modules and walks the graph. Nothing here imports a kind's module.
+This module holds `kernel_site_of` (a kind's rotated tensor as a `Site`), the small graph helpers the kinds share,
+and the registry that each kind's module adds its recogniser to with `@kernel_site(kind)`; graph_values.py holds
+the checks on graph values (sizes may be symbolic: a check passes only when it holds for every value of the
+symbols, and adds no guard). kernel_scan.py imports the kinds' modules and walks the graph. Nothing here imports a
+kind's module.
 """
 
 from __future__ import annotations
@@ -39,96 +40,11 @@ import torch.fx
 
 from ...ops.schema import RotaryParams
 from ..analysis.site import KernelTables, Site, XView
+from .graph_values import KernelMiss
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 HALVES = (torch.float16, torch.bfloat16)
 LOOKS_ROTARY = re.compile(r"rotary|(?<!p)rope", re.I)  # apply_rope, mrope, rotary_kernel, RoPE; not "property"
-
-
-class KernelMiss(Exception):
-    """Raised inside an analysis with the reason a call cannot be expressed (reported as a near miss)."""
-
-
-# small helpers on graph values
-
-def value_of(a: Any) -> Any:
-    return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
-
-
-def tensor_of(a: Any, what: str) -> torch.Tensor:
-    v = value_of(a)
-    if not isinstance(v, torch.Tensor):
-        raise KernelMiss(f"{what} has no tensor metadata in the graph")
-    return v
-
-
-def known(cond: Any) -> bool:
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    if isinstance(cond, bool):
-        return cond
-    try:
-        return bool(statically_known_true(cond))
-    except Exception:
-        return False
-
-
-def eq(a: Any, b: Any) -> bool:
-    a, b = value_of(a), value_of(b)
-    if isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt)):
-        return known(a == b)
-    return False
-
-
-def may_eq(a: Any, b: Any) -> bool:
-    """Not provably different (symbolic sizes that the op itself checks at run time)."""
-    a, b = value_of(a), value_of(b)
-    if isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt)):
-        return not known(a != b)
-    return False
-
-
-def ge(a: Any, b: Any) -> bool:
-    a, b = value_of(a), value_of(b)
-    if isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt)):
-        return known(a >= b)
-    return False
-
-
-def static_int(a: Any, what: str) -> int:
-    v = value_of(a)
-    if isinstance(v, bool):
-        raise KernelMiss(f"{what} is a bool, expected an int")
-    if isinstance(v, int):
-        return v
-    if isinstance(v, torch.SymInt):
-        c = v.node.maybe_as_int()
-        if c is not None:
-            return int(c)
-        raise KernelMiss(f"{what} is symbolic ({v}); the fused op needs it static (mark that dim static)")
-    raise KernelMiss(f"{what} is not an int ({v!r})")
-
-
-def static_bool(a: Any, what: str) -> bool:
-    v = value_of(a)
-    if isinstance(v, bool):
-        return v
-    raise KernelMiss(f"{what} is not a constant bool ({v!r})")
-
-
-def contiguous(t: torch.Tensor) -> bool:
-    """Row-major contiguous, provably (size-1 dims excepted), without adding guards on symbolic sizes."""
-    expected: Any = 1
-    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
-        if not (known(size == 1) or known(stride == expected)):
-            return False
-        expected = expected * size
-    return True
-
-
-def contiguous_rows(t: torch.Tensor) -> bool:
-    """2-D with row stride = row length and unit column stride (size-1 dims excepted)."""
-    return t.dim() == 2 and contiguous(t)
 
 
 def getitems(node: torch.fx.Node, key: Any) -> list[torch.fx.Node]:
@@ -137,14 +53,6 @@ def getitems(node: torch.fx.Node, key: Any) -> list[torch.fx.Node]:
 
 def is_call(node: Any, target: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
-
-
-def size_key(size: Any) -> Any:
-    """An int, or the expression of a symbolic size (equal expressions: provably equal sizes)."""
-    if isinstance(size, torch.SymInt):
-        c = size.node.maybe_as_int()
-        return int(c) if c is not None else ("sym", str(size.node.expr))
-    return int(size)
 
 
 def check_before(node: torch.fx.Node, new: torch.fx.Node) -> None:

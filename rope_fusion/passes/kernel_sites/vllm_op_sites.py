@@ -63,18 +63,11 @@ import torch
 import torch.fx
 
 from ..analysis.site import KernelTables, Site
-from .kernel_sites import (
-    FLOATS,
-    HALVES,
-    LOOKS_ROTARY,
+from .graph_values import (
     KernelMiss,
-    check_before,
     contiguous,
     contiguous_rows,
     eq,
-    getitems,
-    kernel_site,
-    kernel_site_of,
     known,
     may_eq,
     static_bool,
@@ -82,6 +75,7 @@ from .kernel_sites import (
     tensor_of,
     value_of,
 )
+from .kernel_sites import FLOATS, HALVES, LOOKS_ROTARY, check_before, getitems, kernel_site, kernel_site_of
 
 aten = torch.ops.aten
 
