@@ -50,16 +50,16 @@ def kernels_on_cpu() -> Iterator[None]:
     import rope_fusion.kernels.triton_join as tj
     import rope_fusion.kernels.triton_launch as launching
     import rope_fusion.kernels.triton_rotary  # noqa: F401  (registers the CUDA kernels)
-    from rope_fusion.ops import cat_rotary, joins, kv_cache_op, library, slice_write
+    from rope_fusion.ops import cat_rotary, device_runners, joins, kv_cache_op, slice_write
 
     saved = (launching.rotary_kernel, launching.INTERPRETED, tj.join_kernel)
     launching.rotary_kernel, launching.INTERPRETED, tj.join_kernel = NoLaunch(), True, NoLaunch()
-    tables = (library.DEVICE_KERNELS, slice_write.IN_PLACE, slice_write.PLANNERS, cat_rotary.DEVICE_IMPLS,
+    tables = (device_runners.DEVICE_KERNELS, slice_write.IN_PLACE, slice_write.PLANNERS, cat_rotary.DEVICE_IMPLS,
               cat_rotary.DEVICE_CHECKS, cat_rotary.DEVICE_PLANNERS, joins.JOIN_PLANNERS, kv_cache_op.DEVICE_IMPLS)
     for table in tables:
         table["cpu"] = table["cuda"]
-    kernel = library.DEVICE_KERNELS["cuda"]  # the op's dispatcher too: its CPU kernel stays registered
-    library.register_device_kernel("cpu", kernel.impl, kernel.plan, kernel.takes_packed)
+    kernel = device_runners.DEVICE_KERNELS["cuda"]  # the op's dispatcher too: its CPU kernel stays registered
+    device_runners.register_device_kernel("cpu", kernel.impl, kernel.plan, kernel.takes_packed)
     rope_fusion.clear_caches()
     try:
         yield

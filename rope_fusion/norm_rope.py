@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .ops import library
+from .ops.public_functions import apply_rotary_qk
 
 
 def _across_heads_weight(w: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
@@ -41,6 +41,6 @@ def rms_norm_rope_qk(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | 
             raise TypeError(f"rms_norm_rope_qk sets {name} itself; pass the norm's arguments positionally")
     if not per_head:
         q_weight, k_weight = _across_heads_weight(q_weight, q), _across_heads_weight(k_weight, k)
-    return library.apply_rotary_qk(q, k, cos, sin, norm="rms" if per_head else "rms_across_heads", norm_eps=eps,
-                                   q_norm_weight=q_weight, k_norm_weight=k_weight, interleaved=interleaved,
-                                   **options)
+    return apply_rotary_qk(q, k, cos, sin, norm="rms" if per_head else "rms_across_heads", norm_eps=eps,
+                           q_norm_weight=q_weight, k_norm_weight=k_weight, interleaved=interleaved,
+                           **options)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import library
+from ..ops.public_functions import apply_rotary
 from .arguments import caller_names
 
 
@@ -33,9 +33,9 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor | tuple[torch.Tens
         cos, sin = cos.to(x.device), sin.to(x.device)
         if use_real_unbind_dim not in (-1, -2):
             raise ValueError(f"`use_real_unbind_dim={use_real_unbind_dim}` but should be -1 or -2.")
-        return library.apply_rotary(x, cos, sin, full_tables=True, interleaved=use_real_unbind_dim == -1,
-                                    rotary_dim=x.shape[-1])
+        return apply_rotary(x, cos, sin, full_tables=True, interleaved=use_real_unbind_dim == -1,
+                            rotary_dim=x.shape[-1])
     if not torch.is_complex(freqs_cis):
         raise ValueError(f"use_real=False takes complex freqs_cis, got {freqs_cis.dtype}")
     freqs = freqs_cis.unsqueeze(2)
-    return library.apply_rotary(x, freqs.real, freqs.imag, interleaved=True, rotary_dim=x.shape[-1])
+    return apply_rotary(x, freqs.real, freqs.imag, interleaved=True, rotary_dim=x.shape[-1])

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..ops.library import tensor_geometry
 from ..ops.plan_cache import PlanCache
+from ..ops.public_functions import tensor_geometry
 
 
 def call_key(tensors: Sequence[torch.Tensor | None], scalars: tuple) -> tuple | None:

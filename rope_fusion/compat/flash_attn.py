@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import library
+from ..ops.public_functions import apply_rotary
 
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
@@ -42,20 +42,20 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
                                  f"{tuple(seqlen_offsets.shape)}")
             steps = torch.arange(seqlen, device=x.device, dtype=seqlen_offsets.dtype)
             positions = (seqlen_offsets[:, None] + steps)[..., None]  # [B, S, 1] against x's [B, S, H]
-            out = library.apply_rotary(x, cos, sin, positions=positions, interleaved=interleaved,
-                                       rotary_dim=rotary_dim)
+            out = apply_rotary(x, cos, sin, positions=positions, interleaved=interleaved,
+                               rotary_dim=rotary_dim)
         else:
             if seqlen_offsets < 0 or seqlen_offsets + seqlen > seqlen_ro:
                 raise ValueError(f"rows {seqlen_offsets}..{seqlen_offsets + seqlen - 1} of the tables are asked for, "
                                  f"the tables have {seqlen_ro} rows")
             rows = slice(seqlen_offsets, seqlen_offsets + seqlen)
-            out = library.apply_rotary(x, cos[rows, None], sin[rows, None], interleaved=interleaved,
-                                       rotary_dim=rotary_dim)
+            out = apply_rotary(x, cos[rows, None], sin[rows, None], interleaved=interleaved,
+                               rotary_dim=rotary_dim)
     else:
         if x.dim() != 3:
             raise ValueError(f"x must be [total_seqlen, nheads, headdim] with cu_seqlens, got {tuple(x.shape)}")
-        out = library.apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets,
-                                   interleaved=interleaved, rotary_dim=rotary_dim)
+        out = apply_rotary(x, cos, sin, cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets,
+                           interleaved=interleaved, rotary_dim=rotary_dim)
     if inplace:
         x[..., :rotary_dim].copy_(out[..., :rotary_dim])
         return x

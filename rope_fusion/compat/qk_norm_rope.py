@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from ..norm_rope import rms_norm_rope_qk
-from ..ops import cat_rotary, joins, library
+from ..ops import cat_rotary, device_runners, joins
 from ..ops.optional_backends import load_backends
+from ..ops.public_functions import apply_rotary_qk
 from ..ops.schema import FLOAT_DTYPES, RotaryCall, RotaryParams, check_call
 from .direct import Plans, call_key
 
@@ -110,7 +111,7 @@ def _plan_qk(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight:
     call = RotaryCall([q, k], cos, sin, params, None, [q_weight, k_weight])
     check_call(call)
     load_backends()  # the device kernels register on import
-    run = library.device_runner(call)
+    run = device_runners.device_runner(call)
 
     def runner(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                rope_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,8 +180,8 @@ def _joint_through_op(streams: tuple, weights: tuple, rope_table: torch.Tensor, 
     batch, s0, s1 = q0.shape[0], q0.shape[1], q1.shape[1]
     cos, sin = _tables(rope_table, (batch, s0 + s1), params.rotary_dim // 2)
     q_w, k_w = (_joined_weights(a, b, s0, s1) for a, b in ((weights[0], weights[2]), (weights[1], weights[3])))
-    q, k = library.apply_rotary_qk(torch.cat((q0, q1), 1), torch.cat((k0, k1), 1), cos, sin,
-                                   q_norm_weight=q_w, k_norm_weight=k_w, **params.kwargs())
+    q, k = apply_rotary_qk(torch.cat((q0, q1), 1), torch.cat((k0, k1), 1), cos, sin,
+                           q_norm_weight=q_w, k_norm_weight=k_w, **params.kwargs())
     return q, k, torch.cat((v0, v1), 1)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import library
+from ..ops.public_functions import apply_rotary, apply_rotary_qk
 from .arguments import caller_names
 
 
@@ -40,8 +40,8 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     """The Llama form: `q * cos + rotate_half(q) * sin` (and k), full-width NeoX tables; tables narrower than the
     head rotate its first cos.shape[-1] lanes (partial rotary)."""
     cos, sin = _tables(cos, sin, unsqueeze_dim)
-    return library.apply_rotary_qk(q, k, cos, sin, full_tables=True, rotary_dim=cos.shape[-1],
-                                   out_dtype=_out_dtype(q, cos))
+    return apply_rotary_qk(q, k, cos, sin, full_tables=True, rotary_dim=cos.shape[-1],
+                           out_dtype=_out_dtype(q, cos))
 
 
 @caller_names(cos="cos", sin="sin")
@@ -50,8 +50,8 @@ def apply_rotary_pos_emb_glm(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor
     """GLM's form: interleaved pairs over the first cos.shape[-1] lanes, the rest passes through."""
     cos, sin = _tables(cos, sin, unsqueeze_dim)
     width = cos.shape[-1]
-    return library.apply_rotary_qk(q, k, cos[..., : width // 2], sin[..., : width // 2], interleaved=True,
-                                   rotary_dim=width, out_dtype=_out_dtype(q, cos))
+    return apply_rotary_qk(q, k, cos[..., : width // 2], sin[..., : width // 2], interleaved=True,
+                           rotary_dim=width, out_dtype=_out_dtype(q, cos))
 
 
 @caller_names(cos="cos", sin="sin")
@@ -61,13 +61,13 @@ def apply_rotary_pos_emb_interleave(q: torch.Tensor, k: torch.Tensor, cos: torch
     """DeepSeek-V3's form: interleaved pairs (2j, 2j + 1) rotated and written as out[j], out[j + D/2]."""
     cos, sin = _tables(cos, sin, unsqueeze_dim)
     width = cos.shape[-1]
-    return library.apply_rotary_qk(q, k, cos[..., : width // 2], sin[..., : width // 2], interleaved=True,
-                                   deinterleave=True, rotary_dim=width, out_dtype=_out_dtype(q, cos))
+    return apply_rotary_qk(q, k, cos[..., : width // 2], sin[..., : width // 2], interleaved=True,
+                           deinterleave=True, rotary_dim=width, out_dtype=_out_dtype(q, cos))
 
 
 @caller_names(x="tensor", cos="cos", sin="sin")
 def apply_rotary_pos_emb_gptj(tensor: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
     """GPT-J / CodeGen: x [B, S, H, R] by half tables [B, S, R/2] (sin first), interleaved pairs."""
     cos_, sin_ = cos[:, :, None, :], sin[:, :, None, :]
-    return library.apply_rotary(tensor, cos_, sin_, interleaved=True, rotary_dim=2 * cos.shape[-1],
-                                out_dtype=_out_dtype(tensor, cos))
+    return apply_rotary(tensor, cos_, sin_, interleaved=True, rotary_dim=2 * cos.shape[-1],
+                        out_dtype=_out_dtype(tensor, cos))

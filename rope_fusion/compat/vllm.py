@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..ops import library, slice_write
+from ..ops import slice_write
 from ..ops.kv_cache_api import apply_rotary_qk_kv_cache
 from ..ops.optional_backends import load_backends
+from ..ops.public_functions import apply_rotary, apply_rotary_qk
 from ..ops.schema import RotaryCall, RotaryParams, check_call
 from .arguments import caller_names
 from .direct import Plans, call_key
@@ -41,8 +42,8 @@ def _rotate(query: torch.Tensor, key: torch.Tensor | None, head_size: int, cos: 
     pos = None if positions is None else positions[:, None]
     q = _heads(query, num_tokens, head_size)
     if key is None:
-        return library.apply_rotary(q, *table, positions=pos, **rot), None
-    return library.apply_rotary_qk(q, _heads(key, num_tokens, head_size), *table, positions=pos, **rot)
+        return apply_rotary(q, *table, positions=pos, **rot), None
+    return apply_rotary_qk(q, _heads(key, num_tokens, head_size), *table, positions=pos, **rot)
 
 
 def _check_cache(cos_sin_cache: torch.Tensor, head_size: int, rope_dim_offset: int = 0) -> None:

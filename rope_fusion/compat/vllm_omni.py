@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import library
+from ..ops.public_functions import apply_rotary
 from .arguments import caller_names
 from .diffusers import apply_rotary_emb as _diffusers_apply_rotary_emb
 from .qk_norm_rope import fused_joint_qkv_norm_rope, fused_qk_norm_rope  # noqa: F401  (vllm-omni's own names)
@@ -27,8 +27,8 @@ from .qk_norm_rope import fused_joint_qkv_norm_rope, fused_qk_norm_rope  # noqa:
 @caller_names(x="hidden_states", cos="freqs_cos", sin="freqs_sin")
 def apply_rotary_emb_wan(hidden_states: torch.Tensor, freqs_cos: torch.Tensor,
                          freqs_sin: torch.Tensor) -> torch.Tensor:
-    return library.apply_rotary(hidden_states, freqs_cos[..., 0::2], freqs_sin[..., 1::2], interleaved=True,
-                                rotary_dim=hidden_states.shape[-1])
+    return apply_rotary(hidden_states, freqs_cos[..., 0::2], freqs_sin[..., 1::2], interleaved=True,
+                        rotary_dim=hidden_states.shape[-1])
 
 
 @caller_names(x="hidden_states", cos="freqs_cis", sin="freqs_cis")
@@ -46,12 +46,12 @@ def apply_rotary_emb_qwen(x: torch.Tensor, freqs_cis: torch.Tensor | tuple[torch
     if not torch.is_complex(freqs_cis):
         raise ValueError(f"use_real=False takes complex freqs_cis, got {freqs_cis.dtype}")
     freqs = freqs_cis.unsqueeze(1)
-    return library.apply_rotary(x, freqs.real, freqs.imag, interleaved=True, rotary_dim=x.shape[-1])
+    return apply_rotary(x, freqs.real, freqs.imag, interleaved=True, rotary_dim=x.shape[-1])
 
 
 @caller_names(cos="cos", sin="sin")
 def apply_rotary_emb_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            interleaved: bool = False) -> torch.Tensor:
     rotary_dim = 2 * cos.shape[-1]
-    return library.apply_rotary(x, cos.unsqueeze(-2), sin.unsqueeze(-2), interleaved=interleaved,
-                                rotary_dim=rotary_dim)
+    return apply_rotary(x, cos.unsqueeze(-2), sin.unsqueeze(-2), interleaved=interleaved,
+                        rotary_dim=rotary_dim)

@@ -29,8 +29,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..ops import library, slice_write
+from ..ops import slice_write
 from ..ops.optional_backends import load_backends
+from ..ops.public_functions import apply_rotary, apply_rotary_qk
 from ..ops.schema import RotaryCall, RotaryParams, check_call
 from .direct import Plans, call_key
 
@@ -111,7 +112,7 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_n
         params = RotaryParams(interleaved=not is_neox_style, rotary_dim=rotary_dim, full_tables=False,
                               conjugate=False, out_dtype=x.dtype)
         if key is None:  # traced, or autograd to record: the op
-            return library.apply_rotary(x, c, s, **params.kwargs())
+            return apply_rotary(x, c, s, **params.kwargs())
         run = _PLANS.put(key, _plan(x, cos, sin, params) or _through_op(params))
     return run(x, cos, sin)
 
@@ -120,7 +121,7 @@ def _through_op(params: RotaryParams) -> Callable:
     """The runner of a geometry no kernel here writes into given outputs (the CPU, lanes with a stride): the op."""
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c, s, _ = _tables(x, cos, sin)
-        return library.apply_rotary(x, c, s, **params.kwargs())
+        return apply_rotary(x, c, s, **params.kwargs())
     return run
 
 
@@ -131,8 +132,8 @@ def apply_rotary_emb_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin
     c, s, rotary_dim = _tables(q, cos, sin)
     if k.dim() not in (3, 4) or k.shape[-3] != q.shape[-3] or k.shape[-1] != q.shape[-1]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share their seq and head_dim")
-    return library.apply_rotary_qk(q, k, c, s, interleaved=not is_neox_style, rotary_dim=rotary_dim,
-                                   out_dtype=q.dtype)
+    return apply_rotary_qk(q, k, c, s, interleaved=not is_neox_style, rotary_dim=rotary_dim,
+                           out_dtype=q.dtype)
 
 
 class ApplyRotaryEmb(torch.nn.Module):

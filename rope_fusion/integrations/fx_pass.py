@@ -40,7 +40,7 @@ from typing import Any
 import torch.fx as fx
 
 from ..ops.backends import Backend, LeftToInductor, Refusal, SiteSpec, emit_op_call, load_backends
-from ..ops.library import OPS
+from ..ops.op_definition import OPS
 from ..passes.analysis import aten_form
 from ..passes.analysis.provenance import source_line
 from ..passes.auto.choosers import Choice, Chooser, GraphFacts

@@ -40,7 +40,7 @@ import logging
 import torch
 
 from ..ops.backends import Backend, SiteSpec, emit_op_call, register_backend
-from ..ops.library import define_rotary_ops
+from ..ops.op_definition import define_rotary_ops
 from ..ops.reference import gather_rows, rms_norm, rotary_reference
 from ..ops.schema import ROTATION_FIELDS, RotaryCall
 
@@ -271,7 +271,7 @@ def supports(spec: SiteSpec) -> str | None:
 
 register_backend(Backend("npu", supports, lambda em, call, like: emit_op_call(NPU_OPS, em, call, like)))
 if torch._C._get_privateuse1_backend_name() == "npu":  # torch_npu is loaded: serve direct calls of the op too
-    from ..ops.library import register_device_kernel
+    from ..ops.device_runners import register_device_kernel
 
     register_device_kernel("npu", _impl)
 

@@ -36,7 +36,7 @@ import torch
 
 from ..ops.kv_cache import CacheCall, cache_geometry
 from ..ops.kv_cache_op import register_cache_kernel
-from ..ops.library import ROTARY
+from ..ops.op_definition import ROTARY
 from ..ops.packed import unpacked
 from ..ops.reference import gather_rows
 

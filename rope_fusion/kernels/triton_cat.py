@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from ..ops.cat_rotary import CatCall, register_cat_kernel
-from ..ops.library import tensor_geometry
 from ..ops.plan_cache import PlanCache
+from ..ops.public_functions import tensor_geometry
 from . import triton_launch
 from .triton_plan import KERNEL_FIELDS, Tables, heads_fit_int32, is_true, launch_args, norm_fits, per_lane, plan_launch
 
@@ -124,9 +124,9 @@ _CAT_POINTERS = ("q2_ptr", "k2_ptr", "wq2_ptr", "wk2_ptr")  # the joined form's 
 
 
 def _runner_key(cat: CatCall) -> tuple | None:
-    """Every tensor's geometry (`library.tensor_geometry`: shape, strides, dtype, device, 16-byte alignment, what
-    the plan and Triton's specialisation read), the join's dims and the parameters; None where one cannot be a
-    key."""
+    """Every tensor's geometry (`public_functions.tensor_geometry`: shape, strides, dtype, device, 16-byte
+    alignment, what the plan and Triton's specialisation read), the join's dims and the parameters; None where one
+    cannot be a key."""
     call = cat.call
     try:
         key = (tuple(tensor_geometry(t) for t in call.xs), tuple(tensor_geometry(t) for t in cat.seconds),

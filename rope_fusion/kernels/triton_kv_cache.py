@@ -23,8 +23,8 @@ import torch
 
 from ..ops.kv_cache import FP8_CACHE_DTYPES, CacheCall, cache_geometry
 from ..ops.kv_cache_op import register_cache_kernel
-from ..ops.library import tensor_geometry
 from ..ops.plan_cache import PlanCache
+from ..ops.public_functions import tensor_geometry
 from . import triton_launch
 from .triton_plan import (
     INT32_MAX,

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from ..ops.backends import Backend, Refusal, SiteSpec, emit_op_call, register_backend
-from ..ops.library import define_rotary_ops, register_device_kernel
+from ..ops.device_runners import register_device_kernel
+from ..ops.op_definition import define_rotary_ops
 from ..ops.schema import RotaryCall
 from . import (  # noqa: F401  (the slice, cat, join and KV-cache ops' CUDA kernels register)
     triton_cat,

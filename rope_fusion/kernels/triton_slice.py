@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..ops.library import tensor_geometry
 from ..ops.plan_cache import PlanCache
+from ..ops.public_functions import tensor_geometry
 from ..ops.schema import RotaryCall
 from ..ops.slice_write import register_in_place
 from . import triton_launch

@@ -14,15 +14,11 @@ from . import (
     host_tables,  # noqa: F401  (defines the host table copy op)
     slice_write,  # noqa: F401  (defines the slice and into ops)
 )
+from .device_runners import register_device_kernel  # noqa: F401
 from .kv_cache_api import apply_rotary_qk_kv_cache  # noqa: F401
-from .library import (  # noqa: F401
-    apply_rotary,
-    apply_rotary_qk,
-    apply_rotary_qkv,
-    define_rotary_ops,
-    register_device_kernel,
-)
+from .op_definition import define_rotary_ops  # noqa: F401
 from .plan_cache import clear_caches  # noqa: F401
+from .public_functions import apply_rotary, apply_rotary_qk, apply_rotary_qkv  # noqa: F401
 from .reference import rotary_reference  # noqa: F401
 from .schema import RotaryParams, check_args, math_dtype  # noqa: F401
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .cost_model import SiteCost, cheapest
-from .library import OPS
+from .op_definition import OPS
 from .optional_backends import OPTIONAL_BACKENDS, load_backends
 from .schema import RotaryCall, RotaryParams
 

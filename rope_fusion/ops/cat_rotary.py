@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
-from .library import LIBRARY, reference_only, tensor_geometry
+from .op_definition import LIBRARY, reference_only
 from .optional_backends import load_backends
 from .plan_cache import PlanCache
+from .public_functions import tensor_geometry
 from .reference import rms_norm, rotary_reference
 from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, check_call, math_dtype, op_schema
 
@@ -173,7 +174,7 @@ _CHECKED = PlanCache("cat.checked")  # the geometries (`_check_key`) whose calls
 
 
 def _check_key(arity: int, args: tuple, kw: dict) -> tuple | None:
-    """What `parse`'s checks depend on: every tensor's geometry (`library.tensor_geometry`) and every other
+    """What `parse`'s checks depend on: every tensor's geometry (`public_functions.tensor_geometry`) and every other
     argument; None where one cannot be a key."""
     def part(a: Any) -> Any:
         if isinstance(a, torch.Tensor):

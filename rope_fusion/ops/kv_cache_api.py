@@ -1,9 +1,10 @@
 """The public function of the cache ops: `rope_fusion.apply_rotary_qk_kv_cache`.
 
-It takes every keyword `apply_rotary_qk` takes (the same schema fields, ops/library.py `option_parameters`) and the
-cache's own (`CACHE_KEYWORDS`). Eagerly, a call whose geometry was checked before goes straight to its device's
-kernel (ops/kv_cache_op.py `run`); with autograd to record, under tracing or a dispatch mode it calls the op, so
-torch.compile sees `rope_fusion::rotary_qk_kv_cache` (or `rotary_qk_mla_cache`) and writes the caches in place.
+It takes every keyword `apply_rotary_qk` takes (the same schema fields, ops/public_functions.py
+`option_parameters`) and the cache's own (`CACHE_KEYWORDS`). Eagerly, a call whose geometry was checked before goes
+straight to its device's kernel (ops/kv_cache_op.py `run`); with autograd to record, under tracing or a dispatch
+mode it calls the op, so torch.compile sees `rope_fusion::rotary_qk_kv_cache` (or `rotary_qk_mla_cache`) and
+writes the caches in place.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 
 from .kv_cache import check, parse_joint, parse_separate
 from .kv_cache_op import KV_CACHE_OP, MLA_CACHE_OP, run
-from .library import direct_key, option_parameters, rotary_call
 from .plan_cache import PlanCache
+from .public_functions import direct_key, option_parameters, rotary_call
 
 # the cache's keywords and their defaults, after the rotary ones
 CACHE_KEYWORDS: dict[str, Any] = {"k_scale": None, "v_scale": None, "v_norm_weight": None, "kv_layout": "NHD"}

@@ -17,9 +17,10 @@ import torch
 
 from .kv_cache import JOINT_SCHEMA, SEPARATE_SCHEMA, CacheCall, check, parse_joint, parse_separate
 from .kv_cache_reference import reference
-from .library import LIBRARY, tensor_geometry
+from .op_definition import LIBRARY
 from .optional_backends import load_backends
 from .plan_cache import PlanCache
+from .public_functions import tensor_geometry
 
 # impl(cc) -> q rotated ([T, Hq, Dq]) after writing the caches, or None where the kernel does not take the call (the
 # reference then runs)
@@ -47,8 +48,8 @@ _CHECKED = PlanCache("kv_cache.checked")  # (parser, geometry) of the calls that
 
 
 def geometry_key(args: Sequence[Any], kw: dict) -> tuple | None:
-    """What `check` depends on: every tensor's geometry (`library.tensor_geometry`: shape, strides, dtype, device,
-    alignment) and every other argument; None where one cannot be a key."""
+    """What `check` depends on: every tensor's geometry (`public_functions.tensor_geometry`: shape, strides, dtype,
+    device, alignment) and every other argument; None where one cannot be a key."""
     def part(a: Any) -> Any:
         return tensor_geometry(a) if isinstance(a, torch.Tensor) else a
     try:

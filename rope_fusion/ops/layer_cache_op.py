@@ -26,7 +26,7 @@ import torch
 
 from .kv_cache_api import apply_rotary_qk_kv_cache
 from .layer_caches import LayerCache, layer_cache
-from .library import LIBRARY, OPS
+from .op_definition import LIBRARY, OPS
 from .schema import RotaryParams, op_schema, optional_tensor_names
 
 log = logging.getLogger("rope_fusion")

@@ -20,7 +20,7 @@ from torch._inductor.utils import sympy_index_symbol  # noqa: F401  (import chec
 from torch._inductor.virtualized import V, ops
 from torch.utils._sympy.functions import ModularIndexing
 
-from .library import OPS
+from .op_definition import OPS
 from .packed import packed_positions
 from .reference import positions_error
 from .schema import RotaryCall, RotaryParams

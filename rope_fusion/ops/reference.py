@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .schema import check_args, math_dtype  # noqa: F401  (re-exported: the reference validates like the op)
+from .packed import unpacked
+from .schema import RotaryCall, check_args, math_dtype  # noqa: F401  (re-exported: the reference validates like the op)
 
 
 def split_pairs(t: torch.Tensor, interleaved: bool, blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +116,13 @@ def rms_norm(x: torch.Tensor, norm: str, eps: float, weight: torch.Tensor | None
     dims = (-1,) if norm == "rms" else (-2, -1)
     x = x * torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + eps)
     return x * weight.to(x.dtype) if weight is not None else x
+
+
+def reference_outputs(call: RotaryCall) -> list:
+    """The reference applied to every x of a call (packed sequences: at their derived positions)."""
+    call = unpacked(call)
+    return [rotary_reference(x, call.cos, call.sin, positions=call.positions, norm_weight=call.weight(i),
+                             **call.params.of_tensor(i).kwargs()).contiguous() for i, x in enumerate(call.xs)]
 
 
 def partner_lanes(t: torch.Tensor, interleaved: bool, blocks: int = 1) -> torch.Tensor:

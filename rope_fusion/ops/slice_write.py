@@ -26,11 +26,13 @@ from typing import Any
 
 import torch
 
-from .library import LIBRARY, reference_only, reference_outputs, tensor_geometry
+from .op_definition import LIBRARY, reference_only
 from .optional_backends import load_backends
 from .overlap import overlap_reason
 from .packed import unpacked
 from .plan_cache import PlanCache
+from .public_functions import tensor_geometry
+from .reference import reference_outputs
 from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, check_call, op_schema
 
 # the keyword arguments that say where each tensor's rotated slice lies
@@ -168,7 +170,7 @@ def _into_fake(arity: int) -> Callable[..., None]:
 
 
 def _plan_key(arity: int, views: list, rest: tuple, kw: dict) -> tuple | None:
-    """The geometry of a call on its slices: every tensor's (`library.tensor_geometry`: shape, strides, dtype,
+    """The geometry of a call on its slices: every tensor's (`public_functions.tensor_geometry`: shape, strides, dtype,
     device, alignment) and every keyword; None where one cannot be a key."""
     try:
         key = (arity, tuple(tensor_geometry(v) for v in views),

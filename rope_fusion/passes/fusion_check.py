@@ -13,7 +13,7 @@ values), and none of them fails a compile. So the fused form is evaluated agains
   evaluated eagerly on random inputs of its geometry before it is committed: the replaced region as the graph
   has it, and the nodes the pass emitted in its place: `verify_group`. Nothing new is compiled. On a GPU the
   emitted nodes run as they will (the kernel's user-kernel node, the in-place slice op); on the CPU the op runs
-  its reference whatever kernel is registered (`library.reference_kernels`): the lowering that a CPU compile
+  its reference whatever kernel is registered (`op_definition.reference_kernels`): the lowering that a CPU compile
   runs is Inductor's code of the same semantics, and the only other CPU kernel is the tests' interpreted Triton
   kernel, which costs a second a call and has tests of its own. What the CPU check proves is the emission: the
   views of x and the tables, the options, a folded norm, the writes into slices and joins.
@@ -43,7 +43,7 @@ import torch
 import torch.fx as fx
 
 from ..ops.backends import LeftToInductor
-from ..ops.library import reference_kernels
+from ..ops.op_definition import reference_kernels
 from .auto.auto_region import starts_region, walk_region
 
 log = logging.getLogger("rope_fusion")

@@ -24,7 +24,7 @@ import pytest
 
 # name -> (module, its device-type tables whose "cpu" entry becomes the "cuda" one)
 SERVES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "eager": ("rope_fusion.ops.library", ("DEVICE_KERNELS",)),  # the public functions' direct path
+    "eager": ("rope_fusion.ops.device_runners", ("DEVICE_KERNELS",)),  # the public functions' direct path
     "slice_write": ("rope_fusion.ops.slice_write", ("IN_PLACE", "PLANNERS")),  # rotations written into slices
     "cat": ("rope_fusion.ops.cat_rotary", ("DEVICE_IMPLS", "DEVICE_CHECKS")),  # the cat ops read the pieces
     "cat_planner": ("rope_fusion.ops.cat_rotary", ("DEVICE_PLANNERS",)),  # the cat ops' eager plans

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import rope_fusion
-from rope_fusion.ops import library
+from rope_fusion.ops import public_functions
 from rope_fusion.ops.reference import rotary_reference
 from rope_fusion.ops.schema import TENSOR_NAMES, RotaryParams
 
@@ -34,7 +34,7 @@ def test_signature_is_the_schema(arity):
     names = list(sig.parameters)
     tensors = [*TENSOR_NAMES[arity], "cos", "sin"]
     assert names[:len(tensors)] == tensors
-    assert names[len(tensors):] == [*library.tensor_keywords(arity), *FIELDS]
+    assert names[len(tensors):] == [*public_functions.tensor_keywords(arity), *FIELDS]
     hints = typing.get_type_hints(RotaryParams)
     for f in dataclasses.fields(RotaryParams):
         p = sig.parameters[f.name]
@@ -52,14 +52,14 @@ def test_a_new_schema_field_is_a_keyword_of_every_public_function():
                                        bases=(RotaryParams,), frozen=True)
     dummy.__doc__ = RotaryParams.__doc__.rstrip() + "\n    window: a dummy option of this test.\n    "
     for arity in (1, 2, 3):
-        params = {p.name: p for p in library.option_parameters(arity, dummy)}
+        params = {p.name: p for p in public_functions.option_parameters(arity, dummy)}
         assert set(FIELDS) | {"window"} <= set(params)
         assert params["window"].default == 0 and params["window"].annotation is int
-    assert library.field_docs(dummy)["window"] == "a dummy option of this test."
+    assert public_functions.field_docs(dummy)["window"] == "a dummy option of this test."
     required = dataclasses.make_dataclass("Required", [("window", int, dataclasses.field(kw_only=True))],
                                           bases=(RotaryParams,), frozen=True)
     with pytest.raises(TypeError, match="Required.window has no default"):
-        library.option_parameters(1, required)
+        public_functions.option_parameters(1, required)
 
 
 def _values(head_dim: int) -> dict:
@@ -112,7 +112,7 @@ def test_every_field_is_exercised_and_documented():
     assert set(_values(16)) == set(FIELDS)
     with open(API_MD) as f:
         text = f.read()
-    for name in [*FIELDS, *library.tensor_keywords(3)]:
+    for name in [*FIELDS, *public_functions.tensor_keywords(3)]:
         assert f"`{name}`" in text, name
 
 

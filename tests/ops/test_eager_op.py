@@ -1,4 +1,4 @@
-"""The public functions' eager path (ops/library.py `_apply`) and its per-device dispatch, on the CPU.
+"""The public functions' eager path (ops/public_functions.py `_apply`) and its per-device dispatch, on the CPU.
 
 An eager call goes straight to its device's kernel through a plan cached by the call's geometry: on CUDA the
 Triton kernel's own launcher (never `wrap_triton`, which only a tracer needs), validated once per geometry. Here
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import rope_fusion
-from rope_fusion.ops import library
+from rope_fusion.ops import device_runners, public_functions
 from rope_fusion.ops.plan_cache import plan_cache
 from rope_fusion.ops.reference import rotary_reference
 
@@ -119,8 +119,8 @@ def test_positions_norm_and_qkv_on_the_direct_path(kernel_on_cpu):
 
 def test_validation_runs_once_per_geometry_and_bad_calls_still_raise(kernel_on_cpu, monkeypatch):
     checks = []
-    real = library.check_call
-    monkeypatch.setattr(library, "check_call", lambda call: checks.append(1) or real(call))
+    real = public_functions.check_call
+    monkeypatch.setattr(public_functions, "check_call", lambda call: checks.append(1) or real(call))
     q = torch.randn(2, 4, 2, 16)
     cos, sin = rand_tables((4, 1), 8)
     for _ in range(3):
@@ -180,7 +180,7 @@ def test_cpu_runs_the_reference():
     torch.manual_seed(3)
     x = torch.randn(3, 7, 2, 24, dtype=torch.float64)
     cos, sin = (t.double() for t in rand_tables((7, 1), 12))
-    assert "cpu" not in library.DEVICE_KERNELS
+    assert "cpu" not in device_runners.DEVICE_KERNELS
     out = rope_fusion.apply_rotary(x, cos, sin, rotary_blocks=2)
     want = rotary_reference(x, cos, sin, interleaved=False, rotary_dim=24, full_tables=False, rotary_blocks=2)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
@@ -197,7 +197,7 @@ def npu_on_cpu(monkeypatch):
 
     monkeypatch.setattr(bridge, "OP_NAMESPACE", nb.NS)
     monkeypatch.setattr(bridge, "_LOGGED", set())
-    monkeypatch.setitem(library.DEVICE_KERNELS, "cpu", library.DeviceKernel(bridge._impl))
+    monkeypatch.setitem(device_runners.DEVICE_KERNELS, "cpu", device_runners.DeviceKernel(bridge._impl))
     rope_fusion.clear_caches()
     nb.CALLS.clear()
     return nb.CALLS

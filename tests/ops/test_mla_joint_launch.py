@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import rope_fusion
-from rope_fusion.ops.library import reference_outputs
+from rope_fusion.ops.reference import reference_outputs
 from rope_fusion.ops.schema import RotaryCall, RotaryParams
 from tests.helpers.compile_pass import compile_with_pass
 from tests.helpers.numerics import check_numerics

@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from rope_fusion.ops import backends
-from rope_fusion.ops.library import OPS
+from rope_fusion.ops.op_definition import OPS
 from rope_fusion.ops.reference import rotary_reference
 from rope_fusion.passes.auto import auto_consumers, auto_timing
 from tests.helpers.compile_pass import compile_with_pass

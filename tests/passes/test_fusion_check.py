@@ -19,9 +19,11 @@ import pytest
 import torch
 
 import rope_fusion
-from rope_fusion.ops import backends, library, slice_write
+from rope_fusion.ops import backends, device_runners, slice_write
 from rope_fusion.ops.backends import Backend, emit_op_call
-from rope_fusion.ops.library import OPS, DeviceKernel, reference_outputs
+from rope_fusion.ops.device_runners import DeviceKernel
+from rope_fusion.ops.op_definition import OPS
+from rope_fusion.ops.reference import reference_outputs
 from rope_fusion.passes import fusion_check
 from rope_fusion.passes.auto import auto_decisions, auto_timing
 from tests.helpers.compile_pass import compile_with_pass, static_lanes
@@ -269,7 +271,7 @@ def _kernel(wrong: bool, monkeypatch) -> None:
     sine's sign flipped."""
     def impl(call):
         return reference_outputs(_flipped(call) if wrong else call)
-    monkeypatch.setitem(library.DEVICE_KERNELS, "cpu", DeviceKernel(impl))
+    monkeypatch.setitem(device_runners.DEVICE_KERNELS, "cpu", DeviceKernel(impl))
 
 
 def test_auto_refuses_a_candidate_that_disagrees_and_leaves_the_site(clock, monkeypatch, caplog):

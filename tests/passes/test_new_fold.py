@@ -12,7 +12,7 @@ import torch
 import rope_fusion
 from rope_fusion.ops import backends
 from rope_fusion.ops.backends import emit_op_call
-from rope_fusion.ops.library import OPS
+from rope_fusion.ops.op_definition import OPS
 from rope_fusion.passes.emission import unflatten
 from rope_fusion.passes.folds import fold_registry
 from rope_fusion.passes.folds.fold_registry import Fold, Folded, FoldSite

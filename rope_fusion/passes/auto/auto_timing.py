@@ -287,7 +287,7 @@ def _runner(name: str, built: _Built, site: AutoSite, real: dict) -> Callable[[]
 
 def _lowering_runner(built: _Built, site: AutoSite, real: dict) -> Callable[[], Any]:
     """The op after the same input nodes, lowered by Inductor: one graph, as in the fused compile."""
-    from ...ops.library import OPS
+    from ...ops.op_definition import OPS
 
     down = [real[n] for n in built.down.inputs] if built.down else []
     return _compile(_with_op(built, site, OPS), [real[n] for n in built.upstream_inputs] + down)
@@ -316,7 +316,7 @@ _PLAIN_RUNNERS: dict[str, Callable[[_Built, AutoSite, dict], Callable[[], Any]]]
 def _kernel_runner(built: _Built, args: list, call_of: Callable) -> Callable[[], Any]:
     """The kernel's direct launch after the nodes that compute its arguments (compiled unless they are views of
     the inputs)."""
-    from ...ops.library import device_runner
+    from ...ops.device_runners import device_runner
 
     fixed = _views_of_inputs(built.upstream, args)
     if fixed is not None:  # nothing to compute before the kernel: its arguments are views of the inputs

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ...ops.library import OPS
+from ...ops.op_definition import OPS
 from ...ops.schema import optional_tensor_names
 from ..analysis.provenance import source_line
 from .fold_registry import (

@@ -1,268 +1,34 @@
-"""The `rope_fusion::rotary`, `rotary_qk` and `rotary_qkv` operators, and the way every variant is defined.
+"""The public functions `apply_rotary`, `apply_rotary_qk` and `apply_rotary_qkv`: the rotary ops as a library.
 
-Fused nodes are ordinary torch.library ops in any FX graph: a fake implementation (shape propagation under
-torch.compile), an eager implementation (the reference, or a device kernel that a backend registers with
-`register_device_kernel`, which is torch.library's `register_kernel`), an autograd formula and, for the two
-main ops, an Inductor lowering (ops/lowering.py). A backend that needs an op Inductor must not lower (the
-NPU bridge, the Triton kernel behind a symbolic-size site) defines its own variant with
-`define_rotary_ops(suffix, impl)`: same schema, fake and autograd formula, its own eager implementation.
-Every signature comes from `schema.RotaryParams` and `schema.optional_tensor_names`; implementations take a
-`schema.RotaryCall`.
+Their signatures derive from the schema (`option_parameters`, `field_docs`), so a new field of
+`schema.RotaryParams` is a keyword of every public function, documented from the schema's docstring. Eagerly, a
+call skips the op's dispatcher: it is validated and planned once per call geometry (`direct_key`) and each later
+call of that geometry runs its device's planned runner (device_runners.py); under tracing, a dispatch mode or
+autograd it calls the op (op_definition.py), so the tracer and autograd see `rope_fusion::rotary*`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
-import logging
 import re
-import threading
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from .device_runners import Runner, device_runner, runner_cache
+from .op_definition import OPS
 from .optional_backends import load_backends
-from .packed import eager_op, packed_positions, unpacked
-from .plan_cache import PlanCache
-from .reference import partner_lanes, rotary_reference, table_grads
 from .schema import (
-    OP_NAMES,
     PACKED_NAMES,
     TENSOR_NAMES,
     RotaryCall,
     RotaryParams,
     check_call,
-    op_schema,
     optional_tensor_names,
 )
-
-log = logging.getLogger("rope_fusion")
-
-LIBRARY = torch.library.Library("rope_fusion", "FRAGMENT")
-
-# impl(call) -> list of outputs, or None to use the reference
-Impl = Callable[[RotaryCall], "list | None"]
-
-
-def _result(outs: Sequence[torch.Tensor]) -> Any:
-    return outs[0] if len(outs) == 1 else tuple(outs)
-
-
-def reference_outputs(call: RotaryCall) -> list:
-    """The reference applied to every x of a call (packed sequences: at their derived positions)."""
-    call = unpacked(call)
-    return [rotary_reference(x, call.cos, call.sin, positions=call.positions, norm_weight=call.weight(i),
-                             **call.params.of_tensor(i).kwargs()).contiguous() for i, x in enumerate(call.xs)]
-
-
-def _fake(arity: int) -> Callable[..., Any]:
-    def fake(*args: Any, **kw: Any) -> Any:
-        call = RotaryCall.parse(args, kw, arity)
-        check_call(call)
-        return _result([x.new_empty(x.shape, dtype=call.params.out_dtype) for x in call.xs])
-    return fake
-
-
-_REFERENCE = threading.local()
-
-
-@contextlib.contextmanager
-def reference_kernels() -> Iterator[None]:
-    """Inside (this thread), every eager call of the package's ops runs the reference, whatever kernel its device
-    has: the pass's self-check evaluates a fused form on the CPU by the op's semantics (passes/fusion_check.py),
-    where a device kernel can only be a stand-in (the tests' interpreted Triton kernel, 1 s a call)."""
-    depth = getattr(_REFERENCE, "depth", 0)
-    _REFERENCE.depth = depth + 1
-    try:
-        yield
-    finally:
-        _REFERENCE.depth = depth
-
-
-def reference_only() -> bool:
-    """Whether eager calls run the reference now (`reference_kernels`)."""
-    return getattr(_REFERENCE, "depth", 0) > 0
-
-
-def _eager(impl: Impl | None, arity: int, takes_packed: bool = False) -> Callable[..., Any]:
-    def run(*args: Any, **kw: Any) -> Any:
-        call = RotaryCall.parse(args, kw, arity)
-        check_call(call)  # a direct call deserves the ValueError, not a kernel's failure
-        load_backends()  # a compiled graph may run the op before any eager call imported the device kernels
-        if not takes_packed:
-            call = unpacked(call)  # packed sequences: the implementation takes their positions
-        outs = impl(call) if impl is not None and not reference_only() else None
-        return _result(outs if outs is not None else reference_outputs(call))
-    return run
-
-
-def _setup_context(arity: int) -> Callable[..., None]:
-    def setup(ctx: Any, inputs: tuple, keyword_only_inputs: dict, output: Any) -> None:
-        call = RotaryCall.parse(inputs, keyword_only_inputs, arity)
-        ctx.arity, ctx.params = arity, call.params
-        ctx.x_dtypes = [x.dtype for x in call.xs]
-        ctx.tables_need_grad = call.cos.requires_grad or call.sin.requires_grad
-        # backward through the reference: a norm, a de-interleaved output, tables given as angles, anything new
-        ctx.via_reference = not call.params.closed_form_backward
-        # x is needed only for the tables' gradients or a norm's; saving it otherwise costs activation memory
-        keep_x = ctx.tables_need_grad or ctx.via_reference
-        ctx.save_for_backward(*(call.tensors() if keep_x else
-                                dataclasses.replace(call, xs=[None] * arity, norm_weights=None).tensors()))
-    return setup
-
-
-def _backward(ctx: Any, *grads: Any) -> tuple:
-    """The gradient of a rotation is the conjugate rotation (with the sin entry of the partner lane when the
-    tables hold one entry per lane); tables that require grad get the sums of reference.table_grads. With a
-    norm, a de-interleaved output or angle tables, the gradient comes from autograd through the reference,
-    recomputed here."""
-    saved = ctx.saved_tensors
-    call = RotaryCall.parse(saved, ctx.params.kwargs(), ctx.arity)
-    # xs, cos, sin, positions, one norm weight per x, cu_seqlens, seqlen_offsets
-    n_inputs = len(call.xs) + 3 + len(call.xs) + 2
-    if ctx.via_reference:
-        return _recomputed_grads(call, grads, n_inputs)
-    p = ctx.params
-    back_sin = partner_lanes(call.sin, p.interleaved, p.rotary_blocks) if p.full_tables else call.sin
-    inverse = [p.replace(conjugate=not p.conjugate, out_dtype=dtype) for dtype in ctx.x_dtypes]
-    packed = dict(cu_seqlens=call.cu_seqlens, seqlen_offsets=call.seqlen_offsets) if call.cu_seqlens is not None \
-        else {}
-    if len(grads) > 1 and None not in grads and all(q == inverse[0] for q in inverse):  # q, k (v): one launch
-        gx = list(OPS[len(grads) - 1](*grads, call.cos, back_sin, call.positions, **packed, **inverse[0].kwargs()))
-    else:
-        gx = [None if g is None else ROTARY(g, call.cos, back_sin, call.positions, **packed,
-                                            **q.of_tensor(i).kwargs())
-              for i, (g, q) in enumerate(zip(grads, inverse))]
-    gcos = gsin = None
-    if ctx.tables_need_grad:
-        positions = unpacked(call).positions
-        gcos, gsin = table_grads(grads, call.xs, call.cos, call.sin, interleaved=p.interleaved,
-                                 rotary_dim=p.rotary_dim, full_tables=p.full_tables, conjugate=p.conjugate,
-                                 positions=positions, rotary_blocks=p.rotary_blocks,
-                                 rotary_offset=p.rotary_offset, offset_q_only=p.offset_q_only)
-    return (*gx, gcos, gsin, *[None] * (n_inputs - len(gx) - 2))
-
-
-def _recomputed_grads(call: RotaryCall, grads: tuple, n_inputs: int) -> tuple:
-    inputs = [*call.xs, call.cos, call.sin, call.positions, *call.norm_weights, call.cu_seqlens, call.seqlen_offsets]
-    leaves = [t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in inputs]
-    n = len(call.xs)
-    with torch.enable_grad():
-        redo = RotaryCall(leaves[:n], leaves[n], leaves[n + 1], call.params, leaves[n + 2], leaves[n + 3:2 * n + 3],
-                          *leaves[2 * n + 3:])
-        outs = reference_outputs(redo)
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
-        wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-        got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-    by_id = {id(t): g for t, g in zip(wanted, got)}
-    return tuple(by_id.get(id(t)) if isinstance(t, torch.Tensor) else None for t in leaves)[:n_inputs]
-
-
-def define_rotary_ops(suffix: str = "", impl: Impl | None = None, takes_packed: bool = False) -> tuple:
-    """Define `rope_fusion::rotary{suffix}`, `rotary_qk{suffix}` and `rotary_qkv{suffix}` (one tensor; q and k;
-    q, k and v that share tables, in one call) and return their default overloads, indexed by arity - 1.
-    `takes_packed`: impl takes packed sequences' cu_seqlens as they are, else their derived positions."""
-    ops = []
-    for arity, base in OP_NAMES.items():
-        name, fn = base + suffix, impl
-        qualname = f"rope_fusion::{name}"
-        torch.library.define(qualname, op_schema(arity), lib=LIBRARY)
-        torch.library.impl(qualname, "default", lib=LIBRARY)(_eager(fn, arity, takes_packed))
-        torch.library.register_fake(qualname, lib=LIBRARY)(_fake(arity))
-        torch.library.register_autograd(qualname, _backward, setup_context=_setup_context(arity), lib=LIBRARY)
-        ops.append(getattr(torch.ops.rope_fusion, name).default)
-    return tuple(ops)
-
-
-OPS = define_rotary_ops()  # by arity - 1
-ROTARY, ROTARY_QK, ROTARY_QKV = OPS
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Device implementations of eager calls.
-
-# plan(call) -> run(xs, cos, sin, positions, norm_weights[, cu_seqlens, seqlen_offsets]) -> outputs: the work of
-# one call geometry done once (a Triton launch's grid and arguments), reused by every later call of that geometry;
-# None: use `impl` per call. A kernel that takes packed sequences gets their cu_seqlens and offsets, any other
-# the positions they derive.
-Runner = Callable[..., list]
-Planner = Callable[[RotaryCall], "Runner | None"]
-
-
-class DeviceKernel:
-    """What serves eager calls on one device type: `impl` behind the op's dispatcher key for that device, and
-    `plan` (optional) for the public functions' direct path; `takes_packed`: both take packed sequences as they
-    come (cu_seqlens), else their derived positions."""
-
-    def __init__(self, impl: Impl, plan: Planner | None = None, takes_packed: bool = False) -> None:
-        self.impl, self.plan, self.takes_packed = impl, plan, takes_packed
-
-
-DEVICE_KERNELS: dict[str, DeviceKernel] = {}
-"""Device type -> its kernel; a device without one (the CPU) runs the reference."""
-
-
-def register_device_kernel(device_type: str, impl: Impl, plan: Planner | None = None,
-                           takes_packed: bool = False) -> None:
-    """Serve eager calls of every arity's op on one device type with `impl` (None from it: reference), and the
-    public functions' direct calls on that device with `plan` (or `impl` per call). With `takes_packed`, both
-    are given packed sequences' cu_seqlens as they are; else the positions they derive."""
-    for arity, op in enumerate(OPS, start=1):
-        torch.library.register_kernel(op._schema.name, device_type, _eager(impl, arity, takes_packed), lib=LIBRARY)
-    DEVICE_KERNELS[device_type] = DeviceKernel(impl, plan, takes_packed)
-    _EAGER_PLANS.clear()
-
-
-def _per_call(impl: Impl | None, params: RotaryParams) -> Runner:
-    def run(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any, weights: Any,
-            cu_seqlens: Any = None, seqlen_offsets: Any = None) -> list:
-        call = RotaryCall(list(xs), cos, sin, params, positions, weights, cu_seqlens, seqlen_offsets)
-        outs = impl(call) if impl is not None else None
-        return outs if outs is not None else reference_outputs(call)
-    return run
-
-
-def _deriving(run: Runner) -> Runner:
-    """A runner of positions given packed sequences: each call's positions derived from its cu_seqlens (ATen ops,
-    up to nine small kernels eagerly: ops/packed.py)."""
-    def packed_run(xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any, weights: Any,
-                   cu_seqlens: Any = None, seqlen_offsets: Any = None) -> list:
-        if cu_seqlens is not None:
-            x = xs[0]
-            positions = packed_positions(eager_op, cu_seqlens, seqlen_offsets, x.shape[0], x.dim(), x.device)
-        return run(xs, cos, sin, positions, weights)
-    return packed_run
-
-
-_NO_KERNEL_LOGGED: set = set()
-
-
-def device_runner(call: RotaryCall) -> Runner:
-    """How a validated call geometry runs eagerly on its device: the device's planned launch, its kernel per call,
-    or the reference (the CPU; a GPU whose kernel module did not import says so once). Packed sequences reach a
-    kernel that takes them as they are (the Triton kernel searches cu_seqlens itself); any other is planned as
-    `packed.unpacked(call)` and each run given the positions that call's cu_seqlens derive."""
-    device = call.xs[0].device.type
-    kernel = DEVICE_KERNELS.get(device)
-    if kernel is None:
-        if device != "cpu" and device not in _NO_KERNEL_LOGGED:
-            _NO_KERNEL_LOGGED.add(device)
-            from .optional_backends import OPTIONAL_BACKENDS
-
-            log.info("rope_fusion: no kernel serves %s tensors (optional backends %s did not register one); eager "
-                     "calls run the reference", device, sorted(OPTIONAL_BACKENDS))
-        return _per_call(None, call.params)  # the reference derives packed positions itself
-    if call.cu_seqlens is not None and not kernel.takes_packed:
-        return _deriving(device_runner(unpacked(call)))
-    run = kernel.plan(call) if kernel.plan is not None else None
-    return run if run is not None else _per_call(kernel.impl, call.params)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The public functions: `apply_rotary`, `apply_rotary_qk`, `apply_rotary_qkv`.
 
 # Public defaults of the options the schema requires: derived from x where None (rotary_dim: the head dim
 # after rotary_offset; out_dtype: x's dtype). A new required field of RotaryParams without an entry here fails
@@ -300,7 +66,7 @@ def option_parameters(arity: int, params_type: type = RotaryParams) -> list[insp
             default = PUBLIC_DEFAULTS[f.name]
         else:
             raise TypeError(f"{params_type.__name__}.{f.name} has no default: give it a public default in "
-                            "ops/library.PUBLIC_DEFAULTS (or one in the schema)")
+                            "ops/public_functions.PUBLIC_DEFAULTS (or one in the schema)")
         hint = hints[f.name] | None if default is None else hints[f.name]
         out.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=hint))
     return out
@@ -365,7 +131,7 @@ class _Eager:
         self.params, self.run, self.kwargs = params, run, params.kwargs()
 
 
-_EAGER_PLANS = PlanCache("rotary.direct")  # call key -> _Eager: validation and launch planning once per geometry
+_EAGER_PLANS = runner_cache("rotary.direct")  # call key -> _Eager: validation and launch planning once per geometry
 
 
 def _resolve(xs: Sequence[torch.Tensor], options: dict) -> RotaryParams:

@@ -1,0 +1,100 @@
+"""The `rope_fusion::rotary`, `rotary_qk` and `rotary_qkv` operators, and the way every variant is defined.
+
+Fused nodes are ordinary torch.library ops in any FX graph: a fake implementation (shape propagation under
+torch.compile), an eager implementation (the reference, or a device kernel that a backend registers with
+`device_runners.register_device_kernel`, which is torch.library's `register_kernel`), an autograd formula
+(op_autograd.py) and, for the two main ops, an Inductor lowering (lowering.py). A backend that needs an op
+Inductor must not lower (the NPU bridge, the Triton kernel behind a symbolic-size site) defines its own variant
+with `define_rotary_ops(suffix, impl)`: same schema, fake and autograd formula, its own eager implementation.
+Every signature comes from `schema.RotaryParams` and `schema.optional_tensor_names`; implementations take a
+`schema.RotaryCall`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .op_autograd import register_rotary_autograd
+from .optional_backends import load_backends
+from .packed import unpacked
+from .reference import reference_outputs
+from .schema import OP_NAMES, RotaryCall, check_call, op_schema
+
+LIBRARY = torch.library.Library("rope_fusion", "FRAGMENT")
+
+# impl(call) -> list of outputs, or None to use the reference
+Impl = Callable[[RotaryCall], "list | None"]
+
+
+def _result(outs: Sequence[torch.Tensor]) -> Any:
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _fake(arity: int) -> Callable[..., Any]:
+    def fake(*args: Any, **kw: Any) -> Any:
+        call = RotaryCall.parse(args, kw, arity)
+        check_call(call)
+        return _result([x.new_empty(x.shape, dtype=call.params.out_dtype) for x in call.xs])
+    return fake
+
+
+_REFERENCE = threading.local()
+
+
+@contextlib.contextmanager
+def reference_kernels() -> Iterator[None]:
+    """Inside (this thread), every eager call of the package's ops runs the reference, whatever kernel its device
+    has: the pass's self-check evaluates a fused form on the CPU by the op's semantics (passes/fusion_check.py),
+    where a device kernel can only be a stand-in (the tests' interpreted Triton kernel, 1 s a call)."""
+    depth = getattr(_REFERENCE, "depth", 0)
+    _REFERENCE.depth = depth + 1
+    try:
+        yield
+    finally:
+        _REFERENCE.depth = depth
+
+
+def reference_only() -> bool:
+    """Whether eager calls run the reference now (`reference_kernels`)."""
+    return getattr(_REFERENCE, "depth", 0) > 0
+
+
+def eager_kernel(impl: Impl | None, arity: int, takes_packed: bool = False) -> Callable[..., Any]:
+    """The dispatcher kernel of an arity's op around `impl`: the op's checks, the optional backends loaded, the
+    reference where `impl` declines or `reference_kernels` is on. One wrapper for the op's default kernel
+    (`define_rotary_ops`) and each device's (`device_runners.register_device_kernel`), so every device checks
+    and falls back alike. `takes_packed`: impl is given packed sequences' cu_seqlens, else their positions."""
+    def run(*args: Any, **kw: Any) -> Any:
+        call = RotaryCall.parse(args, kw, arity)
+        check_call(call)  # a direct call deserves the ValueError, not a kernel's failure
+        load_backends()  # a compiled graph may run the op before any eager call imported the device kernels
+        if not takes_packed:
+            call = unpacked(call)  # packed sequences: the implementation takes their positions
+        outs = impl(call) if impl is not None and not reference_only() else None
+        return _result(outs if outs is not None else reference_outputs(call))
+    return run
+
+
+def define_rotary_ops(suffix: str = "", impl: Impl | None = None, takes_packed: bool = False) -> tuple:
+    """Define `rope_fusion::rotary{suffix}`, `rotary_qk{suffix}` and `rotary_qkv{suffix}` (one tensor; q and k;
+    q, k and v that share tables, in one call) and return their default overloads, indexed by arity - 1.
+    `takes_packed`: impl takes packed sequences' cu_seqlens as they are, else their derived positions."""
+    ops = []
+    for arity, base in OP_NAMES.items():
+        name, fn = base + suffix, impl
+        qualname = f"rope_fusion::{name}"
+        torch.library.define(qualname, op_schema(arity), lib=LIBRARY)
+        torch.library.impl(qualname, "default", lib=LIBRARY)(eager_kernel(fn, arity, takes_packed))
+        torch.library.register_fake(qualname, lib=LIBRARY)(_fake(arity))
+        register_rotary_autograd(qualname, arity, LIBRARY)
+        ops.append(getattr(torch.ops.rope_fusion, name).default)
+    return tuple(ops)
+
+
+OPS = define_rotary_ops()  # by arity - 1
+ROTARY, ROTARY_QK, ROTARY_QKV = OPS
