@@ -21,7 +21,7 @@
 #   compile_time[:LIST] python -m benchmarks.compile_time [--models LIST] (cold and warm) -> ct.json, ct.log
 #   notests            skip the GPU tests (which otherwise run first, -> tests.log)
 # Extra arguments per step: $KERNELS_ARGS, $MODELS_ARGS, $PROFILE_ARGS, $TRAINING_ARGS, $DROPINS_ARGS,
-# $KV_CACHE_ARGS, $COMPILE_TIME_ARGS (word-split).
+# $KV_CACHE_ARGS, $COMPILE_TIME_ARGS (word-split); $TESTS_LIMIT (seconds, default 240), $TEST_WORKERS, $GPU_TESTS.
 # Deadline for the whole call: $RUN_DEADLINE seconds (default 570); a step gets at most what is left, and is
 # skipped when less than 30 s is left. A failing or timed-out step is reported and the next one runs (the
 # benchmarks rewrite their JSON after every row or model, so a timed-out step still leaves what it measured).
@@ -95,7 +95,7 @@ for a in "$@"; do [[ $a == notests ]] && tests=0; done
 if (( tests )); then
     # every test file with CUDA-only tests (skipped on the CPU), in parallel; $GPU_TESTS overrides the list
     # shellcheck disable=SC2086
-    run tests 240 "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-6}" \
+    run tests "${TESTS_LIMIT:-240}" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-6}" \
         ${GPU_TESTS:-$(grep -rl "skipif(not torch.cuda" tests)} -k "gpu or cuda"
 fi
 
