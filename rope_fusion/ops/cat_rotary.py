@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from .op_definition import LIBRARY, reference_only
+from .op_definition import reference_only
+from .op_families import define_family
 from .optional_backends import load_backends
 from .plan_cache import PlanCache
 from .public_functions import tensor_geometry
@@ -214,16 +215,5 @@ def _eager(arity: int) -> Callable[..., Any]:
     return run
 
 
-def _define() -> tuple:
-    ops = []
-    for arity in ARITIES:
-        name = f"{OP_NAMES[arity]}_cat"
-        qualname = f"rope_fusion::{name}"
-        torch.library.define(qualname, cat_schema(arity), lib=LIBRARY)
-        torch.library.impl(qualname, "default", lib=LIBRARY)(_eager(arity))
-        torch.library.register_fake(qualname, lib=LIBRARY)(_fake(arity))
-        ops.append(getattr(torch.ops.rope_fusion, name).default)
-    return tuple(ops)
-
-
-CAT_OPS = _define()  # by arity - 1: rotary_cat, rotary_qk_cat
+CAT_OPS = define_family({arity: f"{OP_NAMES[arity]}_cat" for arity in ARITIES}, cat_schema, _eager, _fake)
+"""By arity - 1: rotary_cat, rotary_qk_cat."""

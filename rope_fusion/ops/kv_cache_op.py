@@ -17,7 +17,7 @@ import torch
 
 from .kv_cache import JOINT_SCHEMA, SEPARATE_SCHEMA, CacheCall, check, parse_joint, parse_separate
 from .kv_cache_reference import reference
-from .op_definition import LIBRARY
+from .op_families import LIBRARY, define_family
 from .optional_backends import load_backends
 from .plan_cache import PlanCache
 from .public_functions import tensor_geometry
@@ -102,14 +102,11 @@ def _not_differentiable(name: str) -> Callable[..., torch.Tensor]:
     return run_op
 
 
-def _define(name: str, schema: str, parse: Parse) -> Any:
-    qualname = f"rope_fusion::{name}"
-    torch.library.define(qualname, schema, lib=LIBRARY)
-    torch.library.impl(qualname, "default", lib=LIBRARY)(_eager(parse))
-    torch.library.register_fake(qualname, lib=LIBRARY)(_fake(parse))
+def _refuse_autograd(qualname: str, _: Parse) -> None:
+    name = qualname.split("::", 1)[1]
     LIBRARY.impl(name, _not_differentiable(name), "Autograd")
-    return getattr(torch.ops.rope_fusion, name).default
 
 
-KV_CACHE_OP = _define("rotary_qk_kv_cache", SEPARATE_SCHEMA, parse_separate)
-MLA_CACHE_OP = _define("rotary_qk_mla_cache", JOINT_SCHEMA, parse_joint)
+_SCHEMAS = {parse_separate: SEPARATE_SCHEMA, parse_joint: JOINT_SCHEMA}
+KV_CACHE_OP, MLA_CACHE_OP = define_family({parse_separate: "rotary_qk_kv_cache", parse_joint: "rotary_qk_mla_cache"},
+                                          _SCHEMAS.__getitem__, _eager, _fake, _refuse_autograd)

@@ -26,7 +26,8 @@ import torch
 
 from .kv_cache_api import apply_rotary_qk_kv_cache
 from .layer_caches import LayerCache, layer_cache
-from .op_definition import LIBRARY, OPS
+from .op_definition import OPS
+from .op_families import define_family
 from .schema import RotaryParams, op_schema, optional_tensor_names
 
 log = logging.getLogger("rope_fusion")
@@ -49,11 +50,8 @@ def layer_cache_op(layer_type: str) -> Any:
     """The op's overload whose layer name has schema type `layer_type` (defined on first use)."""
     if layer_type not in _OVERLOADS:
         overload = "str" if layer_type == "str" else "opaque"
-        qualname = f"rope_fusion::{NAME}.{overload}"
-        torch.library.define(qualname, _schema(layer_type), lib=LIBRARY)
-        torch.library.impl(qualname, "default", lib=LIBRARY)(_run)
-        torch.library.register_fake(qualname, lib=LIBRARY)(_fake)
-        _OVERLOADS[layer_type] = getattr(getattr(torch.ops.rope_fusion, NAME), overload)
+        (_OVERLOADS[layer_type],) = define_family({layer_type: f"{NAME}.{overload}"}, _schema, lambda _: _run,
+                                                  lambda _: _fake)
     return _OVERLOADS[layer_type]
 
 

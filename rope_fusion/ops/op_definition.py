@@ -5,7 +5,8 @@ torch.compile), an eager implementation (the reference, or a device kernel that 
 `device_runners.register_device_kernel`, which is torch.library's `register_kernel`), an autograd formula
 (op_autograd.py) and, for the two main ops, an Inductor lowering (lowering.py). A backend that needs an op
 Inductor must not lower (the NPU bridge, the Triton kernel behind a symbolic-size site) defines its own variant
-with `define_rotary_ops(suffix, impl)`: same schema, fake and autograd formula, its own eager implementation.
+with `define_rotary_ops(suffix, impl)`: same schema, fake and autograd formula, its own eager implementation,
+defined as every op family is (`op_families.define_family`).
 Every signature comes from `schema.RotaryParams` and `schema.optional_tensor_names`; implementations take a
 `schema.RotaryCall`.
 """
@@ -13,6 +14,7 @@ Every signature comes from `schema.RotaryParams` and `schema.optional_tensor_nam
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -20,12 +22,11 @@ from typing import Any
 import torch
 
 from .op_autograd import register_rotary_autograd
+from .op_families import LIBRARY, define_family
 from .optional_backends import load_backends
 from .packed import unpacked
 from .reference import reference_outputs
 from .schema import OP_NAMES, RotaryCall, check_call, op_schema
-
-LIBRARY = torch.library.Library("rope_fusion", "FRAGMENT")
 
 # impl(call) -> list of outputs, or None to use the reference
 Impl = Callable[[RotaryCall], "list | None"]
@@ -84,16 +85,9 @@ def define_rotary_ops(suffix: str = "", impl: Impl | None = None, takes_packed: 
     """Define `rope_fusion::rotary{suffix}`, `rotary_qk{suffix}` and `rotary_qkv{suffix}` (one tensor; q and k;
     q, k and v that share tables, in one call) and return their default overloads, indexed by arity - 1.
     `takes_packed`: impl takes packed sequences' cu_seqlens as they are, else their derived positions."""
-    ops = []
-    for arity, base in OP_NAMES.items():
-        name, fn = base + suffix, impl
-        qualname = f"rope_fusion::{name}"
-        torch.library.define(qualname, op_schema(arity), lib=LIBRARY)
-        torch.library.impl(qualname, "default", lib=LIBRARY)(eager_kernel(fn, arity, takes_packed))
-        torch.library.register_fake(qualname, lib=LIBRARY)(_fake(arity))
-        register_rotary_autograd(qualname, arity, LIBRARY)
-        ops.append(getattr(torch.ops.rope_fusion, name).default)
-    return tuple(ops)
+    return define_family({arity: base + suffix for arity, base in OP_NAMES.items()}, op_schema,
+                         lambda arity: eager_kernel(impl, arity, takes_packed), _fake,
+                         functools.partial(register_rotary_autograd, lib=LIBRARY))
 
 
 OPS = define_rotary_ops()  # by arity - 1

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from .op_definition import LIBRARY, reference_only
+from .op_definition import reference_only
+from .op_families import define_family
 from .optional_backends import load_backends
 from .overlap import overlap_reason
 from .packed import unpacked
@@ -271,19 +272,12 @@ def _into_eager(arity: int) -> Callable[..., None]:
     return run
 
 
-def _define(suffix: str, schema: Callable[[int], str], eager: Callable, fake: Callable) -> tuple:
-    ops = []
-    for arity, name in OP_NAMES.items():
-        qualname = f"rope_fusion::{name}{suffix}"
-        torch.library.define(qualname, schema(arity), lib=LIBRARY)
-        torch.library.impl(qualname, "default", lib=LIBRARY)(eager(arity))
-        torch.library.register_fake(qualname, lib=LIBRARY)(fake(arity))
-        ops.append(getattr(torch.ops.rope_fusion, f"{name}{suffix}").default)
-    return tuple(ops)
+def _named(suffix: str) -> dict[int, str]:
+    return {arity: name + suffix for arity, name in OP_NAMES.items()}
 
 
-SLICE_OPS = _define("_slice_", slice_schema, _eager, _fake)  # by arity - 1: rotary_slice_, rotary_qk_slice_, ...
-INTO_OPS = _define("_into_", into_schema, _into_eager, _into_fake)  # rotary_into_, rotary_qk_into_, ...
+SLICE_OPS = define_family(_named("_slice_"), slice_schema, _eager, _fake)  # by arity - 1: rotary_slice_, ...
+INTO_OPS = define_family(_named("_into_"), into_schema, _into_eager, _into_fake)  # rotary_into_, rotary_qk_into_, ...
 
 
 def register_in_place(device_type: str, impl: InPlace, planner: InPlacePlanner | None = None) -> None:
