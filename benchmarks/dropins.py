@@ -318,8 +318,8 @@ def lanes_moved_in_place(query: torch.Tensor, key: torch.Tensor, cache: torch.Te
     params = RotaryParams(interleaved=False, rotary_dim=rotary_dim, full_tables=False, conjugate=False,
                           out_dtype=query.dtype)
     call = RotaryCall(xs, cos, sin, params, positions.view(t, 1))
-    planner = slice_write.PLANNERS.get(query.device.type)
-    runner = planner(call, xs) if planner is not None else None
+    kernel = slice_write.IN_PLACE_KERNELS.get(query.device.type)
+    runner = kernel.plan(call, xs) if kernel is not None and kernel.plan is not None else None
     if runner is None:
         return None
 

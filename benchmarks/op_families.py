@@ -54,12 +54,13 @@ def kernels_on_cpu() -> Iterator[None]:
 
     saved = (launching.rotary_kernel, launching.INTERPRETED, tj.join_kernel)
     launching.rotary_kernel, launching.INTERPRETED, tj.join_kernel = NoLaunch(), True, NoLaunch()
-    tables = (device_runners.DEVICE_KERNELS, slice_write.IN_PLACE, slice_write.PLANNERS, cat_rotary.DEVICE_IMPLS,
-              cat_rotary.DEVICE_CHECKS, cat_rotary.DEVICE_PLANNERS, joins.JOIN_PLANNERS, kv_cache_op.DEVICE_IMPLS)
+    registries = (device_runners.ROTARY_KERNELS, slice_write.IN_PLACE_KERNELS, cat_rotary.CAT_KERNELS,
+                  joins.JOIN_KERNELS, kv_cache_op.CACHE_KERNELS)
+    tables = [registry.kernels for registry in registries]
     for table in tables:
         table["cpu"] = table["cuda"]
-    kernel = device_runners.DEVICE_KERNELS["cuda"]  # the op's dispatcher too: its CPU kernel stays registered
-    device_runners.register_device_kernel("cpu", kernel.impl, kernel.plan, kernel.takes_packed)
+    kernel = device_runners.ROTARY_KERNELS.kernels["cuda"]  # the op's dispatcher too: its CPU kernel stays registered
+    device_runners.ROTARY_KERNELS.register("cpu", kernel.impl, plan=kernel.plan, takes_packed=kernel.takes_packed)
     rope_fusion.clear_caches()
     try:
         yield

@@ -74,8 +74,8 @@ def _plan_in_place(positions: torch.Tensor, query: torch.Tensor, key: torch.Tens
     call = RotaryCall(xs, cos, sin, params, rows)
     check_call(call)
     load_backends()  # the device kernels register on import
-    planner = slice_write.PLANNERS.get(query.device.type)
-    runner = planner(call) if planner is not None else None
+    kernel = slice_write.IN_PLACE_KERNELS.get(query.device.type)
+    runner = kernel.plan(call) if kernel is not None and kernel.plan is not None else None
     if runner is None:
         return _copied_in(head_size, params)
 

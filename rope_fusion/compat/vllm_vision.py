@@ -77,10 +77,11 @@ _PLANS = Plans("vllm_apply_rotary_emb")  # apply_rotary_emb's call geometries ->
 
 def _plan(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, params: RotaryParams) -> Callable | None:
     """The runner of an eager call geometry on a device whose kernel writes into given outputs in one pass over
-    each row (`slice_write.PLANNERS`): x's `sides` in one launch, each written into its view of one result;
-    None elsewhere (the call then goes through the op)."""
+    each row (the `plan` of `slice_write.IN_PLACE_KERNELS`): x's `sides` in one launch, each written into its view
+    of one result; None elsewhere (the call then goes through the op)."""
     load_backends()  # the device kernels register on import
-    planner = slice_write.PLANNERS.get(x.device.type)
+    kernel = slice_write.IN_PLACE_KERNELS.get(x.device.type)
+    planner = kernel.plan if kernel is not None else None
     if planner is None or x.numel() == 0:
         return None
     c, s, _ = _tables(x, cos, sin)

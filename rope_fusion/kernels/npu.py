@@ -271,9 +271,9 @@ def supports(spec: SiteSpec) -> str | None:
 
 register_backend(Backend("npu", supports, lambda em, call, like: emit_op_call(NPU_OPS, em, call, like)))
 if torch._C._get_privateuse1_backend_name() == "npu":  # torch_npu is loaded: serve direct calls of the op too
-    from ..ops.device_runners import register_device_kernel
+    from ..ops.device_runners import ROTARY_KERNELS
 
-    register_device_kernel("npu", _impl)
+    ROTARY_KERNELS.register("npu", _impl)
 
 from . import npu_kv_cache  # noqa: E402,F401  (the KV-cache op's torch_npu ops register with the backend)
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..ops.kv_cache import CacheCall, cache_geometry
-from ..ops.kv_cache_op import register_cache_kernel
+from ..ops.kv_cache_op import CACHE_KERNELS
 from ..ops.op_definition import ROTARY
 from ..ops.packed import unpacked
 from ..ops.reference import gather_rows
@@ -219,4 +219,4 @@ def serve(cc: CacheCall) -> torch.Tensor | None:
 
 
 if torch._C._get_privateuse1_backend_name() == "npu":  # torch_npu is loaded: serve the cache ops on its devices
-    register_cache_kernel("npu", serve)
+    CACHE_KERNELS.register("npu", serve)

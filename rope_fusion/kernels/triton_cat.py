@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..ops.cat_rotary import CatCall, register_cat_kernel
+from ..ops.cat_rotary import CAT_KERNELS, CatCall
 from ..ops.plan_cache import PlanCache
 from ..ops.public_functions import tensor_geometry
 from . import triton_launch
@@ -388,4 +388,4 @@ def plan_runner(cat: CatCall) -> Any:
     return runner
 
 
-register_cat_kernel("cuda", _serve, why_not, plan_runner)
+CAT_KERNELS.register("cuda", _serve, check=why_not, plan=plan_runner)

@@ -21,7 +21,7 @@ try:
 except ImportError as e:  # an optional backend: the registry tolerates this
     raise ImportError(f"rope_fusion.kernels.triton_join needs triton: {e}") from e
 
-from ..ops.joins import Join, register_join
+from ..ops.joins import JOIN_KERNELS, Join
 from . import triton_launch
 
 JOIN_BLOCK = 1024  # elements a program copies: 2 KB of bf16, one 16-byte vector a thread with 4 warps
@@ -95,4 +95,4 @@ def plan_join(first: torch.Tensor, second: torch.Tensor, dim: int) -> Join | Non
     return run
 
 
-register_join("cuda", plan_join)
+JOIN_KERNELS.register("cuda", plan=plan_join)

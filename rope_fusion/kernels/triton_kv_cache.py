@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..ops.kv_cache import FP8_CACHE_DTYPES, CacheCall, cache_geometry
-from ..ops.kv_cache_op import register_cache_kernel
+from ..ops.kv_cache_op import CACHE_KERNELS
 from ..ops.plan_cache import PlanCache
 from ..ops.public_functions import tensor_geometry
 from . import triton_launch
@@ -204,4 +204,4 @@ def launch_cache(cc: CacheCall) -> torch.Tensor | None:
     return launch_planned(plan, cc)
 
 
-register_cache_kernel("cuda", launch_cache)
+CACHE_KERNELS.register("cuda", launch_cache)

@@ -349,7 +349,7 @@ def _static_runner(compiled: Any, grid: tuple, n_args: int, constants: tuple) ->
 
 
 def plan_eager(call: RotaryCall) -> Any:
-    """The direct path of the public functions on CUDA (`device_runners.register_device_kernel`'s planner): the launches
+    """The direct path of the public functions on CUDA (its `plan` in `device_runners.ROTARY_KERNELS`): the launches
     of this call's geometry, planned once and reused by every call of that geometry. Geometries whose launch
     copies first (lanes with a stride, a norm applied before the rotation, dims that do not merge) call `launch`
     each time instead; other devices than CUDA: None (the reference), except under the interpreter. Packed

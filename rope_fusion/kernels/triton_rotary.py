@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..ops.backends import Backend, Refusal, SiteSpec, emit_op_call, register_backend
-from ..ops.device_runners import register_device_kernel
+from ..ops.device_runners import ROTARY_KERNELS
 from ..ops.op_definition import define_rotary_ops
 from ..ops.schema import RotaryCall
 from . import (  # noqa: F401  (the slice, cat, join and KV-cache ops' CUDA kernels register)
@@ -71,6 +71,6 @@ def _emit(emitter: Any, call: RotaryCall, like: Any) -> list | Refusal:
 
 
 register_backend(Backend("triton", supports, _emit, folds=("slice write", "cat", "joined write", "kv-cache write")))
-register_device_kernel("cuda", launch_call, plan_eager, takes_packed=True)  # the kernel searches cu_seqlens
+ROTARY_KERNELS.register("cuda", launch_call, plan=plan_eager, takes_packed=True)  # the kernel searches cu_seqlens
 
 __all__ = ["ROTARY_TRITON", "ROTARY_QK_TRITON", "ROTARY_QKV_TRITON", "TRITON_OPS", "launch", "plan_eager", "supports"]

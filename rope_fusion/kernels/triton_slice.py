@@ -22,7 +22,7 @@ import torch
 from ..ops.plan_cache import PlanCache
 from ..ops.public_functions import tensor_geometry
 from ..ops.schema import RotaryCall
-from ..ops.slice_write import register_in_place
+from ..ops.slice_write import IN_PLACE_KERNELS
 from . import triton_launch
 from .triton_plan import KERNEL_FIELDS, Tables, is_true, make_launches, per_lane
 
@@ -146,4 +146,4 @@ def _serve(call: RotaryCall, views: list) -> bool:
     return rotate_in_place(call, views)
 
 
-register_in_place("cuda", _serve, plan_in_place)
+IN_PLACE_KERNELS.register("cuda", _serve, plan=plan_in_place)

@@ -14,7 +14,6 @@ from . import (
     host_tables,  # noqa: F401  (defines the host table copy op)
     slice_write,  # noqa: F401  (defines the slice and into ops)
 )
-from .device_runners import register_device_kernel  # noqa: F401
 from .kv_cache_api import apply_rotary_qk_kv_cache  # noqa: F401
 from .op_definition import define_rotary_ops  # noqa: F401
 from .plan_cache import clear_caches  # noqa: F401

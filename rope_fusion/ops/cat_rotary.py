@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .device_registry import DeviceRegistry
 from .op_definition import reference_only
 from .op_families import define_family
 from .optional_backends import load_backends
@@ -110,38 +111,28 @@ def reference(cat: CatCall) -> list:
     return outs
 
 
-# device type -> impl(cat) -> outputs, or None (the reference runs): the Triton kernel registers for CUDA
+# impl(cat) -> outputs, or None (the reference runs)
 Impl = Callable[[CatCall], "list | None"]
-DEVICE_IMPLS: dict[str, Impl] = {}
-# device type -> why_not(cat) -> None where its kernel takes the call (fake tensors will do), else why not
+# why_not(cat) -> None where the kernel takes the call (fake tensors will do), else why not
 Check = Callable[[CatCall], "str | None"]
-DEVICE_CHECKS: dict[str, Check] = {}
-# device type -> planner(cat) -> the runner of every later call of cat's geometry (runner(cat) -> outputs), or None
-# where its kernel does not take the geometry: for callers that key their calls themselves (the joint drop-in)
+# planner(cat) -> the runner of every later call of cat's geometry (runner(cat) -> outputs), or None where the kernel
+# does not take the geometry: for callers that key their calls themselves (the joint drop-in)
 Planner = Callable[[CatCall], "Impl | None"]
-DEVICE_PLANNERS: dict[str, Planner] = {}
-
-
-def register_cat_kernel(device_type: str, impl: Impl, check: Check, planner: Planner | None = None) -> None:
-    """Serve the cat ops on one device type with `impl` (None from it: the reference); `check` says beforehand
-    which calls it takes (the pass folds a cat only for those); `planner` plans a geometry once for a caller that
-    keys its own calls (`device_runner`)."""
-    DEVICE_IMPLS[device_type] = impl
-    DEVICE_CHECKS[device_type] = check
-    if planner is not None:
-        DEVICE_PLANNERS[device_type] = planner
+CAT_KERNELS = DeviceRegistry("cat")
+"""Device type -> the cat ops' kernel there (the Triton kernel registers for CUDA, kernels/triton_cat.py): its
+`impl` an `Impl`, its `check` a `Check` (the pass folds a cat only for the calls it takes), its `plan` a `Planner`
+(`device_runner`)."""
 
 
 def device_runner(cat: CatCall) -> Impl:
     """How every later call of cat's geometry runs on its device: the device's planned runner, where the device's
     kernel takes the geometry, else its kernel per call or the reference (each returns the outputs)."""
     load_backends()
-    device = cat.firsts[0].device.type
-    planner = DEVICE_PLANNERS.get(device)
-    run = planner(cat) if planner is not None else None
+    kernel = CAT_KERNELS.get(cat.firsts[0].device.type)
+    run = kernel.plan(cat) if kernel is not None and kernel.plan is not None else None
     if run is not None:
         return run
-    impl = DEVICE_IMPLS.get(device)
+    impl = kernel.impl if kernel is not None else None
 
     def per_call(cat: CatCall) -> list:
         outs = impl(cat) if impl is not None else None
@@ -153,10 +144,10 @@ def why_not(cat: CatCall) -> str | None:
     """None where the device kernel of the call's tensors takes it, else why not (no kernel for the device)."""
     load_backends()
     device = cat.firsts[0].device.type
-    check = DEVICE_CHECKS.get(device)
-    if check is None:
+    kernel = CAT_KERNELS.get(device)
+    if kernel is None:
         return f"no kernel reads joined pieces on {device}"
-    return check(cat)
+    return kernel.check(cat) if kernel.check is not None else None
 
 
 def _result(outs: list) -> Any:
@@ -206,11 +197,13 @@ def _parsed(arity: int, args: tuple, kw: dict) -> CatCall:
 
 
 def _eager(arity: int) -> Callable[..., Any]:
+    kernels = CAT_KERNELS.kernels  # the table itself: a call costs the one lookup of a plain dict
+
     def run(*args: Any, **kw: Any) -> Any:
         cat = _parsed(arity, args, kw)
         load_backends()  # the device's kernel registers when its backend imports
-        impl = None if reference_only() else DEVICE_IMPLS.get(cat.firsts[0].device.type)
-        outs = impl(cat) if impl is not None else None
+        kernel = None if reference_only() else kernels.get(cat.firsts[0].device.type)
+        outs = kernel.impl(cat) if kernel is not None else None
         return _result(outs if outs is not None else reference(cat))
     return run
 

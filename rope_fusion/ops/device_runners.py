@@ -1,10 +1,10 @@
 """What runs an eager call of the rotary ops on each device type: the kernels backends register, and the runner a
 call geometry gets from them.
 
-A backend registers one `DeviceKernel` per device type (`register_device_kernel`): its `impl` serves the op's
+A backend registers one `DeviceKernel` per device type (`ROTARY_KERNELS.register`): its `impl` serves the op's
 dispatcher key for that device, and its optional `plan` the public functions' direct path, which asks
-`device_runner` once per call geometry and keeps the answer in a `runner_cache`. A device without a kernel (the
-CPU) runs the reference.
+`device_runner` once per call geometry and keeps the answer in the registry's plan cache (emptied by every
+registration). A device without a kernel (the CPU) runs the reference.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from .op_definition import LIBRARY, OPS, Impl, eager_kernel
+from .device_registry import DeviceKernel, DeviceRegistry
+from .op_definition import OPS, Impl, eager_kernel
+from .op_families import LIBRARY
 from .packed import eager_op, packed_positions, unpacked
-from .plan_cache import PlanCache
 from .reference import reference_outputs
 from .schema import RotaryCall, RotaryParams
 
@@ -31,40 +32,16 @@ Runner = Callable[..., list]
 Planner = Callable[[RotaryCall], "Runner | None"]
 
 
-class DeviceKernel:
-    """What serves eager calls on one device type: `impl` behind the op's dispatcher key for that device, and
-    `plan` (optional) for the public functions' direct path; `takes_packed`: both take packed sequences as they
-    come (cu_seqlens), else their derived positions."""
-
-    def __init__(self, impl: Impl, plan: Planner | None = None, takes_packed: bool = False) -> None:
-        self.impl, self.plan, self.takes_packed = impl, plan, takes_packed
-
-
-DEVICE_KERNELS: dict[str, DeviceKernel] = {}
-"""Device type -> its kernel; a device without one (the CPU) runs the reference."""
-
-_RUNNER_CACHES: list[PlanCache] = []
-
-
-def runner_cache(name: str) -> PlanCache:
-    """A plan cache whose entries hold runners of `device_runner`: `register_device_kernel` empties it, so no
-    planned geometry keeps running the kernel that served its first call after a device's kernel changes."""
-    cache = PlanCache(name)
-    _RUNNER_CACHES.append(cache)
-    return cache
-
-
-def register_device_kernel(device_type: str, impl: Impl, plan: Planner | None = None,
-                           takes_packed: bool = False) -> None:
-    """Serve eager calls of every arity's op on one device type with `impl` (None from it: reference), and the
-    public functions' direct calls on that device with `plan` (or `impl` per call). With `takes_packed`, both
-    are given packed sequences' cu_seqlens as they are; else the positions they derive."""
+def _serve_dispatcher(device_type: str, kernel: DeviceKernel) -> None:
+    """Every arity's op on `device_type`, through the dispatcher, runs `kernel.impl` (None from it: reference)."""
     for arity, op in enumerate(OPS, start=1):
-        torch.library.register_kernel(op._schema.name, device_type, eager_kernel(impl, arity, takes_packed),
-                                      lib=LIBRARY)
-    DEVICE_KERNELS[device_type] = DeviceKernel(impl, plan, takes_packed)
-    for cache in _RUNNER_CACHES:
-        cache.clear()
+        torch.library.register_kernel(op._schema.name, device_type,
+                                      eager_kernel(kernel.impl, arity, kernel.takes_packed), lib=LIBRARY)
+
+
+ROTARY_KERNELS = DeviceRegistry("rotary", on_register=_serve_dispatcher)
+"""Device type -> the kernel of the rotary ops' eager calls there: `impl(call)` (`op_definition.Impl`), `plan(call)`
+(a `Planner`) and `takes_packed`; a device without one (the CPU) runs the reference."""
 
 
 def _per_call(impl: Impl | None, params: RotaryParams) -> Runner:
@@ -97,7 +74,7 @@ def device_runner(call: RotaryCall) -> Runner:
     kernel that takes them as they are (the Triton kernel searches cu_seqlens itself); any other is planned as
     `packed.unpacked(call)` and each run given the positions that call's cu_seqlens derive."""
     device = call.xs[0].device.type
-    kernel = DEVICE_KERNELS.get(device)
+    kernel = ROTARY_KERNELS.kernels.get(device)
     if kernel is None:
         if device != "cpu" and device not in _NO_KERNEL_LOGGED:
             _NO_KERNEL_LOGGED.add(device)

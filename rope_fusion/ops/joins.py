@@ -16,26 +16,23 @@ from collections.abc import Callable
 
 import torch
 
+from .device_registry import DeviceRegistry
 from .optional_backends import load_backends
 
 Join = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# device type -> planner(first, second, dim) -> a runner joining every later pair of that geometry, or None where its
-# kernel does not take the geometry
+# planner(first, second, dim) -> a runner joining every later pair of that geometry, or None where its kernel does
+# not take the geometry
 JoinPlanner = Callable[[torch.Tensor, torch.Tensor, int], "Join | None"]
-JOIN_PLANNERS: dict[str, JoinPlanner] = {}
-
-
-def register_join(device_type: str, planner: JoinPlanner) -> None:
-    """Join tensors of one device type with `planner`'s runners (None from it: `torch.cat`)."""
-    JOIN_PLANNERS[device_type] = planner
+JOIN_KERNELS = DeviceRegistry("join", required=("plan",))
+"""Device type -> its join kernel, which only plans: its `plan` a `JoinPlanner` (None from it: `torch.cat`)."""
 
 
 def plan_join(first: torch.Tensor, second: torch.Tensor, dim: int) -> Join:
     """The runner that joins tensors of first's and second's geometry along dim: the device's kernel where it takes
     them, else `torch.cat`."""
     load_backends()  # the device kernels register on import
-    planner = JOIN_PLANNERS.get(first.device.type)
-    run = planner(first, second, dim) if planner is not None else None
+    kernel = JOIN_KERNELS.get(first.device.type)
+    run = kernel.plan(first, second, dim) if kernel is not None else None
     if run is not None:
         return run
 
@@ -44,4 +41,4 @@ def plan_join(first: torch.Tensor, second: torch.Tensor, dim: int) -> Join:
     return cat
 
 
-__all__ = ["JOIN_PLANNERS", "Join", "JoinPlanner", "plan_join", "register_join"]
+__all__ = ["JOIN_KERNELS", "Join", "JoinPlanner", "plan_join"]

@@ -2,7 +2,7 @@
 dispatch (ops/kv_cache.py has their meaning).
 
 They mutate their caches (`Tensor(a!)`): traced, they are `auto_functionalized`, and Inductor writes the caches in
-place. Eagerly a kernel registered for the tensors' device serves a call (`register_cache_kernel`: the Triton
+place. Eagerly a kernel registered for the tensors' device serves a call (`CACHE_KERNELS`: the Triton
 kernel's KV-cache epilogue on CUDA, kernels/triton_kv_cache.py; torch_npu's fused ops on Ascend,
 kernels/npu_kv_cache.py), and the reference (ops/kv_cache_reference.py) wherever none does or the kernel declines the
 call. They are not differentiable: a cache write is inference.
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .device_registry import DeviceRegistry
 from .kv_cache import JOINT_SCHEMA, SEPARATE_SCHEMA, CacheCall, check, parse_joint, parse_separate
 from .kv_cache_reference import reference
 from .op_families import LIBRARY, define_family
@@ -25,19 +26,15 @@ from .public_functions import tensor_geometry
 # impl(cc) -> q rotated ([T, Hq, Dq]) after writing the caches, or None where the kernel does not take the call (the
 # reference then runs)
 Impl = Callable[[CacheCall], "torch.Tensor | None"]
-DEVICE_IMPLS: dict[str, Impl] = {}
-
-
-def register_cache_kernel(device_type: str, impl: Impl) -> None:
-    """Serve the cache ops on one device type with `impl` (None from it: the reference)."""
-    DEVICE_IMPLS[device_type] = impl
+CACHE_KERNELS = DeviceRegistry("KV-cache")
+"""Device type -> the cache ops' kernel there, its `impl` an `Impl`."""
 
 
 def run(cc: CacheCall) -> torch.Tensor:
     """A checked call on its device: the device's kernel, else the reference; q rotated in the caller's shape."""
     load_backends()  # the device's kernel registers when its backend imports
-    impl = DEVICE_IMPLS.get(cc.q.device.type)
-    out = impl(cc) if impl is not None else None
+    kernel = CACHE_KERNELS.kernels.get(cc.q.device.type)
+    out = kernel.impl(cc) if kernel is not None else None
     if out is None:
         out = reference(cc)
     return out.view(cc.q_shape)

@@ -1,8 +1,8 @@
 """The `rope_fusion::rotary`, `rotary_qk` and `rotary_qkv` operators, and the way every variant is defined.
 
 Fused nodes are ordinary torch.library ops in any FX graph: a fake implementation (shape propagation under
-torch.compile), an eager implementation (the reference, or a device kernel that a backend registers with
-`device_runners.register_device_kernel`, which is torch.library's `register_kernel`), an autograd formula
+torch.compile), an eager implementation (the reference, or a device kernel that a backend registers in
+`device_runners.ROTARY_KERNELS`, which is torch.library's `register_kernel`), an autograd formula
 (op_autograd.py) and, for the two main ops, an Inductor lowering (lowering.py). A backend that needs an op
 Inductor must not lower (the NPU bridge, the Triton kernel behind a symbolic-size site) defines its own variant
 with `define_rotary_ops(suffix, impl)`: same schema, fake and autograd formula, its own eager implementation,
@@ -68,7 +68,7 @@ def reference_only() -> bool:
 def eager_kernel(impl: Impl | None, arity: int, takes_packed: bool = False) -> Callable[..., Any]:
     """The dispatcher kernel of an arity's op around `impl`: the op's checks, the optional backends loaded, the
     reference where `impl` declines or `reference_kernels` is on. One wrapper for the op's default kernel
-    (`define_rotary_ops`) and each device's (`device_runners.register_device_kernel`), so every device checks
+    (`define_rotary_ops`) and each device's (`device_runners.ROTARY_KERNELS`), so every device checks
     and falls back alike. `takes_packed`: impl is given packed sequences' cu_seqlens, else their positions."""
     def run(*args: Any, **kw: Any) -> Any:
         call = RotaryCall.parse(args, kw, arity)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .device_runners import Runner, device_runner, runner_cache
+from .device_runners import ROTARY_KERNELS, Runner, device_runner
 from .op_definition import OPS
 from .optional_backends import load_backends
 from .schema import (
@@ -131,7 +131,8 @@ class _Eager:
         self.params, self.run, self.kwargs = params, run, params.kwargs()
 
 
-_EAGER_PLANS = runner_cache("rotary.direct")  # call key -> _Eager: validation and launch planning once per geometry
+# call key -> _Eager: validation and launch planning once per geometry
+_EAGER_PLANS = ROTARY_KERNELS.plan_cache("rotary.direct")
 
 
 def _resolve(xs: Sequence[torch.Tensor], options: dict) -> RotaryParams:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .device_registry import DeviceRegistry
 from .op_definition import reference_only
 from .op_families import define_family
 from .optional_backends import load_backends
@@ -42,15 +43,13 @@ SLICE_ARGS = ("slice_dims", "slice_starts", "slice_ends")
 # one device's rotation of a call's xs written into views (the slice op's views are its xs): impl(call, views) ->
 # True when done, else the reference runs
 InPlace = Callable[[RotaryCall, list], bool]
-IN_PLACE: dict[str, InPlace] = {}
-"""Device type -> its in-place kernel (the Triton kernel registers for CUDA, kernels/triton_slice.py)."""
-
 # a call's geometry planned once: planner(call, views=None) -> runner(xs, cos, sin, positions, weights, views=None)
 # that writes the rotation of every later call's xs of that geometry into its views (None: the xs in place), or
-# None (the call goes to IN_PLACE as it comes)
+# None (the call goes to the kernel's `InPlace` as it comes)
 InPlacePlanner = Callable[[RotaryCall], Callable | None]
-PLANNERS: dict[str, InPlacePlanner] = {}
-"""Device type -> its planner of repeated calls (the Triton kernel's for CUDA)."""
+IN_PLACE_KERNELS = DeviceRegistry("in-place rotary")
+"""Device type -> its in-place kernel (the Triton kernel registers for CUDA, kernels/triton_slice.py): its `impl` an
+`InPlace`, its `plan` (optional) an `InPlacePlanner` of repeated calls."""
 
 _PLANS = PlanCache("slice.runners")  # a call's geometry (`_plan_key`) -> runner: the calls Inductor's graph repeats
 
@@ -219,16 +218,15 @@ def _eager(arity: int) -> Callable[..., None]:
         _check(call, list(args[:arity]))
         _check_written(views)
         load_backends()  # the device's in-place kernel registers when its backend imports
-        planner = PLANNERS.get(views[0].device.type)
-        if key is not None and planner is not None and call.cu_seqlens is None:
-            runner = planner(call)
+        kernel = IN_PLACE_KERNELS.get(views[0].device.type)
+        if key is not None and kernel is not None and kernel.plan is not None and call.cu_seqlens is None:
+            runner = kernel.plan(call)
             if runner is not None:
                 _PLANS.put(key, runner)
                 _run_plan(runner, arity, views, rest)
                 return
         call = unpacked(call)
-        impl = IN_PLACE.get(views[0].device.type) if kernels else None
-        if impl is not None and impl(call, views):
+        if kernels and kernel is not None and kernel.impl(call, views):
             return
         for view, out in zip(views, reference_outputs(call)):  # the reference reads x before any view is written
             view.copy_(out)
@@ -256,16 +254,15 @@ def _into_eager(arity: int) -> Callable[..., None]:
                 view.copy_(out)
             return
         load_backends()
-        planner = PLANNERS.get(views[0].device.type)
-        if key is not None and planner is not None and call.cu_seqlens is None:
-            runner = planner(call, views)
+        kernel = IN_PLACE_KERNELS.get(views[0].device.type)
+        if key is not None and kernel is not None and kernel.plan is not None and call.cu_seqlens is None:
+            runner = kernel.plan(call, views)
             if runner is not None:
                 _PLANS.put(key, runner)
                 _run_plan(runner, arity, xs, tail, views)
                 return
         call = unpacked(call)
-        impl = IN_PLACE.get(views[0].device.type) if kernels else None
-        if impl is not None and impl(call, views):
+        if kernels and kernel is not None and kernel.impl(call, views):
             return
         for view, out in zip(views, reference_outputs(call)):
             view.copy_(out)
@@ -278,11 +275,3 @@ def _named(suffix: str) -> dict[int, str]:
 
 SLICE_OPS = define_family(_named("_slice_"), slice_schema, _eager, _fake)  # by arity - 1: rotary_slice_, ...
 INTO_OPS = define_family(_named("_into_"), into_schema, _into_eager, _into_fake)  # rotary_into_, rotary_qk_into_, ...
-
-
-def register_in_place(device_type: str, impl: InPlace, planner: InPlacePlanner | None = None) -> None:
-    """Rotate the slices of one device type's tensors in place with `impl` (False from it: the reference); with
-    `planner`, repeated calls of one geometry run the runner it planned for the first."""
-    IN_PLACE[device_type] = impl
-    if planner is not None:
-        PLANNERS[device_type] = planner

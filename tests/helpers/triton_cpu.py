@@ -4,7 +4,8 @@ The kernel modules are imported compiled (the graph tests trace them on fake ten
 cannot do), so a CPU run swaps the interpreted kernels in (tests/helpers/triton_interpreted.py), says the launcher runs
 interpreted, and interprets Triton's own `tl.sum` (a `@jit` function of its standard library, imported compiled)
 for the norms. What the CPU then serves with the CUDA implementations is chosen by name from `SERVES`, because
-each extra table changes what the pass and the ops decide (a served cat op folds a cat that is otherwise left).
+each extra served kernel changes what the pass and the ops decide (a served cat op folds a cat that is otherwise
+left).
 
 `install` does it on a `pytest.MonkeyPatch`: the `triton_on_cpu` fixture (tests/conftest.py) passes its own, so
 a test's later patches of the same names unwind in order; `triton_on_cpu` here is the context manager of the
@@ -22,14 +23,15 @@ from typing import Any
 
 import pytest
 
-# name -> (module, its device-type tables whose "cpu" entry becomes the "cuda" one)
-SERVES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "eager": ("rope_fusion.ops.device_runners", ("DEVICE_KERNELS",)),  # the public functions' direct path
-    "slice_write": ("rope_fusion.ops.slice_write", ("IN_PLACE", "PLANNERS")),  # rotations written into slices
-    "cat": ("rope_fusion.ops.cat_rotary", ("DEVICE_IMPLS", "DEVICE_CHECKS")),  # the cat ops read the pieces
-    "cat_planner": ("rope_fusion.ops.cat_rotary", ("DEVICE_PLANNERS",)),  # the cat ops' eager plans
-    "join": ("rope_fusion.ops.joins", ("JOIN_PLANNERS",)),  # the join kernel
-    "kv_cache": ("rope_fusion.ops.kv_cache_op", ("DEVICE_IMPLS",)),  # the KV-cache op
+WHOLE = ("impl", "check", "plan")  # a `DeviceKernel`'s callables (its `takes_packed` goes with them)
+# name -> (module, its `DeviceRegistry`, the parts of the "cuda" kernel that the "cpu" kernel takes; the rest None)
+SERVES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "eager": ("rope_fusion.ops.device_runners", "ROTARY_KERNELS", WHOLE),  # the public functions' direct path
+    "slice_write": ("rope_fusion.ops.slice_write", "IN_PLACE_KERNELS", WHOLE),  # rotations written into slices
+    "cat": ("rope_fusion.ops.cat_rotary", "CAT_KERNELS", ("impl", "check")),  # the cat ops read the pieces
+    "cat_planner": ("rope_fusion.ops.cat_rotary", "CAT_KERNELS", ("plan",)),  # the cat ops' eager plans
+    "join": ("rope_fusion.ops.joins", "JOIN_KERNELS", WHOLE),  # the join kernel
+    "kv_cache": ("rope_fusion.ops.kv_cache_op", "CACHE_KERNELS", WHOLE),  # the KV-cache op
 }
 EVERYTHING = tuple(SERVES)
 
@@ -69,11 +71,14 @@ def install(mp: pytest.MonkeyPatch, serves: Iterable[str] = (), wrap: Callable[[
     mp.setattr(launching, "INTERPRETED", True)
     if not isinstance(triton.language.sum, InterpretedFunction):
         mp.setattr(triton.language, "sum", InterpretedFunction(triton.language.sum.fn))
+    parts: dict[tuple[str, str], set] = {}
     for name in serves:
-        module, tables = SERVES[name]
-        mod = importlib.import_module(module)
-        for table in tables:
-            mp.setitem(getattr(mod, table), "cpu", getattr(mod, table)["cuda"])
+        module, registry, served = SERVES[name]
+        parts.setdefault((module, registry), set()).update(served)
+    for (module, registry), served in parts.items():
+        table = getattr(importlib.import_module(module), registry).kernels
+        unserved = {part: None for part in WHOLE if part not in served}
+        mp.setitem(table, "cpu", dataclasses.replace(table["cuda"], **unserved))
     rope_fusion.clear_caches()  # no plan made for another device, or by another run, serves a call here
     return kernels
 

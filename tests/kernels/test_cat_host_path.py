@@ -16,6 +16,7 @@ JIT launcher.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import subprocess
@@ -347,13 +348,15 @@ def test_the_interpreter_keeps_the_jit_launcher():
     """TRITON_INTERPRET=1 for the whole process (the kernel module imported interpreted): repeated calls of one
     geometry plan once and stay right; the interpreted launch returns no compiled kernel, so nothing is replayed."""
     script = textwrap.dedent("""
+        import dataclasses
         import torch
         import rope_fusion.kernels.triton_rotary  # noqa: F401
         from rope_fusion.kernels import triton_cat, triton_launch
         from rope_fusion.ops import cat_rotary
         from rope_fusion.ops.plan_cache import plan_cache
         assert triton_launch.INTERPRETED
-        cat_rotary.DEVICE_IMPLS["cpu"] = cat_rotary.DEVICE_IMPLS["cuda"]
+        kernels = cat_rotary.CAT_KERNELS.kernels
+        kernels["cpu"] = dataclasses.replace(kernels["cuda"], plan=None)  # the op's own path, unplanned
         plans = []
         real = triton_cat.plan_cat
         triton_cat.plan_cat = lambda cat, outs: plans.append(1) or real(cat, outs)
@@ -390,7 +393,8 @@ def host_time(calls: int = 200, rounds: int = 15) -> dict:
     processes on a loaded machine). `replay`: the stub's launch returns a no-op compiled kernel, so the calls after
     the first replay it (its check taken as passed); `jit`: it returns None (the interpreter's case), so each call
     goes through the stub's JIT launcher."""
-    saved = triton_launch.rotary_kernel, triton_launch.INTERPRETED, dict(cat_rotary.DEVICE_IMPLS)
+    kernels = cat_rotary.CAT_KERNELS.kernels
+    saved = triton_launch.rotary_kernel, triton_launch.INTERPRETED, dict(kernels)
     names = list(saved[0].arg_names)
 
     class NoOp(CompiledKernel):
@@ -435,7 +439,7 @@ def host_time(calls: int = 200, rounds: int = 15) -> dict:
     out = {}
     try:
         triton_launch.INTERPRETED = True  # CPU tensors
-        cat_rotary.DEVICE_IMPLS["cpu"] = cat_rotary.DEVICE_IMPLS["cuda"]
+        kernels["cpu"] = dataclasses.replace(kernels["cuda"], plan=None)  # the op's own path, unplanned
         out["parse"] = best(lambda: cat_rotary.parse(2, args, kw))
         for label, compiled in (("replay", NoOp()), ("jit", None)):
             triton_launch.rotary_kernel = Stub(compiled)
@@ -449,8 +453,8 @@ def host_time(calls: int = 200, rounds: int = 15) -> dict:
             out[f"op {label}"] = best(lambda: cat_rotary.CAT_OPS[1](*args, **kw))
     finally:
         triton_launch.rotary_kernel, triton_launch.INTERPRETED = saved[:2]
-        cat_rotary.DEVICE_IMPLS.clear()
-        cat_rotary.DEVICE_IMPLS.update(saved[2])
+        kernels.clear()
+        kernels.update(saved[2])
         rope_fusion.clear_caches()
     return out
 

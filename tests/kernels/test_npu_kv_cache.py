@@ -31,6 +31,7 @@ import torch
 import rope_fusion
 from rope_fusion.kernels import npu_kv_cache as bridge
 from rope_fusion.ops import kv_cache_op
+from rope_fusion.ops.device_registry import DeviceKernel
 
 NS = "rope_fusion_test_npu_kv"
 CALLS: list = []
@@ -132,7 +133,7 @@ _lib.impl("npu_kv_rmsnorm_rope_cache", _stand_in_kv, "CompositeExplicitAutograd"
 def npu_on_cpu(monkeypatch):
     """The bridge serving CPU tensors through the stand-ins."""
     monkeypatch.setattr(bridge, "OP_NAMESPACE", NS)
-    monkeypatch.setitem(kv_cache_op.DEVICE_IMPLS, "cpu", bridge.serve)
+    monkeypatch.setitem(kv_cache_op.CACHE_KERNELS.kernels, "cpu", DeviceKernel(bridge.serve))
     CALLS.clear()
     bridge.stats.clear()
 
@@ -153,7 +154,7 @@ def _through_both(monkeypatch, args: list, kw: dict, cache_at=(5, 6)) -> tuple:
     caches = [args[i] for i in cache_at if args[i] is not None]
     theirs = [c.clone() for c in caches]
     out = rope_fusion.apply_rotary_qk_kv_cache(*args, **kw)
-    monkeypatch.delitem(kv_cache_op.DEVICE_IMPLS, "cpu")
+    monkeypatch.delitem(kv_cache_op.CACHE_KERNELS.kernels, "cpu")
     ref_args = list(args)
     for i, c in zip([i for i in cache_at if args[i] is not None], theirs):
         ref_args[i] = c

@@ -221,7 +221,8 @@ def test_the_public_functions_direct_path_takes_packed_sequences_to_the_kernel(m
     """`apply_rotary_qk(..., cu_seqlens=)` eagerly: its plan launches the kernel with cu_seqlens (one launch a call,
     no positions derived by ATen ops once planned), every call of the geometry after the first replaying the plan; the
     results match the per-sequence fp64 rotation, with and without per-sequence offsets."""
-    from rope_fusion.ops.device_runners import DEVICE_KERNELS
+    from rope_fusion.kernels import triton_rotary  # noqa: F401  (registers the CUDA kernel served here)
+    from rope_fusion.ops.device_runners import ROTARY_KERNELS
 
     launches = []
 
@@ -233,7 +234,7 @@ def test_the_public_functions_direct_path_takes_packed_sequences_to_the_kernel(m
     monkeypatch.setattr(launching, "rotary_kernel", Counting())
     monkeypatch.setattr(launching, "INTERPRETED", True)
     rope_fusion.clear_caches()
-    monkeypatch.setitem(DEVICE_KERNELS, "cpu", DEVICE_KERNELS["cuda"])  # CPU tensors, the kernel's
+    monkeypatch.setitem(ROTARY_KERNELS.kernels, "cpu", ROTARY_KERNELS.kernels["cuda"])  # CPU tensors, the kernel's
     for call in range(3):
         (q, k), cu, offsets, cos, sin = random_case(20 + call, [3, 0, 5, 2], torch.int64, with_offsets)
         offsets = offsets.long() if offsets is not None else None  # one geometry: one plan

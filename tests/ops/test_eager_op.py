@@ -17,6 +17,7 @@ import torch
 
 import rope_fusion
 from rope_fusion.ops import device_runners, public_functions
+from rope_fusion.ops.device_registry import DeviceKernel
 from rope_fusion.ops.plan_cache import plan_cache
 from rope_fusion.ops.reference import rotary_reference
 
@@ -180,7 +181,7 @@ def test_cpu_runs_the_reference():
     torch.manual_seed(3)
     x = torch.randn(3, 7, 2, 24, dtype=torch.float64)
     cos, sin = (t.double() for t in rand_tables((7, 1), 12))
-    assert "cpu" not in device_runners.DEVICE_KERNELS
+    assert "cpu" not in device_runners.ROTARY_KERNELS.kernels
     out = rope_fusion.apply_rotary(x, cos, sin, rotary_blocks=2)
     want = rotary_reference(x, cos, sin, interleaved=False, rotary_dim=24, full_tables=False, rotary_blocks=2)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
@@ -197,7 +198,7 @@ def npu_on_cpu(monkeypatch):
 
     monkeypatch.setattr(bridge, "OP_NAMESPACE", nb.NS)
     monkeypatch.setattr(bridge, "_LOGGED", set())
-    monkeypatch.setitem(device_runners.DEVICE_KERNELS, "cpu", device_runners.DeviceKernel(bridge._impl))
+    monkeypatch.setitem(device_runners.ROTARY_KERNELS.kernels, "cpu", DeviceKernel(bridge._impl))
     rope_fusion.clear_caches()
     nb.CALLS.clear()
     return nb.CALLS

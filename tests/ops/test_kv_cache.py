@@ -510,7 +510,7 @@ def test_a_cache_of_other_strides(path, monkeypatch):
     args[7] = torch.tensor([0, 9, -1, 4, 11])
     out = rope_fusion.apply_rotary_qk_kv_cache(*args)
     if path == "triton":
-        monkeypatch.delitem(kv_cache_op.DEVICE_IMPLS, "cpu")
+        monkeypatch.delitem(kv_cache_op.CACHE_KERNELS.kernels, "cpu")
     want = rope_fusion.apply_rotary_qk_kv_cache(*args[:5], *theirs, args[7])
     torch.testing.assert_close(out, want, rtol=2 ** -7, atol=2 ** -7)
     for got, ref in zip(caches, theirs):

@@ -120,7 +120,7 @@ def test_kernel_reads_the_pieces(triton_on_cpu, norm, interleaved, dtype):
                   norm=norm, norm_eps=1e-6)
     args = (q0, k0, cos, sin, None, w[0], w[1])
     extra = dict(second_pieces=[q1, k1], second_norm_weights=[w[2], w[3]], cat_dims=[1, 1])
-    assert cat_rotary.DEVICE_IMPLS["cpu"](cat_rotary.parse(2, args, {**params, **extra})) is not None
+    assert cat_rotary.CAT_KERNELS.kernels["cpu"].impl(cat_rotary.parse(2, args, {**params, **extra})) is not None
     with poisoned_outputs():  # outputs start as NaN: an element the kernel did not write shows
         outs = cat_rotary.CAT_OPS[1](*args, **params, **extra)
     for out, first, second, wf, ws in zip(outs, (q0, k0), (q1, k1), w[:2], w[2:]):

@@ -21,7 +21,7 @@ import torch
 import rope_fusion
 from rope_fusion.ops import backends, device_runners, slice_write
 from rope_fusion.ops.backends import Backend, emit_op_call
-from rope_fusion.ops.device_runners import DeviceKernel
+from rope_fusion.ops.device_registry import DeviceKernel
 from rope_fusion.ops.op_definition import OPS
 from rope_fusion.ops.reference import reference_outputs
 from rope_fusion.passes import fusion_check
@@ -271,7 +271,7 @@ def _kernel(wrong: bool, monkeypatch) -> None:
     sine's sign flipped."""
     def impl(call):
         return reference_outputs(_flipped(call) if wrong else call)
-    monkeypatch.setitem(device_runners.DEVICE_KERNELS, "cpu", DeviceKernel(impl))
+    monkeypatch.setitem(device_runners.ROTARY_KERNELS.kernels, "cpu", DeviceKernel(impl))
 
 
 def test_auto_refuses_a_candidate_that_disagrees_and_leaves_the_site(clock, monkeypatch, caplog):
@@ -319,8 +319,7 @@ def test_auto_checks_the_fold_of_a_write_back(clock, triton_on_cpu, monkeypatch)
     cos, sin = torch.randn(8, 16), torch.randn(8, 16)
     for wrong in (False, True):
         if wrong:
-            monkeypatch.setitem(slice_write.IN_PLACE, "cpu", _flipped_in_place)
-            monkeypatch.delitem(slice_write.PLANNERS, "cpu")
+            monkeypatch.setitem(slice_write.IN_PLACE_KERNELS.kernels, "cpu", DeviceKernel(_flipped_in_place))
             rope_fusion.clear_caches()  # the first compile's plan of this geometry is gone
         clock.calls = []
         shutil.rmtree(auto_decisions.cache_dir(), ignore_errors=True)  # measured anew, not read from the first

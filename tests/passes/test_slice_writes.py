@@ -9,6 +9,7 @@ graph to C++. The numerics are checked against an fp64 evaluation of the model's
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -172,8 +173,9 @@ def test_repeated_calls_run_the_plan_of_their_geometry(triton_on_cpu, monkeypatc
     values) run that plan, each rotating its own rows in place, and a new geometry plans again. A bad slice still
     raises on a planned geometry."""
     planned = []
-    real = slice_write.PLANNERS["cpu"]
-    monkeypatch.setitem(slice_write.PLANNERS, "cpu", lambda call: planned.append(call) or real(call))
+    kernel = slice_write.IN_PLACE_KERNELS.kernels["cpu"]
+    monkeypatch.setitem(slice_write.IN_PLACE_KERNELS.kernels, "cpu", dataclasses.replace(
+        kernel, plan=lambda call: planned.append(call) or kernel.plan(call)))
     rope_fusion.clear_caches()
     kw = dict(interleaved=True, rotary_dim=32, full_tables=True, conjugate=False, out_dtype=torch.float32)
     for shape, (s, e) in (((2, 3, 9, 32), (2, 7)), ((2, 3, 9, 32), (4, 9)), ((2, 3, 9, 32), (0, 5)),
