@@ -9,10 +9,10 @@ order:
 1. `plain warm-up`: only before the process's first model, reported and not compared: the first compile of a
    process pays for what every later one reuses (CUDA libraries, the compile workers' first kernels);
 2. `plain cold`: a fresh TORCHINDUCTOR_CACHE_DIR (Inductor's FX graph and AOTAutograd caches, its Triton kernels:
-   all empty) and `force_disable_caches`;
+   all empty), the FX graph and AOTAutograd caches off in every step;
 3. `pass cold`: the same in a fresh dir of its own: no `auto` decisions on disk either, measuring as `--measure`
    says (the pass's default, "auto": only where the factor table cannot call the choice);
-4. `plain warm`: plain's dir again (its Triton kernels cached), the FX graph cache still off;
+4. `plain warm`: plain's dir again (its Triton kernels cached), the FX graph and AOTAutograd caches still off;
 5. `pass warm`: the pass's dir again: its decisions and kernels cached, the FX graph cache off, so the pass runs,
    reads its decisions and times nothing.
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
 import os
 import shutil
@@ -54,6 +55,17 @@ GRAPHS = {"flux", "hunyuan-video"}  # compiled with CUDA graphs in the issue's t
 MEASURE = {"auto": "auto", "all": True, "off": False}
 
 
+@contextlib.contextmanager
+def _graph_caches_off() -> Any:
+    """The FX graph and AOTAutograd caches off, so that every compile runs (the pass included); Inductor's Triton
+    kernels and `auto`'s decisions are read from the cache dir, empty when cold. Not `force_disable_caches`: under
+    it Inductor compiles in a fresh directory of its own every time, so a warm compile found neither (an earlier
+    version of this benchmark measured its "warm" column that way)."""
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
 def _compile_seconds(m: torch.nn.Module, inputs: dict, cache_dir: str, cudagraphs: bool, device: str,
                      p: Any = None) -> tuple[float, Any]:
     """Seconds of the first call of a fresh compile (the compile and one forward) in `cache_dir`, and its output."""
@@ -65,7 +77,7 @@ def _compile_seconds(m: torch.nn.Module, inputs: dict, cache_dir: str, cudagraph
     fn = torch.compile(m, options=opts) if opts else torch.compile(m)
     call = caller(fn, inputs, cudagraphs)
     t0 = time.perf_counter()
-    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+    with torch.no_grad(), _graph_caches_off():
         out = call()
         if device == "cuda":
             torch.cuda.synchronize()
@@ -82,13 +94,15 @@ def _choices(p: Any) -> list[str]:
     r = p.report
     lines = [f"{k.op}[{k.backend}]: {k.choice}" for k in r.kernels]
     lines += [f"{m.node}: {m.reason}" for m in r.misses if m.reason.startswith("left to Inductor")]
-    return [line[:220] for line in lines]
+    return [line[:400] for line in lines]
 
 
 def _stats() -> collections.Counter:
+    """auto's counters and its measuring seconds by phase (as "s <phase>")."""
     from rope_fusion.passes.auto import auto_timing
 
-    return collections.Counter(auto_timing.STATS)
+    return collections.Counter(auto_timing.STATS) + collections.Counter(
+        {f"s {k}": v for k, v in auto_timing.SECONDS.items()})
 
 
 def _free(device: str) -> None:
@@ -121,7 +135,8 @@ def run_model(name: str, args: argparse.Namespace, device: str, cudagraphs: bool
                 continue
             if p is not None:
                 rec["pass_s"][step] = round(_pass_seconds(p), 3)
-                rec.setdefault("auto", {})[step] = {k: v for k, v in (_stats() - before).items() if v}
+                rec.setdefault("auto", {})[step] = {k: round(v, 3) if isinstance(v, float) else v
+                                                    for k, v in (_stats() - before).items() if v}
                 rec.setdefault("choices", {})[step] = _choices(p)
                 rec.setdefault("sites", {})[step] = len(p.report.sites)
             _free(device)
@@ -155,13 +170,15 @@ def summary(records: list[dict]) -> None:
                      a.get("timed", 0), a.get("cached", 0), a.get("clear", 0), a.get("table", 0),
                      _num((r.get("pass_vs_plain") or {}).get("rel"), ".1e"),
                      "; ".join(f"{k}: {v[:60]}" for k, v in r["errors"].items()) or "-"])
-    print_table("compile seconds (first call, caches off): plain and with the pass, cold and warm; the pass's own "
-                "seconds; auto: signatures timed, decisions read, sites left unmeasured (clear-cut), table fallbacks",
+    print_table("compile seconds (first call, FX graph cache off): plain and with the pass, cold and warm; the pass's "
+                "own seconds; auto: signatures timed, decisions read, sites left unmeasured (clear-cut), table",
                 rows, ["model", "mode", "plain cold", "pass cold", "x", "pass's own", "plain warm", "pass warm", "x",
                        "pass's own", "timed", "cached", "clear-cut", "table", "out rel err", "errors"])
     for r in records:
-        for line in (r.get("choices") or {}).get("pass cold", []):
-            print(f"  {r['model']} ({r['mode']}): {line}")
+        for step in ("pass cold", "pass warm"):
+            print(f"  {r['model']} ({r['mode']}) {step}: auto {(r.get('auto') or {}).get(step)}")
+            for line in (r.get("choices") or {}).get(step, []):
+                print(f"    {line}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             result["records"].append(rec)
             write_json(args.out, result, quiet=True)
             print(f"[{time.perf_counter() - t_start:6.1f}s] {name} ({rec['mode']}): {rec['s']}, pass's own "
-                  f"{rec['pass_s']}, auto {rec.get('auto', {}).get('pass cold')}, errors {rec['errors']}", flush=True)
+                  f"{rec['pass_s']}, auto {rec.get('auto', {})}, errors {rec['errors']}", flush=True)
     finally:
         if saved_dir is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)

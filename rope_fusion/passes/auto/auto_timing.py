@@ -52,6 +52,7 @@ import logging
 import operator
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +81,8 @@ TIMER: Callable[[str, Callable[[], Any]], float] | None = None
 
 # "timed" signatures, "cached" hits, "table" fallbacks, "clear" sites the budget left unmeasured (auto_budget.py)
 STATS: collections.Counter = collections.Counter()
+# seconds spent measuring, by phase: "inputs", "compile <candidate>", "timing" (what a cold compile pays for `auto`)
+SECONDS: collections.Counter = collections.Counter()
 
 _STATE = threading.local()
 _WARNED: set = set()  # kinds of timing failures logged as a warning (once each)
@@ -468,17 +471,23 @@ def measure(site: AutoSite, candidates: list[str], cuda_graphs: bool, built: _Bu
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     refusals: dict = {}  # candidates whose outputs broke the numbers contract against left's (fusion_check)
     with _standalone(), on_device:
+        t0 = time.perf_counter()
         real = _inputs(built, site)
         check = fusion_check.CandidateCheck(built.left, [real[n] for n in built.left_inputs], len(site.outputs),
                                             list(real.values()))
+        SECONDS["inputs"] += time.perf_counter() - t0
         runs = {}
         for name in ["left", *candidates]:
+            t0 = time.perf_counter()
             run = _runner(name, built, site, real)
+            SECONDS[f"compile {name}"] += time.perf_counter() - t0
             if run is not None:
                 runs[name] = check.observed(name, run)
-        # how long each is timed: passes/auto/auto_budget.py
+        # how long each is timed: passes/auto/auto_budget.py (a candidate's first call, its JIT, included)
+        t0 = time.perf_counter()
         timings = auto_budget.time_runs(
             runs, lambda t: TIMER or default_timer(cuda_graphs, t.repeats, t.target_seconds), MARGIN, policy)
+        SECONDS["timing"] += time.perf_counter() - t0
         for name in list(timings):  # "left" first: its outputs are the reference the others are judged by
             why = check.refusal(name)
             if why is not None:
@@ -512,7 +521,9 @@ def decide(site: AutoSite, device: torch.device, candidates: list[str], cuda_gra
             raise NotMeasured(f"no {device.type} device here to time on (fake tensors)")
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise NotMeasured("compiled inside a CUDA graph capture")
+        t0 = time.perf_counter()
         built = build(site, cuda_graphs)
+        SECONDS["build"] += time.perf_counter() - t0
         key = auto_decisions.decision_key(device, built.signature)
         cached = auto_decisions.DECISIONS.get(key)
         if cached is not None:
@@ -523,6 +534,8 @@ def decide(site: AutoSite, device: torch.device, candidates: list[str], cuda_gra
         try:
             if not decision.refused:  # a refusal is checked (and warned of) again on every compile
                 auto_decisions.DECISIONS.put(key, decision)
+            else:
+                STATS["not cached (refused)"] += 1
         except OSError as e:  # a read-only cache dir: measured again next time, the choice stands
             log.warning("rope_fusion: measured decision not cached: %s", e)
         return Outcome(decision.choice, "measured", _text("measured", decision))
@@ -546,5 +559,5 @@ def _text(how: str, d: Decision) -> str:
     return f"{how} {d.describe()}, chose {d.choice} ({rule}){refused}"
 
 
-__all__ = ["AutoSite", "MARGIN", "NotMeasured", "Outcome", "STATS", "TIMER", "cat_runner", "decide", "enabled",
-           "measure", "measured_device", "measuring", "pick", "region", "slice_write_runner"]
+__all__ = ["AutoSite", "MARGIN", "NotMeasured", "Outcome", "SECONDS", "STATS", "TIMER", "cat_runner", "decide",
+           "enabled", "measure", "measured_device", "measuring", "pick", "region", "slice_write_runner"]
