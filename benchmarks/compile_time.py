@@ -24,6 +24,13 @@ with CUDA graphs where the issue's table has them (`--modes`).
     python -m benchmarks.compile_time --out $OUT/compile_time.json      # every model (GPU, about 5 minutes)
     python -m benchmarks.compile_time --models flux ltx-video --modes both --layers 2
     python -m benchmarks.compile_time --quick                             # tiny configs on the CPU (smoke test)
+    python -m benchmarks.compile_time --models ltx-video flux --isolate --profile 30
+
+`--isolate` compiles each model's plain and pass variants in a fresh process of their own (cold, then warm in the
+same cache dir): in one process the variant compiled first pays for the model's and the pass's first use (its
+imports, Dynamo's first trace of the model's code), which on the CPU made plain cold 2-4x pass cold on every model
+after the first. `import rope_fusion` is then timed apart and reported. `--profile N` runs the cold steps under
+cProfile and prints the N functions with the most cumulative and the most own time.
 """
 
 from __future__ import annotations
@@ -86,6 +93,50 @@ def _compile_seconds(m: torch.nn.Module, inputs: dict, cache_dir: str, cudagraph
     return seconds, (first.detach().clone() if first is not None else None)
 
 
+def _profiled(step: str, top: int, run: Any, dump: str | None = None) -> Any:
+    """run() under cProfile where `top` > 0: prints the `top` functions by own time, and dumps the profile to
+    `dump` (the parent of --isolate prints the pass's difference from plain from the two dumps)."""
+    if top <= 0:
+        return run()
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(run)
+    finally:
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).strip_dirs().sort_stats("tottime").print_stats(top)
+        body = buf.getvalue()
+        print(f"--- profile of {step} by own time\n{body[body.find('ncalls'):]}", flush=True)
+        if dump:
+            prof.dump_stats(dump)
+
+
+def profile_difference(plain: str, with_pass: str, top: int) -> None:
+    """The functions whose cumulative seconds grew most from plain's cold compile to the pass's (cProfile dumps)."""
+    import pstats
+
+    def load(path: str) -> dict:
+        out: dict = {}
+        for (file, line, fn), (_, calls, own, cum, _) in pstats.Stats(path).stats.items():
+            key = f"{file.split('site-packages/')[-1].split('/work/')[-1]}:{line}({fn})"
+            if not os.path.basename(file).startswith("tmp"):  # generated modules: a new name every compile
+                out[key] = (cum, own, calls)
+        return out
+    a, b = load(plain), load(with_pass)
+    rows = sorted(((b.get(k, (0, 0, 0))[0] - a.get(k, (0, 0, 0))[0], k) for k in set(a) | set(b)), reverse=True)
+    whole = max((d for d, k in rows if "contextlib" not in k), default=0.0)
+    # the frames that hold the whole difference (Dynamo's and Inductor's entry points, decorators) say nothing
+    rows = [(d, k) for d, k in rows if d < 0.8 * whole and "contextlib" not in k]
+    print(f"--- cumulative seconds, pass cold minus plain cold (cProfile; {whole:+.2f} s in all; the {top} largest "
+          "parts under the entry points)")
+    for diff, k in rows[:top]:
+        (ca, oa, na), (cb, ob, nb) = a.get(k, (0, 0, 0)), b.get(k, (0, 0, 0))
+        print(f"  {diff:+7.2f}  plain {ca:6.2f} pass {cb:6.2f}  own {oa:5.2f}->{ob:5.2f}  calls {na}->{nb}  {k[-120:]}")
+
+
 def _pass_seconds(p: Any) -> float:
     return sum(r.seconds for r in p.report.graph_records if not r.from_cache)
 
@@ -112,23 +163,37 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def run_model(name: str, args: argparse.Namespace, device: str, cudagraphs: bool, first: bool) -> dict:
-    import rope_fusion
+STEPS = {"plain": [("plain cold", "plain", False), ("plain warm", "plain", False)],
+         "pass": [("pass cold", "pass", True), ("pass warm", "pass", True)]}
 
+
+def run_model(name: str, args: argparse.Namespace, device: str, cudagraphs: bool, first: bool,
+              variant: str | None = None) -> dict:
+    """One model's compiles in this process: every step below, or only `variant`'s ("plain" or "pass")."""
     rec: dict = {"model": name, "mode": "CUDA graphs" if cudagraphs else "launches", "layers": args.layers,
                  "s": {}, "pass_s": {}, "errors": {}}
     dirs = {v: tempfile.mkdtemp(prefix=f"compile_time_{v}_") for v in ("warm-up", "plain", "pass")}
     try:
         m, inputs = build(name, args.quick, device, torch.bfloat16, layers=args.layers)
-        steps: list[tuple[str, str, bool]] = [("plain warm-up", "warm-up", False)] if first else []
-        steps += [("plain cold", "plain", False), ("pass cold", "pass", True), ("plain warm", "plain", False),
-                  ("pass warm", "pass", True)]
+        if variant is not None:
+            steps = STEPS[variant]
+        else:
+            steps = [("plain warm-up", "warm-up", False)] if first else []
+            steps += [("plain cold", "plain", False), ("pass cold", "pass", True), ("plain warm", "plain", False),
+                      ("pass warm", "pass", True)]
+        if any(with_pass for _, _, with_pass in steps):
+            t0 = time.perf_counter()
+            import rope_fusion
+            rec["import_s"] = round(time.perf_counter() - t0, 3)
         outs = {}
         for step, d, with_pass in steps:
             p = rope_fusion.RopeFusionPass(measure=MEASURE[args.measure]) if with_pass else None
-            before = _stats()
+            before = _stats() if with_pass else collections.Counter()
+            top = args.profile if step.endswith("cold") else 0
             try:
-                rec["s"][step], outs[step] = _compile_seconds(m, inputs, dirs[d], cudagraphs, device, p)
+                dump = f"{args.save_outs}.{d}.prof" if args.save_outs else None
+                rec["s"][step], outs[step] = _profiled(
+                    f"{name} {step}", top, lambda: _compile_seconds(m, inputs, dirs[d], cudagraphs, device, p), dump)
             except Exception as e:  # a failing step is reported, the others still run
                 rec["errors"][step] = f"{type(e).__name__}: {e}"[:400]
                 traceback.print_exc(limit=3)
@@ -140,6 +205,8 @@ def run_model(name: str, args: argparse.Namespace, device: str, cudagraphs: bool
                 rec.setdefault("choices", {})[step] = _choices(p)
                 rec.setdefault("sites", {})[step] = len(p.report.sites)
             _free(device)
+        if args.save_outs:  # a child of --isolate: its parent compares the two variants' outputs
+            torch.save({k: v.cpu() for k, v in outs.items() if v is not None}, args.save_outs)
         if outs.get("plain cold") is not None and outs.get("pass cold") is not None:
             rec["pass_vs_plain"] = compare(outs["pass cold"], outs["plain cold"])
         s = rec["s"]
@@ -156,6 +223,45 @@ def run_model(name: str, args: argparse.Namespace, device: str, cudagraphs: bool
     return rec
 
 
+def isolated(name: str, cudagraphs: bool, args: argparse.Namespace) -> dict:
+    """The model's plain and pass variants, each in a fresh process (cold, then warm), merged into one record."""
+    import json
+    import subprocess
+
+    rec: dict = {"model": name, "mode": "CUDA graphs" if cudagraphs else "launches", "layers": args.layers,
+                 "s": {}, "pass_s": {}, "errors": {}, "isolated": True}
+    outs: dict = {}
+    with tempfile.TemporaryDirectory(prefix="compile_time_child_") as tmp:
+        for variant in ("plain", "pass"):
+            js, pt = os.path.join(tmp, f"{variant}.json"), os.path.join(tmp, f"{variant}.pt")
+            cmd = [sys.executable, "-m", "benchmarks.compile_time", "--child", variant, "--models", name,
+                   "--modes", "graphs" if cudagraphs else "launches", "--layers", str(args.layers),
+                   "--measure", args.measure, "--profile", str(args.profile), "--out", js, "--save-outs", pt]
+            cmd += ["--quick"] if args.quick else []
+            done = subprocess.run(cmd, cwd=os.path.dirname(_HERE), capture_output=True, text=True)
+            sys.stdout.write("".join(f"  [{variant}] {line}\n" for line in done.stdout.splitlines()
+                                     if not line.startswith("There are modules")))
+            if done.returncode != 0 or not os.path.exists(js):
+                rec["errors"][variant] = f"child exited {done.returncode}: {done.stderr.strip()[-300:]}"
+                continue
+            (child,) = json.load(open(js))["records"]
+            for key in ("s", "pass_s", "errors", "auto", "choices", "sites"):
+                rec.setdefault(key, {}).update(child.get(key, {}))
+            if "import_s" in child:
+                rec["import_s"] = child["import_s"]
+            if os.path.exists(pt):
+                outs.update(torch.load(pt))
+        profiles = [os.path.join(tmp, f"{v}.pt.{v}.prof") for v in ("plain", "pass")]
+        if args.profile and all(os.path.exists(f) for f in profiles):
+            profile_difference(*profiles, top=args.profile)
+    if "plain cold" in outs and "pass cold" in outs:
+        rec["pass_vs_plain"] = compare(outs["pass cold"], outs["plain cold"])
+    for kind in ("cold", "warm"):
+        if f"plain {kind}" in rec["s"] and f"pass {kind}" in rec["s"]:
+            rec[f"ratio_{kind}"] = rec["s"][f"pass {kind}"] / rec["s"][f"plain {kind}"]
+    return rec
+
+
 def _num(x: Any, fmt: str = ".1f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -169,11 +275,11 @@ def summary(records: list[dict]) -> None:
                      _num(s.get("pass warm")), _num(r.get("ratio_warm"), ".2f"), _num(ps.get("pass warm"), ".2f"),
                      a.get("timed", 0), a.get("cached", 0), a.get("clear", 0), a.get("table", 0),
                      _num((r.get("pass_vs_plain") or {}).get("rel"), ".1e"),
-                     "; ".join(f"{k}: {v[:60]}" for k, v in r["errors"].items()) or "-"])
+                     _num(r.get("import_s"), ".2f"), "; ".join(f"{k}: {v[:60]}" for k, v in r["errors"].items()) or "-"])
     print_table("compile seconds (first call, FX graph cache off): plain and with the pass, cold and warm; the pass's "
                 "own seconds; auto: signatures timed, decisions read, sites left unmeasured (clear-cut), table",
                 rows, ["model", "mode", "plain cold", "pass cold", "x", "pass's own", "plain warm", "pass warm", "x",
-                       "pass's own", "timed", "cached", "clear-cut", "table", "out rel err", "errors"])
+                       "pass's own", "timed", "cached", "clear-cut", "table", "out rel err", "import s", "errors"])
     for r in records:
         for step in ("pass cold", "pass warm"):
             print(f"  {r['model']} ({r['mode']}) {step}: auto {(r.get('auto') or {}).get(step)}")
@@ -191,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure", choices=list(MEASURE), default="auto",
                     help="the pass's measure policy: auto (its default), all (every site), off (the table)")
     ap.add_argument("--quick", action="store_true", help="tiny configs on the CPU (smoke test: nothing measures)")
+    ap.add_argument("--isolate", action="store_true",
+                    help="each model's plain and pass variants in a fresh process of their own")
+    ap.add_argument("--profile", type=int, default=0, help="cProfile the cold steps: print this many functions")
+    ap.add_argument("--child", choices=sorted(STEPS), help=argparse.SUPPRESS)  # one variant, for --isolate
+    ap.add_argument("--save-outs", help=argparse.SUPPRESS)
     ap.add_argument("--out", help="write the records as JSON here (rewritten after every model)")
     args = ap.parse_args(argv)
     names = [x for v in args.models for x in v.split(",") if x]
@@ -202,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     raise_recompile_limits()
     saved_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     t_start = time.perf_counter()
-    print(f"environment: {environment()}; warm-up {warm_up(device):.1f} s", flush=True)
+    warm = 0.0 if args.isolate and not args.child else warm_up(device)  # each child warms its own process
+    print(f"environment: {environment()}; warm-up {warm:.1f} s", flush=True)
     result: dict = {"environment": environment(), "argv": sys.argv[1:] if argv is None else argv, "records": []}
     runs: list[tuple[str, bool]] = []
     for name in names:
@@ -210,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         runs += [(name, cg and device == "cuda") for cg in modes]
     try:
         for i, (name, cg) in enumerate(runs):
-            rec = run_model(name, args, device, cg, first=i == 0)
+            if args.isolate and not args.child:
+                rec = isolated(name, cg, args)
+            else:
+                rec = run_model(name, args, device, cg, first=i == 0, variant=args.child)
             result["records"].append(rec)
             write_json(args.out, result, quiet=True)
             print(f"[{time.perf_counter() - t_start:6.1f}s] {name} ({rec['mode']}): {rec['s']}, pass's own "
@@ -220,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
         else:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved_dir
-    summary(result["records"])
+    if not args.child:
+        summary(result["records"])
     result["seconds"] = time.perf_counter() - t_start
     print(f"\ncompile_time: {len(result['records'])} runs, {result['seconds']:.0f} s", flush=True)
     write_json(args.out, result)

@@ -177,7 +177,8 @@ def test_a_cat_after_the_rotation_is_a_consumer_unless_the_kernel_writes_into_it
 @pytest.mark.parametrize("cuda_graphs", [False, True], ids=["launches", "graphs"])
 def test_cuda_measures_with_attention_layout(tmp_path, monkeypatch, cuda_graphs):
     """On the GPU, with the real clock: every candidate (the kernel's too) runs through the consumers and the
-    attention's layout constraint, the site is measured (not a fallback), and the compiled block agrees with eager."""
+    attention's layout constraint, the site is measured (not a fallback), and the compiled block keeps the numbers
+    contract against fp64 (bf16 attention amplifies rounding: eager and the fused block differ by up to 0.15)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(auto_timing.ENV, raising=False)
     import rope_fusion
@@ -192,6 +193,5 @@ def test_cuda_measures_with_attention_layout(tmp_path, monkeypatch, cuda_graphs)
     r = p.report
     choices = [k.choice for k in r.kernels] + [m.reason for m in r.misses if m.reason.startswith("left to Inductor")]
     assert choices and all("measured" in c and "not measured" not in c for c in choices), r.table()
-    with torch.no_grad():
-        want = attention_block(*args)
-    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    with torch.no_grad():  # bf16 attention: eager differs from the fused block by rounding, judged against fp64
+        check_numerics(attention_block, args, out, context=r.table())
