@@ -28,6 +28,9 @@ from tests.helpers.triton_cpu import TritonOnCpu, install, triton_language_kept
 # of its geometry (passes/fusion_check.py): a fused form that breaks the numbers contract is refused with a near
 # miss, so a test that expects it fused fails. ROPE_FUSION_VERIFY=0 turns it off (to time the suite without it).
 os.environ.setdefault("ROPE_FUSION_VERIFY", "1")
+# The suite measures tiny graphs, whose compiles earn `auto` no allowance for measuring (passes/auto/auto_budget.py):
+# no limit here, so that the measuring path runs; tests/passes/test_auto_budget.py sets the share it checks.
+os.environ.setdefault("ROPE_FUSION_MEASURE_SHARE", "inf")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -295,3 +295,72 @@ def test_a_site_whose_only_candidate_is_never_taken_is_left_unmeasured():
     ltx = _cost(5632, 32, 32, 64, norm="rms_across_heads", table_bytes=5632 * 1024 * 4)
     budget = auto_budget.plan(ltx, ["triton"])
     assert not budget.measure and budget.choice == "left" and "1.7x plain compile" in budget.why
+
+
+# -- the compile's allowance: measuring takes at most a share of the compile --------------------------------
+
+def _graph_of(nodes: int) -> torch.fx.Graph:
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    for _ in range(nodes):
+        x = g.call_function(torch.ops.aten.neg.default, (x,))
+    g.output(x)
+    return g
+
+
+def test_an_allowance_is_a_share_of_the_graphs_estimated_compile_less_what_measuring_spent():
+    a = auto_budget.Allowance(0.1)
+    g = _graph_of(1000)
+    a.earn(g)
+    a.earn(g)  # a graph earns once
+    assert a.nodes == 1000 and a.earned == pytest.approx(0.1 * auto_budget.NODE_SECONDS * 1000)
+    two = auto_budget.Allowance.cost(1)  # "left" and one fused candidate
+    assert two == pytest.approx(2 * auto_budget.CANDIDATE_SECONDS + auto_budget.TIMING_SECONDS)
+    assert a.affords(1) is (a.earned >= two)
+    a.earn(_graph_of(int(two / (0.1 * auto_budget.NODE_SECONDS)) + 1))  # a second piece of the same compile
+    assert a.affords(1) and not a.affords(50)
+    a.spend(a.earned)
+    assert not a.affords(1)
+    words = a.refusal(1)
+    assert words.startswith(f"not measured: measuring this signature would take about {two:.1f} s") and \
+        "allowance for measuring is 0.00 s" in words and "measure=True" in words
+
+
+@pytest.mark.parametrize("text,want", [("0.25", 0.25), ("inf", float("inf")), ("0", 0.0), ("", auto_budget.SHARE),
+                                       ("lots", auto_budget.SHARE), ("-1", auto_budget.SHARE)])
+def test_the_share_comes_from_the_environment(monkeypatch, caplog, text, want):
+    monkeypatch.setenv(auto_budget.SHARE_ENV, text)
+    with caplog.at_level("WARNING", logger="rope_fusion"):
+        assert auto_budget.share() == want
+    assert (auto_budget.SHARE_ENV in caplog.text) is (text in ("lots", "-1"))
+
+
+def attention(h, wq, wk, wv, cos, sin):
+    """Block's forward as a function of its weights (the fp64 reference casts them too)."""
+    b, s, _ = h.shape
+    q, k, v = ((h @ w).view(b, s, 2, 32) for w in (wq, wk, wv))
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return h + o.transpose(1, 2).flatten(-2)
+
+
+def test_a_small_compile_leaves_an_undecided_site_unmeasured_and_reads_a_decision_measured_once(clock, monkeypatch):
+    """Under "auto" the one-block graph earns far less than measuring its signature costs: nothing is compiled or
+    timed, the site stays as plain compile writes it, and the report says why. `measure=True` measures it once;
+    every later "auto" compile reads that decision from disk and fuses, timing nothing."""
+    monkeypatch.setenv(auto_budget.SHARE_ENV, str(auto_budget.SHARE))
+    torch.manual_seed(0)
+    args = (torch.randn(1, 16, 64), *(torch.randn(64, 64) / 8 for _ in range(3)), torch.randn(16, 1, 32),
+            torch.randn(16, 1, 32))
+    before = collections.Counter(auto_timing.STATS)
+    out, p = compile_with_pass(attention, *args)
+    assert clock.calls == [] and auto_timing.STATS["over allowance"] - before["over allowance"] == 1
+    assert not p.report.kernels and any("would take about" in x.reason and "allowance" in x.reason
+                                        for x in p.report.misses), p.report.table()
+    check_numerics(attention, args, out)
+    compile_with_pass(attention, *args, measure=True)
+    assert sorted(clock.calls) == ["inductor", "left"]
+    out, p = compile_with_pass(attention, *args)
+    assert sorted(clock.calls) == ["inductor", "left"] and [k.backend for k in p.report.kernels] == ["inductor"]
+    assert p.report.kernels[0].choice.startswith("cached"), p.report.table()
+    check_numerics(attention, args, out)

@@ -29,15 +29,32 @@ Flux 2.19x). So a site is measured only where the factor table (ops/cost_model.p
 in full (`FULL`, auto_clock's repeats). The first call of a candidate (its Triton JIT and autotuning) is the same
 either way; the repeats after it are what this saves.
 
+**The compile's allowance**: the pass may cost at most a tenth of the compile it runs in, and one measured signature
+costs more than a whole small compile (H100, one block: LTX-Video's 4.4 s against plain compile's 2.6 s, Flux's 5.0 s
+against 6.5 s; each candidate's standalone compile 0.9-2.0 s, timing 0.3-1.1 s). So under "auto" a signature that
+no decision on disk covers is measured only where the compile's `Allowance` affords it: `SHARE` of the compile's
+estimated seconds (`NODE_SECONDS` per node of the graphs it compiled, the pieces of one Dynamo compile together),
+less what measuring has spent there, must cover the signature's estimated cost (`CANDIDATE_SECONDS` per candidate,
+"left" included, and `TIMING_SECONDS`). A model of many layers earns it (a 28-block model about 6 s, one
+signature); a one-block graph does not, and its undecided sites stay as plain compile writes them ("left": never
+slower than plain compile), the report saying so. `ROPE_FUSION_MEASURE_SHARE` sets the share; decisions measured
+once (`measure=True`, a large compile) are read from disk by every later compile at no cost.
+
 The policy is `RopeFusionPass(measure=...)`: "auto" (the default) measures as above, True measures every site that
-can be measured (each candidate, timed in full), False never measures (the table decides).
+can be measured (each candidate, timed in full, whatever the allowance), False never measures (the table decides).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
+import os
+import weakref
 from collections.abc import Callable
 from typing import Any
+
+import torch.fx as fx
 
 from ...ops.cost_model import Factors, SiteCost, estimates
 from .auto_clock import REPEATS, TARGET_SECONDS
@@ -48,6 +65,14 @@ RULED_OUT = 2.0  # a fused candidate estimated at this multiple of the best fuse
 SETTLED = 0.10  # a quick timing stands where its decision clears the threshold (and the runner-up) by this share
 
 POLICIES = ("auto", True, False)
+
+SHARE = 0.10  # of a compile's estimated seconds, what measuring may take under "auto"
+SHARE_ENV = "ROPE_FUSION_MEASURE_SHARE"  # overrides SHARE (a float; "inf": no limit)
+# plain compile's cold seconds per call_function node of a post-grad graph, at the low end of what was measured
+# (H100, torch 2.11, one block: LTX-Video 2.6 s for 338 nodes, 7.7 ms; Flux under CUDA graphs 6.5 s for 569, 11.4)
+NODE_SECONDS = 0.007
+CANDIDATE_SECONDS = 1.5  # one candidate's standalone compile, cold (0.9-2.0 s measured)
+TIMING_SECONDS = 0.5  # the timing of one signature's candidates (0.3-1.1 s measured)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +151,79 @@ def plan(cost: SiteCost | None, candidates: list[str], policy: Any = "auto",
     return Budget(True, tuple(c for c in fused if est[c] < RULED_OUT * best))
 
 
+log = logging.getLogger("rope_fusion")
+
+
+def share() -> float:
+    """The share of a compile that measuring may take: `ROPE_FUSION_MEASURE_SHARE`, else `SHARE`."""
+    text = os.environ.get(SHARE_ENV, "").strip()
+    if not text:
+        return SHARE
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:
+        log.warning("rope_fusion: %s=%r is not a share (a float at least 0, or inf): %s used", SHARE_ENV, text, SHARE)
+        return SHARE
+    return value
+
+
+@dataclasses.dataclass
+class Allowance:
+    """The seconds that measuring may still take in one compile: earned by the graphs compiled (each once), spent
+    by what measuring took."""
+
+    share: float
+    earned: float = 0.0
+    spent: float = 0.0
+    nodes: int = 0
+    graphs: set = dataclasses.field(default_factory=set)
+
+    def earn(self, graph: fx.Graph) -> None:
+        if id(graph) in self.graphs:
+            return
+        self.graphs.add(id(graph))
+        n = sum(1 for node in graph.nodes if node.op == "call_function")
+        self.nodes += n
+        self.earned += self.share * NODE_SECONDS * n
+
+    @staticmethod
+    def cost(fused_candidates: int) -> float:
+        """The estimated seconds of measuring one signature: each candidate compiled ("left" too), then timed."""
+        return CANDIDATE_SECONDS * (fused_candidates + 1) + TIMING_SECONDS
+
+    def affords(self, fused_candidates: int) -> bool:
+        return self.earned - self.spent >= self.cost(fused_candidates)
+
+    def spend(self, seconds: float) -> None:
+        self.spent += seconds
+
+    def refusal(self, fused_candidates: int) -> str:
+        return (f"not measured: measuring this signature would take about {self.cost(fused_candidates):.1f} s, and "
+                f"the compile's allowance for measuring is {max(0.0, self.earned - self.spent):.2f} s ("
+                f"{self.share:g} of an estimated {NODE_SECONDS * self.nodes:.1f} s compile of {self.nodes} nodes); "
+                f"left as plain compile writes it ({SHARE_ENV}, or measure=True, measures it)")
+
+
+# the compile (Dynamo's CompileContext, else the graph where no Dynamo compile runs) -> its Allowance, for as long as
+# the compile lives: Dynamo's compile ids restart after torch._dynamo.reset(), so they cannot key it
+_ALLOWANCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def allowance(graph: fx.Graph) -> Allowance:
+    """The allowance of the compile that `graph` belongs to (the pieces of one Dynamo compile share one), having
+    earned `graph`'s share."""
+    import torch._guards
+
+    key = torch._guards.CompileContext.try_get() or graph
+    a = _ALLOWANCES.get(key)
+    if a is None:
+        a = _ALLOWANCES[key] = Allowance(share())
+    a.earn(graph)
+    return a
+
+
 def _clear(shown: str, rule: str) -> str:
     return f"table, clear-cut, not measured: estimated MiB-equivalents {shown}; {rule}"
 
@@ -157,5 +255,6 @@ def time_runs(runs: dict[str, Callable[[], Any]], timer_for: Callable[[Timing], 
     return {name: timer(name, run) * 1e6 for name, run in runs.items()}
 
 
-__all__ = ["Budget", "FULL", "FUSED_CLEAR", "LEFT_CLEAR", "NEVER", "NeverTaken", "POLICIES", "QUICK", "RULED_OUT",
-           "SETTLED", "Timing", "plan", "settled", "time_runs"]
+__all__ = ["Allowance", "Budget", "CANDIDATE_SECONDS", "FULL", "FUSED_CLEAR", "LEFT_CLEAR", "NEVER", "NODE_SECONDS",
+           "NeverTaken", "POLICIES", "QUICK", "RULED_OUT", "SETTLED", "SHARE", "SHARE_ENV", "TIMING_SECONDS", "Timing",
+           "allowance", "plan", "settled", "share", "time_runs"]

@@ -79,7 +79,8 @@ _MEASURE_DEVICE_TYPES: tuple = ("cuda",)
 # choices.
 TIMER: Callable[[str, Callable[[], Any]], float] | None = None
 
-# "timed" signatures, "cached" hits, "table" fallbacks, "clear" sites the budget left unmeasured (auto_budget.py)
+# "timed" signatures, "cached" hits, "table" fallbacks, "clear" sites the budget left unmeasured, "over allowance"
+# signatures the compile's allowance could not pay for (auto_budget.py)
 STATS: collections.Counter = collections.Counter()
 # seconds spent measuring, by phase: "inputs", "compile <candidate>", "timing" (what a cold compile pays for `auto`)
 SECONDS: collections.Counter = collections.Counter()
@@ -514,8 +515,9 @@ def device_available(device_type: str) -> bool:
 
 
 def decide(site: AutoSite, device: torch.device, candidates: list[str], cuda_graphs: bool,
-           policy: Any = "auto") -> Outcome:
-    """Measured (or cached) choice for one site; Outcome(None, "table", why) where it cannot be measured."""
+           policy: Any = "auto", allowance: auto_budget.Allowance | None = None) -> Outcome:
+    """Measured (or cached) choice for one site; Outcome(None, "table", why) where it cannot be measured, and
+    "left" where no decision is cached and the compile's `allowance` (None: no limit) cannot pay for measuring."""
     try:
         if not device_available(device.type):
             raise NotMeasured(f"no {device.type} device here to time on (fake tensors)")
@@ -529,7 +531,15 @@ def decide(site: AutoSite, device: torch.device, candidates: list[str], cuda_gra
         if cached is not None:
             STATS["cached"] += 1
             return Outcome(cached.choice, "cached", _text("cached", cached))
-        decision = measure(site, candidates, cuda_graphs, built, policy)
+        if allowance is not None and not allowance.affords(len(candidates)):
+            STATS["over allowance"] += 1
+            return Outcome("left", "table", allowance.refusal(len(candidates)))
+        t0 = time.perf_counter()
+        try:
+            decision = measure(site, candidates, cuda_graphs, built, policy)
+        finally:
+            if allowance is not None:
+                allowance.spend(time.perf_counter() - t0)
         STATS["timed"] += 1
         try:
             if not decision.refused:  # a refusal is checked (and warned of) again on every compile

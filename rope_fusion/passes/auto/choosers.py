@@ -100,8 +100,10 @@ def _auto_decision(p: Any, spec: SiteSpec) -> tuple[tuple[str, str] | None, str,
                       if get_backend(n) is not None and get_backend(n).supports(spec) is None]
         budget = auto_budget.plan(spec.cost, candidates, p.measure, calibrated_factors(device))  # what to measure
         if budget.measure:
+            # under "auto", what the compile can pay for measuring (measure=True: every site, whatever it costs)
+            allowance = auto_budget.allowance(site.outputs[0].graph) if p.measure == "auto" else None
             outcome = auto_timing.decide(site, device, list(budget.candidates), p.replayed_in_cuda_graphs(),
-                                         p.measure)
+                                         p.measure, allowance)
         else:
             auto_timing.STATS["clear"] += 1
             outcome = auto_timing.Outcome(budget.choice, "table", budget.why)
