@@ -306,6 +306,9 @@ def test_auto_times_the_cat_op_on_the_pieces(triton_on_cpu, monkeypatch, tmp_pat
 
     monkeypatch.setattr(auto_timing, "TIMER", clock)
     args = [*_pieces(), *_weights(), *_tables()]
+    # auto's check draws its inputs from the global generator: seeded, so that which inputs it judges by does not
+    # depend on the tests run before (a norm's fp32 rounding once exceeded one eps of the largest value there)
+    torch.manual_seed(3)
     out, p = compile_with_pass(flux_qk, *args, backend="auto")
     r = p.report
     assert sorted(outputs) == ["inductor", "left", "triton"], r.table()
