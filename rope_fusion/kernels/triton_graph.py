@@ -31,7 +31,6 @@ from torch._higher_order_ops.triton_kernel_wrap import (
 )
 
 from ..fx_nodes import chain_back
-from ..ops.overlap import overlap_beyond_broadcast
 from ..ops.schema import RotaryCall
 from .triton_kernel import rotary_kernel
 from .triton_launch import launch
@@ -114,13 +113,9 @@ def _emit_kernel(graph: fx.Graph, fake_mode: Any, node: fx.Node, env: dict, symb
 
 def emit_triton(graph: fx.Graph, fake_mode: Any, call: RotaryCall, like: fx.Node) -> list | None:
     """Nodes computing the rotated xs (inserted at the graph's current insertion point), or None when the
-    site has symbolic sizes or an input whose rows share memory (the caller then emits the op call)."""
+    site has symbolic sizes (the caller then emits the op call)."""
     inputs = [t for t in call.tensors() if t is not None]
     vals = [a.meta["val"] for a in inputs]
-    if any(overlap_beyond_broadcast(v) is not None for v in vals):
-        # rows that share memory (`as_strided` rows half a row apart): on the H100 the user-kernel node read such an
-        # x wrongly (elements 6.7 from any value of the model); the op call plans from the tensors it is handed
-        return None
     symbolic = None
     if not all(_concrete(v) for v in vals):
         symbolic = _SymbolicPlan.of(call, inputs, vals, fake_mode)

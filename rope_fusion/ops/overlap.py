@@ -70,15 +70,6 @@ def overlap_reason(t: torch.Tensor) -> str | None:
     return _nested(sizes, strides)[1]
 
 
-def overlap_beyond_broadcast(t: torch.Tensor) -> str | None:
-    """Why elements of `t` may share memory other than along zero strides (a broadcast, which Inductor keeps as a
-    view), or None: rows half a row apart (`as_strided`) and the like."""
-    for d in range(t.dim()):
-        if _known(t.stride(d) == 0):
-            t = t.narrow(d, 0, 1)
-    return overlap_reason(t)
-
-
 def dense_from_start(t: torch.Tensor) -> bool:
     """Whether `t` provably covers its storage from element 0 without a gap (a permutation of a contiguous tensor,
     at offset 0): a copy of its storage up to its last element (`clone_preserve_strides`) is then `t`'s own
