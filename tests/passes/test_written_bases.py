@@ -261,8 +261,9 @@ def test_the_proofs_hold_for_symbolic_sizes_without_a_guard():
 def test_gpu_bases(name, base_of, shape, folds):
     """On a GPU, compiled with the Triton kernel: each base folds or keeps its scatter as on the CPU, and every
     result keeps the numbers contract (the refused forms gave 1e37, NaN or 1.02 off there before). Overlapping rows
-    make the model's own output order-dependent (its scatter writes memory two rows share): there every element
-    must hold one of the values the model writes into its memory."""
+    make the model's own output undefined on a GPU (its scatter writes memory that two rows share: eager and plain
+    compile give values no element of the model's fp64 result has, 5.7 and 6.7 off on the H100): there the pass,
+    which leaves that scatter, must give plain compile's numbers."""
     torch.manual_seed(15)
     fn = written(base_of, read_again="read again" in name)
     x = torch.randn(shape, device="cuda")
@@ -272,6 +273,10 @@ def test_gpu_bases(name, base_of, shape, folds):
     out, p = compile_with_pass(fn, x, cos, sin, backend="triton")
     (kernel,) = p.report.kernels
     assert kernel.fold.startswith("slice write: " if folds else "slice write not folded: "), p.report.table()
-    check = check_overlapping_output if "overlapping" in name else check_numerics
-    check(fn, (x0, cos, sin), out, context=p.report.table())
+    if "overlapping" in name:
+        torch._dynamo.reset()
+        plain = torch.compile(fn)(x0.clone(), cos, sin)
+        torch.testing.assert_close(out, plain, msg=lambda m: f"{m}\n{p.report.table()}")  # fp32 rounding apart
+    else:
+        check_numerics(fn, (x0, cos, sin), out, context=p.report.table())
     assert torch.equal(x, x0)
