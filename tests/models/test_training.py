@@ -61,14 +61,16 @@ CASES = [
     # bf16 runs for Wan below; Llama in bf16 too with ROPE_TRAINING_ALL=1 (it adds 10-25 s to this file)
     pytest.param(Case("llama", "bfloat16", "neox", 16, 16), marks=pytest.mark.skipif(
         os.environ.get("ROPE_TRAINING_ALL") != "1", reason="set ROPE_TRAINING_ALL=1")),
-    Case("gpt_neox", "float32", "neox", 4, 16),  # partial rotary: R = 0.25 * 16, pass-through cat
     Case("gptj", "float32", "interleaved", 8, 16),  # rotate_every_two on k_rot/q_rot, R = 8 of 16
-    Case("flux", "float32", "interleaved", 16, 16),  # diffusers apply_rotary_emb use_real, 1 double + 1 single
+    # the longest training cases (36-71 s for the first test on 2 cores) run with -m slow, as CI runs them after the
+    # default run; GPT-J's partial interleaved rotary stays in it
+    pytest.param(Case("gpt_neox", "float32", "neox", 4, 16), marks=pytest.mark.slow),  # partial: R = 4 of 16, cat
+    # diffusers apply_rotary_emb use_real, 1 double + 1 single block
+    pytest.param(Case("flux", "float32", "interleaved", 16, 16), marks=pytest.mark.slow),
     # a rotation of the image rows only (`query[:, :, text:] = rope(...)`): its backward pads the rotation's gradient
     # with zero rows; 2 blocks, and a time embedding of 2 features whose linear layers are no 2x2 pair matrices
     # (about 95 s on 2 cores: with -m slow)
     pytest.param(Case("cogvideox", "float32", "interleaved", 16, 16), marks=pytest.mark.slow),
-    # the longest training cases (33-44 s each on 2 cores) run with -m slow, as CI runs them after the default run
     pytest.param(Case("wan", "bfloat16", "interleaved", 12, 12), marks=pytest.mark.slow),  # strided slices, 2 blocks
 ]
 
