@@ -59,6 +59,8 @@ import torch.fx as fx
 from ...ops.cost_model import Factors, SiteCost, estimates
 from .auto_clock import REPEATS, TARGET_SECONDS
 
+log = logging.getLogger("rope_fusion")
+
 FUSED_CLEAR = 0.5  # best fused estimate / left's at or under this: the table's fused choice, unmeasured
 LEFT_CLEAR = 2.0  # every fused estimate / left's at or over this: left, unmeasured
 RULED_OUT = 2.0  # a fused candidate estimated at this multiple of the best fused one or more is not compiled
@@ -151,9 +153,6 @@ def plan(cost: SiteCost | None, candidates: list[str], policy: Any = "auto",
     return Budget(True, tuple(c for c in fused if est[c] < RULED_OUT * best))
 
 
-log = logging.getLogger("rope_fusion")
-
-
 def share() -> float:
     """The share of a compile that measuring may take: `ROPE_FUSION_MEASURE_SHARE`, else `SHARE`."""
     text = os.environ.get(SHARE_ENV, "").strip()
@@ -175,18 +174,19 @@ class Allowance:
     by what measuring took."""
 
     share: float
-    earned: float = 0.0
     spent: float = 0.0
-    nodes: int = 0
+    nodes: int = 0  # call_function nodes of the graphs that earned
     graphs: set = dataclasses.field(default_factory=set)
+
+    @property
+    def earned(self) -> float:
+        return self.share * NODE_SECONDS * self.nodes
 
     def earn(self, graph: fx.Graph) -> None:
         if id(graph) in self.graphs:
             return
         self.graphs.add(id(graph))
-        n = sum(1 for node in graph.nodes if node.op == "call_function")
-        self.nodes += n
-        self.earned += self.share * NODE_SECONDS * n
+        self.nodes += sum(1 for node in graph.nodes if node.op == "call_function")
 
     @staticmethod
     def cost(fused_candidates: int) -> float:
