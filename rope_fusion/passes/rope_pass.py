@@ -29,7 +29,7 @@ from .analysis.padded_sums import merge_padded_sums
 from .analysis.provenance import dtype_name, named_values, role, rotation_source, source_line, tensor_name
 from .analysis.sites import find_sites
 from .analysis.symbolic_sizes import check_none_needed, hold_symbolic, site_roots
-from .auto import auto_timing
+from .auto import auto_budget, auto_timing
 from .auto.choosers import AUTO_CHOOSER, Choice, Chooser, GraphFacts
 from .auto.site_costs import graph_host_bound
 from .cache_ledger import LEDGER, take_in_cache_replays
@@ -87,6 +87,8 @@ class RopeFusionPass(PassBase):
             raise TypeError(_misconfigured(graph, "a RopeFusionPass"))
         if auto_timing.measuring():  # a candidate's standalone compile inside this pass: plain Inductor
             return
+        if self.measure == "auto":  # every graph of the compile earns its allowance, a rotation in it or not
+            auto_budget.allowance(graph)
         take_in_cache_replays()  # graphs a cache served before this one come first in the report
         index = self.report.graphs
         self.report.graphs += 1

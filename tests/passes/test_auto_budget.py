@@ -364,3 +364,22 @@ def test_a_small_compile_leaves_an_undecided_site_unmeasured_and_reads_a_decisio
     assert sorted(clock.calls) == ["inductor", "left"] and [k.backend for k in p.report.kernels] == ["inductor"]
     assert p.report.kernels[0].choice.startswith("cached"), p.report.table()
     check_numerics(attention, args, out)
+
+
+def test_every_graph_of_a_compile_earns_its_allowance_with_or_without_a_rotation():
+    """vLLM compiles a model as pieces, one Dynamo compile: a piece without a rotation (the MLP, the norms) still
+    adds to what measuring may take in a later piece that holds one."""
+    import torch._guards
+
+    from rope_fusion import RopeFusionPass
+
+    with torch._guards.compile_context(torch._guards.CompileContext(None)):
+        p = RopeFusionPass()
+        p(_graph_of(300))
+        p(_graph_of(200))
+        a = auto_budget.allowance(_graph_of(10))
+        assert a.nodes == 510 and not p.report.sites
+        RopeFusionPass(measure=False)(_graph_of(400))  # a policy that never measures earns nothing
+        assert auto_budget.allowance(_graph_of(0)).nodes == 510
+    with torch._guards.compile_context(torch._guards.CompileContext(None)):  # the next compile starts afresh
+        assert auto_budget.allowance(_graph_of(7)).nodes == 7
