@@ -76,8 +76,9 @@ def check_overlapping_output(fn, args, fused, dense_fn, context: str = "") -> No
         gap = torch.where(same, (f64[:, None] - d64[None, :]).abs(), torch.inf).min(dim=1).values
         tol = 16 * torch.finfo(o.dtype).eps * (1 + d64.abs().max())
         worst = gap.max().item()
+        where = f"\n{context}" if context else ""
         assert worst <= tol, (f"output {i}: an element {worst:.3g} from every value the model means for the "
-                              f"elements sharing its memory (tolerance {tol:.3g}){chr(10) + context if context else ''}")
+                              f"elements sharing its memory (tolerance {tol:.3g}){where}")
 
 
 def check_unchanged(fn, args, out, compare=None, context: str = "") -> None:
