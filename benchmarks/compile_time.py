@@ -118,10 +118,11 @@ def profile_difference(plain: str, with_pass: str, top: int) -> None:
     """The functions whose cumulative seconds grew most from plain's cold compile to the pass's (cProfile dumps)."""
     import pstats
 
+    root = os.path.dirname(_HERE) + os.sep  # the checkout's own files by their paths in it
+
     def load(path: str) -> dict:
         out: dict = {}
         for (file, line, fn), (_, calls, own, cum, _) in pstats.Stats(path).stats.items():
-            root = os.path.dirname(_HERE) + os.sep  # the checkout's own files by their paths in it
             key = f"{file.split('site-packages/')[-1].removeprefix(root)}:{line}({fn})"
             if not os.path.basename(file).startswith("tmp"):  # generated modules: a new name every compile
                 out[key] = (cum, own, calls)

@@ -44,6 +44,12 @@ def written(base_of, read_again: bool):
     return fn
 
 
+def written_densely(base_of):
+    """`written` over a dense copy of the base: the values the model means for each element, without the aliasing
+    of a base whose elements share memory (the order-free contract's candidates)."""
+    return written(lambda x: base_of(x).contiguous(), read_again=False)
+
+
 def _compile(fn, x, rows, d=8, dtype=torch.float32, check=check_numerics):
     torch.manual_seed(11)
     cos, sin = torch.randn(rows, d, dtype=dtype), torch.randn(rows, d, dtype=dtype)
@@ -150,7 +156,7 @@ def test_bases_whose_elements_share_memory_keep_the_scatter(triton_on_cpu, name)
     shape, base_of, words = SHARED[name]
     rows = base_of(torch.zeros(shape)).shape[2] - TEXT
     # rows that overlap: also the order-free form of the contract that the GPU test uses
-    dense = written(lambda x: base_of(x).contiguous(), False)
+    dense = written_densely(base_of)
     checks = (check_numerics, lambda fn, args, out, context: check_overlapping_output(fn, args, out, dense, context)) \
         if "overlap" in name else (check_numerics,)
     fold, p = _compile(written(base_of, False), torch.randn(shape), rows=rows,
@@ -276,7 +282,7 @@ def test_gpu_bases(name, base_of, shape, folds):
     (kernel,) = p.report.kernels
     assert kernel.fold.startswith("slice write: " if folds else "slice write not folded: "), p.report.table()
     if "overlapping" in name:
-        dense = written(lambda x: base_of(x).contiguous(), read_again=False)
+        dense = written_densely(base_of)
         torch._dynamo.reset()
         plain = torch.compile(fn)(x0.clone(), cos, sin)
         for who, result in (("eager", fn(x0.clone(), cos, sin)), ("plain compile", plain), ("the pass", out)):
