@@ -224,7 +224,9 @@ def _rel(a, b):
 
 def _run_zoo(name):
     """The zoo's tiny model (tests/zoo/entries.py) on fresh inputs through the pass with the Triton backend forced:
-    (the pass, the fused output's error and the eager model's own, both against the model in fp64)."""
+    (the pass, the fused output's error, and the larger of eager's and plain compile's own, each against the model
+    in fp64). Plain compile's code for the rest of the model rounds otherwise than eager (Flux: 3.2e-7 against
+    eager's 1.8e-7 in fp32), and the pass is held to what the compile it joins computes."""
     pytest.importorskip("diffusers")
     from tests.zoo.entries import by_name
 
@@ -241,24 +243,26 @@ def _run_zoo(name):
     with torch.no_grad():
         out, p = compile_with_pass(forward, *inputs.values(), backend="triton")
         eager = forward(*inputs.values())
+        torch._dynamo.reset()
+        plain = torch.compile(forward, fullgraph=True)(*inputs.values())
         model.to(torch.float64)
         ref = forward(*(v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                         for v in inputs.values()))
         model.to(torch.float32)
-    return p, _rel(out, ref), _rel(eager, ref)
+    return p, _rel(out, ref), max(_rel(eager, ref), _rel(plain, ref))
 
 
 @pytest.mark.parametrize("name", ["flux", pytest.param("flux2", marks=pytest.mark.slow)])  # flux2 ~13 s: -m slow
 def test_diffusers_joint_attention_folds_its_cat(triton_on_cpu, name):
     """The double-stream block's joint q and k: one node reading the text and image pieces, each piece's norm
     folded; the single-stream block's q and k fold their norm as before. Every site's norm is folded."""
-    p, err_fused, err_eager = _run_zoo(name)
+    p, err_fused, err_unfused = _run_zoo(name)
     r = p.report
     assert len(r.sites) == 4 and len(r.kernels) == 2, r.table()
     folds = [k.fold for k in r.kernels]
     assert sum(f.startswith("cat folded:") for f in folds) == 1, r.table()
     assert all(s.norm == "rms folded" for s in r.sites), r.table()
-    assert err_fused <= err_eager + torch.finfo(torch.float32).eps, (err_fused, err_eager, r.table())
+    assert err_fused <= err_unfused + torch.finfo(torch.float32).eps, (err_fused, err_unfused, r.table())
 
 
 @pytest.mark.parametrize("fn,folds", [(flux_qk, True), (joined_reused, False)])
