@@ -24,7 +24,7 @@ import torch
 from ..ops.cat_rotary import CAT_KERNELS, CatCall
 from ..ops.plan_cache import PlanCache
 from ..ops.public_functions import tensor_geometry
-from . import triton_launch
+from . import triton_launch, triton_warmup
 from .triton_plan import KERNEL_FIELDS, Tables, heads_fit_int32, is_true, launch_args, norm_fits, per_lane, plan_launch
 
 log = logging.getLogger("rope_fusion")
@@ -263,10 +263,23 @@ class _CatRunner:
                                             self.device) or False
         return outs
 
-    def _jit(self, tensors: list) -> Any:
+    def _jit_arguments(self, tensors: list) -> tuple[tuple, dict]:
+        """The JIT launcher's arguments: the call's first 12 tensors and the plan's scalars positionally, the
+        constexprs, the joined form's tensors and the compile options by name."""
         t = tensors
-        return self.kernel[self.grid](*t[:12], *self.scalars, **{**self.meta, **dict(zip(_CAT_POINTERS, t[12:]))},
-                                      **self.checks)
+        return (*t[:12], *self.scalars), {**self.meta, **dict(zip(_CAT_POINTERS, t[12:])), **self.checks}
+
+    def _jit(self, tensors: list) -> Any:
+        triton_warmup.wait()  # a warmup of this launch may still be compiling it
+        args, kwargs = self._jit_arguments(tensors)
+        return self.kernel[self.grid](*args, **kwargs)
+
+    def warm(self, cat: CatCall) -> int:
+        """Compile this geometry's launch in the background from a call given as fake values (`triton_warmup`)."""
+        outs = [cat.firsts[0].new_empty(shape, dtype=self.dtype) for shape in self.shapes]  # fake as the call is
+        src = self._sources(cat, outs)
+        args, kwargs = self._jit_arguments([src[i] for i in self.picks])
+        return int(triton_warmup.warm(triton_launch.rotary_kernel, self.grid, args, kwargs, self.device))
 
     def _checked(self, tensors: list, outs: list) -> Any:
         """The replay where it writes what the JIT launcher writes (this call's result either way), else None."""
@@ -388,4 +401,11 @@ def plan_runner(cat: CatCall) -> Any:
     return runner
 
 
-CAT_KERNELS.register("cuda", _serve, check=why_not, plan=plan_runner)
+def warm_cat(cat: CatCall) -> int:
+    """The launch `plan_runner` plans for a call given as fake values, compiled in the background
+    (`triton_warmup`); 0 where the geometry is not replayed as planned."""
+    runner = plan_runner(cat)
+    return runner.warm(cat) if runner is not None else 0
+
+
+CAT_KERNELS.register("cuda", _serve, check=why_not, plan=plan_runner, warm=warm_cat)

@@ -20,6 +20,7 @@ from ..ops.packed import eager_op, packed_positions
 from ..ops.plan_cache import PlanCache
 from ..ops.reference import gather_rows
 from ..ops.schema import RotaryCall, RotaryParams
+from . import triton_warmup
 from .triton_kernel import rotary_kernel
 from .triton_plan import KERNEL_FIELDS, NORM_FIRST, Tables, is_true, launch_args, make_launches, per_lane, plan_launch
 
@@ -175,6 +176,26 @@ class DirectLaunches:
         dtype, layout = self.out_dtype, torch.contiguous_format
         return [torch.empty_like(x, dtype=dtype, memory_format=layout) for x in xs]
 
+    @staticmethod
+    def _tensors(sides: list, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], cos: torch.Tensor,
+                 sin: torch.Tensor, pos: torch.Tensor, weights: Sequence) -> tuple:
+        """A launch's tensors in the kernel's order: its sides' xs and outputs, the tables, the rows, the weights
+        (unused pointers stand in for absent tensors)."""
+        ws = [weights[i] if weights[i] is not None else cos for i in sides]
+        return (*(xs[i] for i in sides), *(outs[i] for i in sides), cos, sin, pos, *ws)
+
+    def warm(self, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+             positions: Any, weights: Any) -> int:
+        """Compile this plan's launches in the background from fake values of a call (`triton_warmup`), writing
+        into `outs`; returns how many were handed to the warmup threads."""
+        pos = positions if positions is not None else cos
+        weights = weights or [None] * len(xs)
+        warmed = 0
+        for sides, grid, scalars, meta, *_ in self.entries:
+            args = (*self._tensors(sides, xs, outs, cos, sin, pos, weights), *scalars)
+            warmed += triton_warmup.warm(rotary_kernel, grid, args, {**meta, **self.checks}, xs[0].device)
+        return warmed
+
     def __call__(self, xs: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, positions: Any,
                  weights: Any, cu_seqlens: Any = None, seqlen_offsets: Any = None) -> list:
         outs = self._outputs(xs)
@@ -183,8 +204,7 @@ class DirectLaunches:
         weights = weights or [None] * len(xs)
         for entry in self.entries:
             sides, grid, scalars, meta, runner, checked = entry  # runner: None untried, False unavailable
-            ws = [weights[i] if weights[i] is not None else cos for i in sides]
-            tensors = (*(xs[i] for i in sides), *(outs[i] for i in sides), cos, sin, pos, *ws)
+            tensors = self._tensors(sides, xs, outs, cos, sin, pos, weights)
             if checked and getattr(runner, "tensors_only", False):  # the plan's scalars are the runner's own
                 runner(*tensors)
                 continue
@@ -195,6 +215,7 @@ class DirectLaunches:
                 runner = self._checked(runner, args, sides, outs, grid, {**meta, **self.checks})
                 entry[4:] = (runner, True) if runner else (False, False)
             else:
+                triton_warmup.wait()  # a warmup of this launch may still be compiling it
                 call_meta = {**meta, "off_ptr": seqlen_offsets} if self.offsets else meta
                 compiled = rotary_kernel[grid](*args, **call_meta, **self.checks)
                 if runner is None:

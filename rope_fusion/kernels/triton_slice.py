@@ -136,6 +136,16 @@ def plan_in_place(call: RotaryCall, views: list | None = None) -> Any:
     return runner
 
 
+def warm_in_place(call: RotaryCall, views: list | None = None) -> int:
+    """The launches `plan_in_place` plans for a call given as fake values, compiled in the background
+    (`triton_warmup`); returns how many."""
+    runner = plan_in_place(call, views)
+    if runner is None:
+        return 0
+    outs = call.xs if views is None else views
+    return runner.warm(call.xs, outs, call.cos, call.sin, call.positions, call.norm_weights)
+
+
 def _is_empty(views: list) -> bool:
     return any(is_true(v.numel() == 0) for v in views)
 
@@ -146,4 +156,4 @@ def _serve(call: RotaryCall, views: list) -> bool:
     return rotate_in_place(call, views)
 
 
-IN_PLACE_KERNELS.register("cuda", _serve, plan=plan_in_place)
+IN_PLACE_KERNELS.register("cuda", _serve, plan=plan_in_place, warm=warm_in_place)

@@ -16,6 +16,7 @@ call, the reference: the pieces normalised in the math dtype, joined, then the r
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,8 @@ from .plan_cache import PlanCache
 from .public_functions import tensor_geometry
 from .reference import rms_norm, rotary_reference
 from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, check_call, math_dtype, op_schema
+
+log = logging.getLogger("rope_fusion")
 
 # the keyword arguments that give each tensor's second piece and where it joins the first
 CAT_ARGS = ("second_pieces", "second_norm_weights", "cat_dims")
@@ -148,6 +151,21 @@ def why_not(cat: CatCall) -> str | None:
     if kernel is None:
         return f"no kernel reads joined pieces on {device}"
     return kernel.check(cat) if kernel.check is not None else None
+
+
+def warm(op: Any, args: tuple, kw: dict) -> int:
+    """Compile in the background the launch a call of a cat op will make (`DeviceKernel.warm`), from its
+    arguments as fake values (the pass, as it emits the op); returns how many launches were handed to the warmup."""
+    arity = next((i + 1 for i, o in enumerate(CAT_OPS) if o is op), None)
+    if arity is None or reference_only():
+        return 0
+    try:
+        cat = parse(arity, args, kw)
+        kernel = CAT_KERNELS.get(cat.firsts[0].device.type)
+        return kernel.warm(cat) if kernel is not None and kernel.warm is not None else 0
+    except Exception as e:  # an optimisation of the first call, never a failure of the compile
+        log.debug("rope_fusion: the cat op's launch was not warmed (%s); its first call compiles it", e)
+        return 0
 
 
 def _result(outs: list) -> Any:

@@ -22,14 +22,17 @@ class DeviceKernel:
     """One device type's kernel for a family: `impl` serves a call as it comes (None from it, or no `impl`: the
     reference); `check` says beforehand why the kernel would not take a call (None: it would; no `check`: it takes
     every call), for a pass that emits a fused form only where a kernel serves it; `plan` plans a call geometry
-    once into a runner of every later call of it (None from it: `impl` per call); `takes_packed`: packed sequences
-    reach the kernel as they come (cu_seqlens), else their derived positions. What each callable takes and returns
-    is the family's (its module says)."""
+    once into a runner of every later call of it (None from it: `impl` per call); `warm` compiles, in the
+    background, what a call geometry given as fake values will launch, so that a compiled graph's first call of an
+    opaque op finds its kernels compiled (kernels/triton_warmup.py; it returns how many launches it warmed);
+    `takes_packed`: packed sequences reach the kernel as they come (cu_seqlens), else their derived positions. What
+    each callable takes and returns is the family's (its module says)."""
 
     impl: Callable[..., Any] | None
     check: Callable[..., str | None] | None = None
     plan: Callable[..., Any] | None = None
     takes_packed: bool = False
+    warm: Callable[..., int] | None = None
 
 
 class DeviceRegistry:
@@ -50,10 +53,10 @@ class DeviceRegistry:
 
     def register(self, device_type: str, impl: Callable[..., Any] | None = None, *,
                  check: Callable[..., str | None] | None = None, plan: Callable[..., Any] | None = None,
-                 takes_packed: bool = False) -> DeviceKernel:
+                 takes_packed: bool = False, warm: Callable[..., int] | None = None) -> DeviceKernel:
         """Serve the family's calls on `device_type` with this kernel (`DeviceKernel` says what each part does),
         in place of any registered before, and empty the registry's plan caches."""
-        kernel = DeviceKernel(impl, check, plan, takes_packed)
+        kernel = DeviceKernel(impl, check, plan, takes_packed, warm)
         missing = [part for part in self.required if getattr(kernel, part) is None]
         if missing:
             raise ValueError(f"a {self.family} kernel for {device_type} needs {' and '.join(missing)}: the "

@@ -20,6 +20,7 @@ slice must not share memory unless x is that slice: such a call is computed apar
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +37,8 @@ from .plan_cache import PlanCache
 from .public_functions import tensor_geometry
 from .reference import reference_outputs
 from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, check_call, op_schema
+
+log = logging.getLogger("rope_fusion")
 
 # the keyword arguments that say where each tensor's rotated slice lies
 SLICE_ARGS = ("slice_dims", "slice_starts", "slice_ends")
@@ -271,6 +274,28 @@ def _into_eager(arity: int) -> Callable[..., None]:
 
 def _named(suffix: str) -> dict[int, str]:
     return {arity: name + suffix for arity, name in OP_NAMES.items()}
+
+
+def warm_written(op: Any, values: dict) -> int:
+    """Compile in the background the launches a call of a slice or into op will make (`DeviceKernel.warm`), from
+    its arguments by name as fake values (the pass, as it emits the op): returns how many launches were handed to
+    the warmup, 0 where the device's kernel warms nothing or the call is not planned once (packed sequences)."""
+    arity = next((i + 1 for family in (SLICE_OPS, INTO_OPS) for i, o in enumerate(family) if o is op), None)
+    if arity is None or reference_only():
+        return 0
+    arguments = op._schema.arguments
+    args = tuple(values.get(a.name) for a in arguments if not a.kwarg_only)
+    kw = {a.name: values[a.name] for a in arguments if a.kwarg_only and a.name in values}
+    into = op in INTO_OPS
+    try:
+        call, views = (_into_call if into else _call)(arity, args, kw)
+        kernel = IN_PLACE_KERNELS.get(views[0].device.type)
+        if kernel is None or kernel.warm is None or call.cu_seqlens is not None:
+            return 0
+        return kernel.warm(call, views if into else None)
+    except Exception as e:  # an optimisation of the first call, never a failure of the compile
+        log.debug("rope_fusion: the %s op's launches were not warmed (%s); its first call compiles them", op, e)
+        return 0
 
 
 SLICE_OPS = define_family(_named("_slice_"), slice_schema, _eager, _fake)  # by arity - 1: rotary_slice_, ...

@@ -23,12 +23,12 @@ from typing import Any
 
 import pytest
 
-WHOLE = ("impl", "check", "plan")  # a `DeviceKernel`'s callables (its `takes_packed` goes with them)
+WHOLE = ("impl", "check", "plan", "warm")  # a `DeviceKernel`'s callables (its `takes_packed` goes with them)
 # name -> (module, its `DeviceRegistry`, the parts of the "cuda" kernel that the "cpu" kernel takes; the rest None)
 SERVES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "eager": ("rope_fusion.ops.device_runners", "ROTARY_KERNELS", WHOLE),  # the public functions' direct path
     "slice_write": ("rope_fusion.ops.slice_write", "IN_PLACE_KERNELS", WHOLE),  # rotations written into slices
-    "cat": ("rope_fusion.ops.cat_rotary", "CAT_KERNELS", ("impl", "check")),  # the cat ops read the pieces
+    "cat": ("rope_fusion.ops.cat_rotary", "CAT_KERNELS", ("impl", "check", "warm")),  # the cat ops read the pieces
     "cat_planner": ("rope_fusion.ops.cat_rotary", "CAT_KERNELS", ("plan",)),  # the cat ops' eager plans
     "join": ("rope_fusion.ops.joins", "JOIN_KERNELS", WHOLE),  # the join kernel
     "kv_cache": ("rope_fusion.ops.kv_cache_op", "CACHE_KERNELS", WHOLE),  # the KV-cache op

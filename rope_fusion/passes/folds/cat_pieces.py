@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from ...fx_sizes import as_int
+from ...ops import cat_rotary
 from ...ops.cat_rotary import CAT_OPS, CatCall
 from ...ops.schema import TENSOR_NAMES, RotaryCall
 from ..analysis.norms import dies_with, norm_prologue
@@ -180,6 +181,7 @@ def emit_cat(em: Any, call: RotaryCall, firsts: list, seconds: list, weights: li
     if em.fake_mode is not None:
         with em.fake_mode:
             node.meta["val"] = op(*vals[0], **vals[1])
+            cat_rotary.warm(op, *vals)  # its launch compiles while Inductor compiles the graph
     else:
         node.meta["val"] = op(*vals[0], **vals[1])
     for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):  # where the RoPE came from, as emission's

@@ -27,7 +27,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...fx_sizes import as_int
 from ...ops.schema import TENSOR_NAMES
-from ...ops.slice_write import SLICE_OPS
+from ...ops.slice_write import SLICE_OPS, warm_written
 from .written_bases import base_reason, shared_reason
 
 aten = torch.ops.aten
@@ -192,6 +192,7 @@ def emit_written(em, op, tensors: list, call, writes: list, like: fx.Node, bound
     if em.fake_mode is not None:
         with em.fake_mode:
             node.meta["val"] = auto_functionalized(op, **vals)
+            warm_written(op, vals)  # its launches compile while Inductor compiles the graph
     else:
         node.meta["val"] = auto_functionalized(op, **vals)
     for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):  # where the RoPE came from, as emission's
