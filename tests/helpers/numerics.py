@@ -82,9 +82,13 @@ def check_overlapping_output(fn, args, fused, dense_fn, context: str = "") -> No
 
 
 def check_unchanged(fn, args, out, compare=None, context: str = "") -> None:
-    """A graph left alone must compute what eager computes (allclose at the output dtype's tolerance)."""
+    """A graph left alone must compute what plain compile computes (allclose at a few ulps of the output dtype).
+    Not eager: plain compile's code for what the pass leaves rounds otherwise than eager where the graph reduces
+    (`cos * x.sum(-1)` differed from eager by 1.7e-6 at a value of 0.39 in fp32, on fresh random inputs)."""
     compare = compare or (lambda t: t)
-    for i, (a, b) in enumerate(zip(as_tuple(out), as_tuple(fn(*args)))):
+    torch._dynamo.reset()
+    plain = torch.compile(fn, fullgraph=True)(*args)
+    for i, (a, b) in enumerate(zip(as_tuple(out), as_tuple(plain))):
         assert a.dtype == b.dtype and a.shape == b.shape
         eps = torch.finfo(b.dtype).eps
         torch.testing.assert_close(compare(a), compare(b), rtol=8 * eps, atol=8 * eps,
