@@ -89,8 +89,17 @@ def _calls() -> dict[str, Callable[[], Any]]:
     join = plan_join(a, b, 0)
     caches = [torch.zeros(4, 4, HK, D) for _ in range(2)]
     slots = torch.arange(T) * 2
+    floor = {name: dispatcher_floor(getattr(ops, name).default)
+             for name in ("rotary_qk", "rotary_qk_slice_", "rotary_qk_into_", "rotary_qk_cat", "rotary_qk_kv_cache")}
     return {
         "apply_rotary_qk (direct)": lambda: rope_fusion.apply_rotary_qk(q, k, cos, sin),
+        "floor: rotary_qk's dispatch": lambda: floor["rotary_qk"](q, k, cos, sin, **opts),
+        "floor: rotary_qk_slice_'s dispatch": lambda: floor["rotary_qk_slice_"](*bases, cos, sin, **opts, **bounds),
+        "floor: rotary_qk_into_'s dispatch": lambda: floor["rotary_qk_into_"](*bases, q, k, cos, sin, **opts,
+                                                                               **bounds),
+        "floor: rotary_qk_cat's dispatch": lambda: floor["rotary_qk_cat"](*halves, cos, sin, **cat),
+        "floor: rotary_qk_kv_cache's dispatch": lambda: floor["rotary_qk_kv_cache"](q, k, v, cos, sin, *caches, slots,
+                                                                                     **opts),
         "rotary_qk (op)": lambda: ops.rotary_qk(q, k, cos, sin, **opts),
         "rotary_qk_slice_": lambda: ops.rotary_qk_slice_(*bases, cos, sin, **opts, **bounds),
         "rotary_qk_into_": lambda: ops.rotary_qk_into_(*bases, q, k, cos, sin, **opts, **bounds),
@@ -99,6 +108,27 @@ def _calls() -> dict[str, Callable[[], Any]]:
         "apply_rotary_qk_kv_cache": lambda: rope_fusion.apply_rotary_qk_kv_cache(q, k, v, cos, sin, *caches, slots),
         "rotary_qk_kv_cache (op)": lambda: ops.rotary_qk_kv_cache(q, k, v, cos, sin, *caches, slots, **opts),
     }
+
+
+_FLOOR_LIBRARY: list = []  # keeps the floor ops' fragment registered
+
+
+def dispatcher_floor(op: Any) -> Callable[..., Any]:
+    """An op of `op`'s schema whose kernel does nothing (it hands back its first tensors): what the dispatcher itself
+    costs a call of that schema, converting each argument to and from C++. A fold op's 25-30 arguments cost more
+    there than the library's own host path."""
+    schema = op._schema
+    name = f"floor_{schema.name.split('::')[-1]}_{len(_FLOOR_LIBRARY)}"
+    if not _FLOOR_LIBRARY:
+        _FLOOR_LIBRARY.append(torch.library.Library("rope_fusion_floor", "FRAGMENT"))
+    lib = _FLOOR_LIBRARY[0]
+    signature = str(schema).split("(", 1)[1]
+    signature = signature.replace("(a!)", "").replace("(b!)", "").replace("(c!)", "")  # nothing is written
+    lib.define(f"{name}({signature}")
+    n_out = len(schema.returns)
+    lib.impl(name, (lambda *a, **k: None) if n_out == 0 else (lambda *a, **k: a[0]) if n_out == 1 else
+             (lambda *a, **k: tuple(a[:n_out])), "CompositeExplicitAutograd")
+    return getattr(torch.ops.rope_fusion_floor, name).default
 
 
 def host_us(fn: Callable[[], Any], calls: int) -> float:
@@ -124,10 +154,19 @@ def measure(calls: int = 2000, rounds: int = 5) -> dict[str, float]:
 
 
 def print_table(result: dict[str, float]) -> None:
+    """Each family's us a call; an op's row also its dispatcher floor (an op of its schema that does nothing) and
+    what is left, the library's own host time, against the direct path's."""
     print(f"host us per call, {T} tokens x {HQ}/{HK} heads x {D}, fp32, CPU, kernel launch a no-op:")
-    print("| family | us/call |\n|---|---|")
+    direct = result["apply_rotary_qk (direct)"]
+    print("| family | us/call | dispatcher floor | library's own | own / direct |\n|---|---|---|---|---|")
     for name, us in result.items():
-        print(f"| {name} | {us:.1f} |")
+        if name.startswith("floor: "):
+            continue
+        op = name.split(" ")[0]
+        floor = result.get(f"floor: {op}'s dispatch")
+        own = us - floor if floor is not None else us
+        cells = (f"{floor:.1f}", f"{own:.1f}") if floor is not None else ("-", f"{own:.1f}")
+        print(f"| {name} | {us:.1f} | {cells[0]} | {cells[1]} | {own / direct:.2f} |")
 
 
 def main(quick: bool = False) -> dict[str, float]:

@@ -225,32 +225,31 @@ class _CatRunner:
         self.dtype = call.params.out_dtype
         self.device = cat.firsts[0].device
         self.host_only = any(t.device.type != "cuda" for t in (*cat.firsts, *cat.seconds, call.cos, call.sin))
-        self.no_weights = [None] * n
-        weights = list(call.norm_weights or self.no_weights)
-        # the call's tensors as `_sources` lists them: firsts, seconds, outputs, cos, sin, positions, weights,
-        # second weights
-        cos, w0, w20 = 3 * n, 3 * n + 3, 4 * n + 3
+        self.n_sources = 4 * n + 3
+        weights = list(call.norm_weights or [None] * n)
+        # the call's tensors as `CatCall.sources` lists them (firsts, seconds, cos, sin, positions, weights, second
+        # weights), then the outputs
+        cos, w0, w20, out0 = 2 * n, 2 * n + 3, 3 * n + 3, 4 * n + 3
         sides = [min(i, n - 1) for i in range(3)]
-        self.picks = (*sides, *(2 * n + i for i in sides), cos, cos + 1, cos + 2 if call.positions is not None else cos,
+        self.picks = (*sides, *(out0 + i for i in sides), cos, cos + 1, cos + 2 if call.positions is not None else cos,
                       *(w0 + i if weights[i] is not None else cos for i in sides),
                       n, n + sides[1], *(w20 + i if cat.second_weights[i] is not None else cos for i in sides[:2]))
         self.kernel: Any = None  # the kernel whose compiled form `replay` launches
         self.replay: Any = None  # None: untried; False: the JIT launcher stays; else the replayed launch
         self.checked = False
 
-    def _sources(self, cat: CatCall, outs: list) -> tuple:
-        call = cat.call
-        return (*call.xs, *cat.seconds, *outs, call.cos, call.sin, call.positions,
-                *(call.norm_weights or self.no_weights), *cat.second_weights)
-
     def __call__(self, cat: CatCall) -> list:
+        return self.run_sources(cat.sources())
+
+    def run_sources(self, sources: list) -> list:
+        """The call whose tensors are `sources` (`CatCall.sources`' order, None for an absent one): its outputs."""
         dtype, device = self.dtype, self.device
-        outs = [torch.empty(shape, dtype=dtype, device=device) for shape in self.shapes]
-        src = self._sources(cat, outs)
+        src = [*sources, *(torch.empty(shape, dtype=dtype, device=device) for shape in self.shapes)]
         tensors = [src[i] for i in self.picks]
         kernel = triton_launch.rotary_kernel  # read per call: the tests interpret the module's kernel
         if kernel is not self.kernel:  # a replay is of the kernel it was compiled from
             self.kernel, self.replay, self.checked = kernel, None, False
+        outs = src[self.n_sources:]
         if self.checked:
             self.replay(tensors)
         elif self.replay and not triton_launch.stream_capturing():
@@ -277,7 +276,7 @@ class _CatRunner:
     def warm(self, cat: CatCall) -> int:
         """Compile this geometry's launch in the background from a call given as fake values (`triton_warmup`)."""
         outs = [cat.firsts[0].new_empty(shape, dtype=self.dtype) for shape in self.shapes]  # fake as the call is
-        src = self._sources(cat, outs)
+        src = [*cat.sources(), *outs]
         args, kwargs = self._jit_arguments([src[i] for i in self.picks])
         return int(triton_warmup.warm(triton_launch.rotary_kernel, self.grid, args, kwargs, self.device))
 

@@ -16,6 +16,7 @@ once, and the reference runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any
 
@@ -204,4 +205,19 @@ def launch_cache(cc: CacheCall) -> torch.Tensor | None:
     return launch_planned(plan, cc)
 
 
-CACHE_KERNELS.register("cuda", launch_cache)
+def plan_runner(cc: CacheCall) -> Any:
+    """The runner of every later call of cc's key (the op keys its calls itself: `ops/kv_cache_op.py`): its planned
+    launch, or None where the kernel does not take the geometry or the tensors are on another device."""
+    tensors = (cc.q, cc.k, cc.v, cc.call.cos, cc.call.sin, cc.k_cache, cc.v_cache, cc.slot_mapping)
+    if not triton_launch.INTERPRETED and any(t.device.type != "cuda" for t in tensors):
+        return None
+    key = _key(cc)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _PLANS.put(key, plan_cache_launch(cc))
+    if isinstance(plan, str):
+        return None
+    return functools.partial(launch_planned, plan)
+
+
+CACHE_KERNELS.register("cuda", launch_cache, plan=plan_runner)

@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
+from . import call_replay
 from .device_registry import DeviceRegistry
 from .op_definition import reference_only
 from .op_families import define_family
 from .optional_backends import load_backends
 from .plan_cache import PlanCache
-from .public_functions import tensor_geometry
 from .reference import rms_norm, rotary_reference
 from .schema import OP_NAMES, TENSOR_NAMES, RotaryCall, check_call, math_dtype, op_schema
 
@@ -48,6 +48,13 @@ class CatCall:
     @property
     def firsts(self) -> list:
         return self.call.xs
+
+    def sources(self) -> list:
+        """The call's tensors in the order a planned runner takes them: the first pieces, the second pieces, cos,
+        sin, positions, the first pieces' norm weights and the second pieces' (None for an absent one)."""
+        call, n = self.call, len(self.seconds)
+        return [*call.xs, *self.seconds, call.cos, call.sin, call.positions, *(call.norm_weights or [None] * n),
+                *self.second_weights]
 
     def joined_shape(self, i: int) -> tuple:
         shape = list(self.firsts[i].shape)
@@ -180,47 +187,57 @@ def _fake(arity: int) -> Callable[..., Any]:
     return fake
 
 
-_CHECKED = PlanCache("cat.checked")  # the geometries (`_check_key`) whose calls passed `parse`'s checks: True
+_CHECKED = PlanCache("cat.checked")  # the calls (`call_replay.flatten`'s key) that passed `parse`'s checks: True
+_REPLAYS = CAT_KERNELS.plan_cache("cat.replays")  # (arity, call key) -> the runner fed from the call, or False
 
 
-def _check_key(arity: int, args: tuple, kw: dict) -> tuple | None:
-    """What `parse`'s checks depend on: every tensor's geometry (`public_functions.tensor_geometry`) and every other
-    argument; None where one cannot be a key."""
-    def part(a: Any) -> Any:
-        if isinstance(a, torch.Tensor):
-            return tensor_geometry(a)
-        if isinstance(a, (list, tuple)):
-            return tuple(part(x) for x in a)
-        return a
-    try:
-        key = (arity, part(args), tuple((k, part(v)) for k, v in kw.items()))
-        hash(key)
-    except (TypeError, RuntimeError):  # a tensor without storage, an unhashable argument: nothing to cache
-        return None
-    return key
-
-
-def _parsed(arity: int, args: tuple, kw: dict) -> CatCall:
-    """`parse`, whose checks run once per geometry: a later call of a checked geometry takes its parts as they
-    are (the checks of the joined tensors were half of a call's host time on the H200's host, about 50 us)."""
-    key = _check_key(arity, args, kw)
+def _parsed(arity: int, args: tuple, kw: dict, key: tuple | None) -> CatCall:
+    """`parse`, whose checks run once per call key: a later call of a checked key takes its parts as they are (the
+    checks of the joined tensors were half of a call's host time on the H200's host, about 50 us)."""
     if key is None or key not in _CHECKED:
         cat = parse(arity, args, kw)
         _CHECKED.put(key, True)
         return cat
+    return _parts(arity, args, kw)
+
+
+def _parts(arity: int, args: tuple, kw: dict) -> CatCall:
+    """The call's parts, unchecked."""
     kw = dict(kw)
     seconds, weights, dims = (list(kw.pop(n)) for n in CAT_ARGS)
     call = RotaryCall.parse(args, kw, arity)
     return CatCall(call, seconds, weights, [d % x.dim() for d, x in zip(dims, call.xs)])
 
 
+def _replay(arity: int, args: tuple, kw: dict, cat: CatCall, kernel: Any) -> Callable[[list], list] | None:
+    """The runner of every later call of this call's key, fed from its arguments (`call_replay`): the device
+    kernel's planned runner where it replays the geometry (`DeviceKernel.plan`), else None."""
+    runner = kernel.plan(cat) if kernel.plan is not None else None
+    run_sources = getattr(runner, "run_sources", None)
+    if run_sources is None:
+        return None
+    indices = call_replay.leaf_indices(args, kw, lambda a, k: _parts(arity, a, k).sources())
+    if indices is None:
+        return None
+    return lambda leaves: run_sources(call_replay.picked(leaves, indices))
+
+
 def _eager(arity: int) -> Callable[..., Any]:
     kernels = CAT_KERNELS.kernels  # the table itself: a call costs the one lookup of a plain dict
 
     def run(*args: Any, **kw: Any) -> Any:
-        cat = _parsed(arity, args, kw)
+        flat = call_replay.flatten(args, kw)
+        key = None if flat is None else (arity, flat[0])
+        replay = _REPLAYS.get(key)  # False: the key's calls go to the kernel as they come
+        if replay and not reference_only():
+            return _result(replay(flat[1]))
+        cat = _parsed(arity, args, kw, key)
         load_backends()  # the device's kernel registers when its backend imports
         kernel = None if reference_only() else kernels.get(cat.firsts[0].device.type)
+        if replay is None and kernel is not None and key is not None:
+            replay = _REPLAYS.put(key, _replay(arity, args, kw, cat, kernel) or False)
+            if replay:
+                return _result(replay(flat[1]))
         outs = kernel.impl(cat) if kernel is not None else None
         return _result(outs if outs is not None else reference(cat))
     return run

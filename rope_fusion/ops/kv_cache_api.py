@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from .kv_cache import check, parse_joint, parse_separate
-from .kv_cache_op import KV_CACHE_OP, MLA_CACHE_OP, run
-from .plan_cache import PlanCache
+from .kv_cache_op import CACHE_KERNELS, KV_CACHE_OP, MLA_CACHE_OP, planned_runner, run
 from .public_functions import direct_key, option_parameters, rotary_call
 
 # the cache's keywords and their defaults, after the rotary ones
@@ -32,7 +31,7 @@ _CACHE_DOCS = {
 }
 _TENSORS = ("q", "k", "v", "cos", "sin", "k_cache", "v_cache", "slot_mapping")
 _KEYWORDS = frozenset(p.name for p in option_parameters(2)) | frozenset(CACHE_KEYWORDS)
-_CHECKED = PlanCache("kv_cache.direct_checked")  # the direct keys of calls that passed the checks: True
+_RUNNERS = CACHE_KERNELS.plan_cache("kv_cache.direct")  # the direct keys of checked calls -> planned runner, or False
 
 
 def _op_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -64,17 +63,18 @@ def apply_rotary_qk_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              slot_mapping: torch.Tensor, **options: Any) -> torch.Tensor:
     # the docstring and signature are set below, from the schema
     key = direct_key((q, k, v, k_cache, slot_mapping), cos, sin, {**options, "v_cache": v_cache})
-    if key is None or key not in _CHECKED:
+    if key is None or key not in _RUNNERS:
         if not _KEYWORDS.issuperset(options):
             raise TypeError(f"unknown option(s) {sorted(set(options) - _KEYWORDS)}; expected {sorted(_KEYWORDS)}")
     op, parse, args, kw = _op_call(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, options)
     if key is None:  # traced, fake, a subclass, autograd: the op runs (and checks) this call
         return op(*args, **kw)
     cc = parse(args, kw)
-    if key not in _CHECKED:
+    runner = _RUNNERS.get(key)  # False: checked, and its calls go to the kernel as they come
+    if runner is None:
         check(cc)
-        _CHECKED.put(key, True)
-    return run(cc)
+        runner = _RUNNERS.put(key, planned_runner(cc) or False)
+    return runner(cc).view(cc.q_shape) if runner else run(cc)
 
 
 def _signature() -> inspect.Signature:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from . import call_replay
 from .device_registry import DeviceRegistry
 from .op_definition import reference_only
 from .op_families import define_family
@@ -54,7 +55,8 @@ IN_PLACE_KERNELS = DeviceRegistry("in-place rotary")
 """Device type -> its in-place kernel (the Triton kernel registers for CUDA, kernels/triton_slice.py): its `impl` an
 `InPlace`, its `plan` (optional) an `InPlacePlanner` of repeated calls."""
 
-_PLANS = PlanCache("slice.runners")  # a call's geometry (`_plan_key`) -> runner: the calls Inductor's graph repeats
+_PLANS = PlanCache("slice.runners")  # a call's geometry on its slices (`_plan_key`) -> the device's runner
+_REPLAYS = IN_PLACE_KERNELS.plan_cache("slice.replays")  # (op, call key) -> `_replay` of a checked key, or False
 
 
 def slice_schema(arity: int) -> str:
@@ -205,31 +207,28 @@ def _same_view(x: torch.Tensor, v: torch.Tensor) -> bool:
 
 def _eager(arity: int) -> Callable[..., None]:
     def run(*args: Any, **kw: Any) -> None:
-        # Inductor's graph calls the op once per layer with one geometry: after the first call is checked and
-        # planned, a call costs its views, its key and the launch (the checks and planning were about 250 us of
+        # Inductor's graph calls the op once per layer with one geometry: after the first call of a key is checked
+        # and planned, a call costs its key, its views and the launch (the checks and planning were about 250 us of
         # host time a call on a 2-core host, the GPU's work 130 us at CogVideoX-5B's shape)
+        flat, key, replay = _replay_of(("slice", arity), args, kw)
+        if replay and replay(flat[1]):
+            return
+        kw_in = kw
         kw, bounds = split_kwargs(kw)
         views = slice_views(list(args[:arity]), bounds)
         rest = tuple(args[arity:])
-        kernels = not reference_only()  # else the reference, whatever kernel the device has
-        key = _plan_key(arity, views, rest, kw) if kernels else None
-        planned = _PLANS.get(key) if key is not None else None
-        if planned is not None:
-            _run_plan(planned, arity, views, rest)
-            return
         call = RotaryCall.parse([*views, *rest], kw, arity)
         _check(call, list(args[:arity]))
         _check_written(views)
-        load_backends()  # the device's in-place kernel registers when its backend imports
-        kernel = IN_PLACE_KERNELS.get(views[0].device.type)
-        if key is not None and kernel is not None and kernel.plan is not None and call.cu_seqlens is None:
-            runner = kernel.plan(call)
-            if runner is not None:
-                _PLANS.put(key, runner)
-                _run_plan(runner, arity, views, rest)
-                return
+        runner = _runner(arity, call, views, rest, kw)
+        if runner is not None:
+            if replay is None:
+                _REPLAYS.put(key, _replay(runner, arity, args, kw_in, into=False))
+            _run_plan(runner, arity, views, rest)
+            return
         call = unpacked(call)
-        if kernels and kernel is not None and kernel.impl(call, views):
+        kernel = IN_PLACE_KERNELS.get(views[0].device.type)
+        if not reference_only() and kernel is not None and kernel.impl(call, views):
             return
         for view, out in zip(views, reference_outputs(call)):  # the reference reads x before any view is written
             view.copy_(out)
@@ -238,38 +237,90 @@ def _eager(arity: int) -> Callable[..., None]:
 
 def _into_eager(arity: int) -> Callable[..., None]:
     def run(*args: Any, **kw: Any) -> None:
-        # as the slice op's: a geometry checked and planned once; later calls cost their views, key and launch
+        # as the slice op's: a key checked and planned once; later calls cost their key, views and launch
+        flat, key, replay = _replay_of(("into", arity), args, kw)
+        if replay and replay(flat[1]):
+            return
+        kw_in = kw
         kw, bounds = split_kwargs(kw)
-        outs = list(args[:arity])
-        views = slice_views(outs, bounds)
         rest = tuple(args[arity:])
         xs, tail = list(rest[:arity]), rest[arity:]
-        kernels = not reference_only()  # else the reference, whatever kernel the device has
-        key = _plan_key(arity, views, rest, {**kw, "into": True}) if kernels else None
-        planned = _PLANS.get(key) if key is not None else None
-        if planned is not None and not _shares_memory(xs, views):
-            _run_plan(planned, arity, xs, tail, views)
-            return
         call, views = _into_call(arity, args, {**kw, **dict(zip(SLICE_ARGS, bounds))})
         _check_written(views)
         if _shares_memory(call.xs, views):  # computed apart, then written: the rows may overlap
             for view, out in zip(views, reference_outputs(unpacked(call))):
                 view.copy_(out)
             return
-        load_backends()
-        kernel = IN_PLACE_KERNELS.get(views[0].device.type)
-        if key is not None and kernel is not None and kernel.plan is not None and call.cu_seqlens is None:
-            runner = kernel.plan(call, views)
-            if runner is not None:
-                _PLANS.put(key, runner)
-                _run_plan(runner, arity, xs, tail, views)
-                return
+        runner = _runner(arity, call, views, rest, {**kw, "into": True}, views)
+        if runner is not None:
+            if replay is None:
+                _REPLAYS.put(key, _replay(runner, arity, args, kw_in, into=True))
+            _run_plan(runner, arity, xs, tail, views)
+            return
         call = unpacked(call)
-        if kernels and kernel is not None and kernel.impl(call, views):
+        kernel = IN_PLACE_KERNELS.get(views[0].device.type)
+        if not reference_only() and kernel is not None and kernel.impl(call, views):
             return
         for view, out in zip(views, reference_outputs(call)):
             view.copy_(out)
     return run
+
+
+def _replay_of(op: tuple, args: tuple, kw: dict) -> tuple:
+    """(the call's `call_replay.flatten`, its replay key, the key's replay: None where unplanned, False where its
+    calls are not replayed); no key under `reference_kernels`, where the reference serves every call."""
+    flat = None if reference_only() else call_replay.flatten(args, kw)
+    key = None if flat is None else (op, flat[0])
+    return flat, key, _REPLAYS.get(key)
+
+
+def _runner(arity: int, call: RotaryCall, views: list, rest: tuple, kw: dict, into: list | None = None) -> Any:
+    """The device's planned runner of the call's geometry on its slices (`_PLANS`: planned once per geometry, so
+    slices of one shape at other bounds share it), or None where its calls go to the kernel as they come (packed
+    sequences, a device without a planner, the reference)."""
+    if reference_only() or call.cu_seqlens is not None:
+        return None
+    key = _plan_key(arity, views, rest, kw)
+    runner = _PLANS.get(key)
+    if runner is None:
+        load_backends()  # the device's in-place kernel registers when its backend imports
+        kernel = IN_PLACE_KERNELS.get(views[0].device.type)
+        if key is None or kernel is None or kernel.plan is None:
+            return None
+        runner = _PLANS.put(key, kernel.plan(call, into) if into is not None else kernel.plan(call))
+    return runner
+
+
+def _replay(runner: Callable, arity: int, args: tuple, kw: dict, into: bool) -> Callable[[list], bool] | bool:
+    """Every later call of a checked key, from its own tensors (`call_replay`): its slices cut at the key's bounds,
+    its tables, positions and weights by their place in the schema, then the planned runner. An into call whose
+    sources share memory with its slices returns False: it takes the op's own path. False where the tensors are
+    not the call's own."""
+    outputs = 2 * arity if into else arity  # the written tensors (and an into op's sources) come first
+    rest = args[outputs:]
+    has_weights = len(rest) > 3
+
+    def tensors(a: tuple, _: dict) -> list:
+        r = a[outputs:]
+        return [*a[:outputs], r[0], r[1], r[2] if len(r) > 2 else None, *(r[3:3 + arity] if has_weights else ())]
+    indices = call_replay.leaf_indices(args, kw, tensors) if len(rest) >= 2 else None
+    if indices is None:
+        return False
+    cuts = [(d % b.dim(), s, e - s) for b, d, s, e in zip(args[:arity], *split_kwargs(kw)[1])]
+
+    def replay(leaves: list) -> bool:
+        t = call_replay.picked(leaves, indices)
+        views = [t[i].narrow(d, s, n) for i, (d, s, n) in enumerate(cuts)]
+        weights = t[outputs + 3:] if has_weights else None
+        if not into:
+            runner(views, t[outputs], t[outputs + 1], t[outputs + 2], weights, None)
+            return True
+        xs = t[arity:outputs]
+        if _shares_memory(xs, views):
+            return False
+        runner(xs, t[outputs], t[outputs + 1], t[outputs + 2], weights, views)
+        return True
+    return replay
 
 
 def _named(suffix: str) -> dict[int, str]:

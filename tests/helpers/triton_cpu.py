@@ -46,6 +46,21 @@ class TritonOnCpu:
     join: Any
 
 
+class CountingLaunches:
+    """The kernel with its launches counted (`kernel[grid](...)` as the JIT launcher is called)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        run = self.kernel[grid]
+
+        def counted(*args, **kwargs):
+            self.launches += 1
+            return run(*args, **kwargs)
+        return counted
+
+
 def install(mp: pytest.MonkeyPatch, serves: Iterable[str] = (), wrap: Callable[[Any], Any] | None = None
             ) -> TritonOnCpu:
     """Swap the interpreted kernels in on `mp` and serve `serves` (names of `SERVES`) on the CPU.

@@ -35,24 +35,10 @@ import rope_fusion.kernels.triton_rotary  # noqa: E402,F401  (registers the back
 from rope_fusion.kernels import triton_cat, triton_launch  # noqa: E402
 from rope_fusion.ops import cat_rotary  # noqa: E402
 from rope_fusion.ops.plan_cache import plan_cache  # noqa: E402
+from tests.helpers.triton_cpu import CountingLaunches  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HEADS, D = 2, 16
-
-
-class _Counting:
-    """The kernel with its launches counted (`kernel[grid](...)` as the JIT launcher is called)."""
-
-    def __init__(self, kernel) -> None:
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        run = self.kernel[grid]
-
-        def counted(*args, **kwargs):
-            self.launches += 1
-            return run(*args, **kwargs)
-        return counted
 
 
 class _StandInCompiled(CompiledKernel):
@@ -89,7 +75,7 @@ class _JITStandIn:
         return launch
 
 
-pytestmark = pytest.mark.triton_on_cpu(serves=("cat",), wrap=_Counting)  # the kernel's launches counted
+pytestmark = pytest.mark.triton_on_cpu(serves=("cat",), wrap=CountingLaunches)  # the kernel's launches counted
 
 
 @pytest.fixture

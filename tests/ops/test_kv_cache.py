@@ -546,3 +546,52 @@ def test_held_rows_write_the_cache(path, case, monkeypatch):
         plan = triton_kv_cache.plan_cache_launch(cc)
         assert plan.meta["HELD"] > 0 and plan.grid[1] == 1, (plan.meta["HELD"], plan.grid)
     test_every_option_against_fp64(path, case)
+
+
+def test_the_op_checks_and_plans_a_key_once(path, monkeypatch):
+    """Through the dispatcher, as a compiled graph calls it: a call's key is checked and planned on its first call;
+    later calls of it (fresh tensors each) are neither, and each writes its own rows and returns its own q. A call
+    of another geometry is checked again."""
+    from rope_fusion.ops import kv_cache_op
+
+    checks, plans = [], []
+    real_check, real_plan = kv_cache_op.check, kv_cache_op.planned_runner
+    monkeypatch.setattr(kv_cache_op, "check", lambda cc: checks.append(1) or real_check(cc))
+    monkeypatch.setattr(kv_cache_op, "planned_runner", lambda cc: plans.append(1) or real_plan(cc))
+    kw = dict(interleaved=False, rotary_dim=24, full_tables=False, conjugate=False, out_dtype=torch.float32)
+    for _ in range(3):
+        args = _plain(T=3, hq=3, hk=1, d=24)
+        with torch.no_grad():
+            out = torch.ops.rope_fusion.rotary_qk_kv_cache(*args, **kw)
+        q, k, v, cos, sin, kc, vc, slots = args
+        ref = {n: kw[n] for n in ("interleaved", "rotary_dim", "full_tables")}
+        torch.testing.assert_close(out, rotary_reference(q, cos, sin, **ref))
+        torch.testing.assert_close(kc.view(-1, 1, 24)[slots], rotary_reference(k, cos, sin, **ref))
+        assert torch.equal(vc.view(-1, 1, 24)[slots], v)
+    assert len(checks) == 1 and len(plans) == 1
+    with torch.no_grad():
+        torch.ops.rope_fusion.rotary_qk_kv_cache(*_plain(T=2, hq=3, hk=1, d=24), **kw)
+    assert len(checks) == 2
+
+
+def test_a_dispatch_mode_sees_the_op_below_autograd():
+    """The op's Autograd kernel runs its eager kernel directly only for plain tensors with no dispatch mode: a mode
+    (fake tensors, functionalization, a tracer) still sees the call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    kw = dict(interleaved=False, rotary_dim=16, full_tables=False, conjugate=False, out_dtype=torch.float32)
+    args = _plain()
+    with Seen() as seen:
+        out = torch.ops.rope_fusion.rotary_qk_kv_cache(*args, **kw)
+    assert "rope_fusion.rotary_qk_kv_cache.default" in seen.ops
+    torch.testing.assert_close(out, rotary_reference(args[0], args[3], args[4], interleaved=False, rotary_dim=16,
+                                                     full_tables=False))
