@@ -8,9 +8,11 @@ joined. The planner keeps the join's dim a token dim of its own (`plan_launch`'s
 known in every program. `why_not` says where a call is not one the kernel serves; the pass asks it on the graph's
 fake values before it folds a cat, so the eager fallback (the reference) is only a direct call's.
 
-A call's geometry is checked and planned once (`launch_cat`): its later calls cost their key, their outputs and the
-replayed launch (`_CatRunner`: the compiled kernel through torch's static launcher on the GPU, every tensor of the
-call passed per call), where the JIT launcher binds and specialises some 90 arguments in Python on every call.
+A call geometry is planned once into a `_CatRunner` (`plan_runner`, which the op's eager kernel asks once per call
+key and then feeds from each call's own tensors: ops/cat_rotary.py; `launch_cat` for a caller with a parsed call):
+its later calls cost their outputs and the replayed launch (the compiled kernel through torch's static launcher on
+the GPU, every tensor of the call passed per call), where the JIT launcher binds and specialises some 90 arguments
+in Python on every call.
 """
 
 from __future__ import annotations

@@ -186,9 +186,9 @@ def _key(cc: CacheCall) -> tuple | None:
     return key
 
 
-def launch_cache(cc: CacheCall) -> torch.Tensor | None:
-    """q rotated, the caches written, on CUDA/ROCm tensors (any device under the interpreter); None where the kernel
-    does not take the call (the reference then runs; the reason is logged once per kind)."""
+def _planned(cc: CacheCall) -> CacheLaunch | str | None:
+    """The call geometry's launch, planned once (`_PLANS`), or why the kernel does not take it; None where the tensors
+    are not on a device the kernel serves (CUDA/ROCm, any device under the interpreter)."""
     tensors = (cc.q, cc.k, cc.v, cc.call.cos, cc.call.sin, cc.k_cache, cc.v_cache, cc.slot_mapping)
     if not triton_launch.INTERPRETED and any(t.device.type != "cuda" for t in tensors):
         return None
@@ -196,28 +196,28 @@ def launch_cache(cc: CacheCall) -> torch.Tensor | None:
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         plan = _PLANS.put(key, plan_cache_launch(cc))
+    return plan
+
+
+def launch_cache(cc: CacheCall) -> torch.Tensor | None:
+    """q rotated, the caches written; None where the kernel does not take the call (the reference then runs; the
+    reason is logged once per kind)."""
+    plan = _planned(cc)
     if isinstance(plan, str):
         if plan not in _LOGGED:
             _LOGGED.add(plan)
             log.warning("rope_fusion: the KV-cache kernel does not take this call (%s); the reference runs it (logged "
                         "once)", plan)
         return None
-    return launch_planned(plan, cc)
+    return launch_planned(plan, cc) if plan is not None else None
 
 
 def plan_runner(cc: CacheCall) -> Any:
     """The runner of every later call of cc's key (the op keys its calls itself: `ops/kv_cache_op.py`): its planned
-    launch, or None where the kernel does not take the geometry or the tensors are on another device."""
-    tensors = (cc.q, cc.k, cc.v, cc.call.cos, cc.call.sin, cc.k_cache, cc.v_cache, cc.slot_mapping)
-    if not triton_launch.INTERPRETED and any(t.device.type != "cuda" for t in tensors):
-        return None
-    key = _key(cc)
-    plan = _PLANS.get(key) if key is not None else None
-    if plan is None:
-        plan = _PLANS.put(key, plan_cache_launch(cc))
-    if isinstance(plan, str):
-        return None
-    return functools.partial(launch_planned, plan)
+    launch, or None where the kernel does not take the geometry (`launch_cache` then says why, once) or the
+    tensors are on another device."""
+    plan = _planned(cc)
+    return functools.partial(launch_planned, plan) if isinstance(plan, CacheLaunch) else None
 
 
 CACHE_KERNELS.register("cuda", launch_cache, plan=plan_runner)

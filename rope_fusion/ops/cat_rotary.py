@@ -209,17 +209,28 @@ def _parts(arity: int, args: tuple, kw: dict) -> CatCall:
     return CatCall(call, seconds, weights, [d % x.dim() for d, x in zip(dims, call.xs)])
 
 
-def _replay(arity: int, args: tuple, kw: dict, cat: CatCall, kernel: Any) -> Callable[[list], list] | None:
-    """The runner of every later call of this call's key, fed from its arguments (`call_replay`): the device
-    kernel's planned runner where it replays the geometry (`DeviceKernel.plan`), else None."""
+class Replay:
+    """A checked key's calls, run from their own tensors: the call's tensors at `indices` (`call_replay`), in
+    `CatCall.sources` order, handed to the device's planned `runner` (its `run_sources`)."""
+
+    __slots__ = ("runner", "indices")
+
+    def __init__(self, runner: Any, indices: list) -> None:
+        self.runner, self.indices = runner, indices
+
+    def __call__(self, leaves: list) -> list:
+        return self.runner.run_sources(call_replay.picked(leaves, self.indices))
+
+
+def _replay(arity: int, args: tuple, kw: dict, cat: CatCall, kernel: Any) -> Replay | None:
+    """The runner of every later call of this call's key, fed from its arguments: the device kernel's planned runner
+    where it replays the geometry from a call's tensors (`DeviceKernel.plan`, a runner with `run_sources`), else
+    None."""
     runner = kernel.plan(cat) if kernel.plan is not None else None
-    run_sources = getattr(runner, "run_sources", None)
-    if run_sources is None:
+    if getattr(runner, "run_sources", None) is None:
         return None
     indices = call_replay.leaf_indices(args, kw, lambda a, k: _parts(arity, a, k).sources())
-    if indices is None:
-        return None
-    return lambda leaves: run_sources(call_replay.picked(leaves, indices))
+    return Replay(runner, indices) if indices is not None else None
 
 
 def _eager(arity: int) -> Callable[..., Any]:

@@ -20,6 +20,7 @@ slice must not share memory unless x is that slice: such a call is computed apar
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Callable, Sequence
@@ -205,73 +206,60 @@ def _same_view(x: torch.Tensor, v: torch.Tensor) -> bool:
             and x.untyped_storage().data_ptr() == v.untyped_storage().data_ptr())
 
 
-def _eager(arity: int) -> Callable[..., None]:
-    def run(*args: Any, **kw: Any) -> None:
-        # Inductor's graph calls the op once per layer with one geometry: after the first call of a key is checked
-        # and planned, a call costs its key, its views and the launch (the checks and planning were about 250 us of
-        # host time a call on a 2-core host, the GPU's work 130 us at CogVideoX-5B's shape)
-        flat, key, replay = _replay_of(("slice", arity), args, kw)
-        if replay and replay(flat[1]):
-            return
-        kw_in = kw
-        kw, bounds = split_kwargs(kw)
-        views = slice_views(list(args[:arity]), bounds)
-        rest = tuple(args[arity:])
-        call = RotaryCall.parse([*views, *rest], kw, arity)
-        _check(call, list(args[:arity]))
-        _check_written(views)
-        runner = _runner(arity, call, views, rest, kw)
-        if runner is not None:
-            if replay is None:
-                _REPLAYS.put(key, _replay(runner, arity, args, kw_in, into=False))
-            _run_plan(runner, arity, views, rest)
-            return
-        call = unpacked(call)
-        kernel = IN_PLACE_KERNELS.get(views[0].device.type)
-        if not reference_only() and kernel is not None and kernel.impl(call, views):
-            return
-        for view, out in zip(views, reference_outputs(call)):  # the reference reads x before any view is written
-            view.copy_(out)
-    return run
+def _eager(arity: int, into: bool = False) -> Callable[..., None]:
+    """The slice op's eager kernel (`into`: the into op's). Inductor's graph calls the op once per layer with one
+    geometry: after the first call of a key is checked and planned, a call costs its key, its views and the launch
+    (the checks and planning were about 250 us of host time a call on a 2-core host, the GPU's work 130 us at
+    CogVideoX-5B's shape)."""
+    name, parse = ("into", _into_call) if into else ("slice", _call)
 
-
-def _into_eager(arity: int) -> Callable[..., None]:
     def run(*args: Any, **kw: Any) -> None:
-        # as the slice op's: a key checked and planned once; later calls cost their key, views and launch
-        flat, key, replay = _replay_of(("into", arity), args, kw)
-        if replay and replay(flat[1]):
+        unplanned = _unreplayed((name, arity), args, kw)
+        if unplanned is None:
             return
-        kw_in = kw
-        kw, bounds = split_kwargs(kw)
-        rest = tuple(args[arity:])
-        xs, tail = list(rest[:arity]), rest[arity:]
-        call, views = _into_call(arity, args, {**kw, **dict(zip(SLICE_ARGS, bounds))})
+        key, replay, options, _ = unplanned
+        call, views = parse(arity, args, kw)
         _check_written(views)
-        if _shares_memory(call.xs, views):  # computed apart, then written: the rows may overlap
+        if into and _shares_memory(call.xs, views):  # computed apart, then written: the rows may overlap
             for view, out in zip(views, reference_outputs(unpacked(call))):
                 view.copy_(out)
             return
-        runner = _runner(arity, call, views, rest, {**kw, "into": True}, views)
-        if runner is not None:
-            if replay is None:
-                _REPLAYS.put(key, _replay(runner, arity, args, kw_in, into=True))
-            _run_plan(runner, arity, xs, tail, views)
+        rest = tuple(args[arity:])  # an into op's sources, then the tables; the slice op's tables
+        runner = _runner(arity, call, views, rest, {**options, "into": True} if into else options,
+                         views if into else None)
+        if runner is None:
+            _per_call(call, views)
             return
-        call = unpacked(call)
-        kernel = IN_PLACE_KERNELS.get(views[0].device.type)
-        if not reference_only() and kernel is not None and kernel.impl(call, views):
-            return
-        for view, out in zip(views, reference_outputs(call)):
-            view.copy_(out)
+        if replay is None:
+            _REPLAYS.put(key, _replay(runner, arity, args, kw, into))
+        if into:
+            _run_plan(runner, arity, list(rest[:arity]), rest[arity:], views)
+        else:
+            _run_plan(runner, arity, views, rest)
     return run
 
 
-def _replay_of(op: tuple, args: tuple, kw: dict) -> tuple:
-    """(the call's `call_replay.flatten`, its replay key, the key's replay: None where unplanned, False where its
-    calls are not replayed); no key under `reference_kernels`, where the reference serves every call."""
+def _per_call(call: RotaryCall, views: list) -> None:
+    """A call that is not planned: the device's kernel as it comes, else the reference (which reads x before any
+    view is written)."""
+    call = unpacked(call)
+    kernel = IN_PLACE_KERNELS.get(views[0].device.type)
+    if not reference_only() and kernel is not None and kernel.impl(call, views):
+        return
+    for view, out in zip(views, reference_outputs(call)):
+        view.copy_(out)
+
+
+def _unreplayed(op: tuple, args: tuple, kw: dict) -> tuple | None:
+    """None where the call's key replayed it (`_replay`); else (its replay key, the key's replay: None where
+    unplanned, False where its calls are not replayed; the rotary op's keywords, the slices' bounds). No key under
+    `reference_kernels`, where the reference serves every call."""
     flat = None if reference_only() else call_replay.flatten(args, kw)
     key = None if flat is None else (op, flat[0])
-    return flat, key, _REPLAYS.get(key)
+    replay = _REPLAYS.get(key)
+    if replay and replay(flat[1]):
+        return None
+    return (key, replay, *split_kwargs(kw))
 
 
 def _runner(arity: int, call: RotaryCall, views: list, rest: tuple, kw: dict, into: list | None = None) -> Any:
@@ -350,4 +338,5 @@ def warm_written(op: Any, values: dict) -> int:
 
 
 SLICE_OPS = define_family(_named("_slice_"), slice_schema, _eager, _fake)  # by arity - 1: rotary_slice_, ...
-INTO_OPS = define_family(_named("_into_"), into_schema, _into_eager, _into_fake)  # rotary_into_, rotary_qk_into_, ...
+INTO_OPS = define_family(_named("_into_"), into_schema, functools.partial(_eager, into=True),
+                         _into_fake)  # by arity - 1: rotary_into_, rotary_qk_into_, ...

@@ -466,7 +466,8 @@ def gpu_check(calls: int = 200) -> dict:
     for _ in range(4):  # call 1 JIT, call 2 the replay checked against it, then the replay alone
         args, kw = _flux_call("cuda")
         _check(op(*args, **kw), args, kw)
-    runner, = plan_cache("cat.runners").values()
+    replay, = plan_cache("cat.replays").values()  # the op's replay of the call's key
+    runner = replay.runner
     out["replay"] = getattr(runner.replay, "__qualname__", runner.replay)
     out["checked"] = runner.checked
     args, kw = _flux_call("cuda")
