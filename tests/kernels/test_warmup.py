@@ -22,6 +22,8 @@ from tests.helpers.numerics import check_numerics
 
 triton = pytest.importorskip("triton")
 from benchmarks.ptx_identity import Launch, _kernel, specialise  # noqa: E402  (Triton's binder for sm_90)
+from tests.helpers.diffusers_rotary import rms  # noqa: E402
+from tests.helpers.diffusers_rotary import rope_heads_first as rope  # noqa: E402
 
 TEXT, IMAGE, HEADS, D = 3, 6, 2, 20  # 3 text rows of 20 lanes: the video rows start unaligned in bf16
 
@@ -41,19 +43,6 @@ class Recorded:
 
 
 pytestmark = pytest.mark.triton_on_cpu(serves=("slice_write", "cat"), wrap=Recorded)
-
-
-def rope(x, cos, sin):
-    """diffusers' apply_rotary_emb (use_real, unbind -1) on [B, H, S, D]."""
-    cos, sin = cos[None, None], sin[None, None]
-    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
-    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
-def rms(x, w):
-    v = x.float().pow(2).mean(-1, keepdim=True)
-    return (x.float() * torch.rsqrt(v + 1e-6)).to(x.dtype) * w
 
 
 def joint_streams(tq, tk, tv, iq, ik, iv, tcos, tsin, icos, isin):

@@ -23,24 +23,13 @@ from torch._inductor.utils import run_and_get_code  # noqa: E402
 import rope_fusion  # noqa: E402
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
 from tests.helpers.compile_pass import compile_with_pass  # noqa: E402
+from tests.helpers.diffusers_rotary import rms  # noqa: E402
+from tests.helpers.diffusers_rotary import rope_heads_first as rope  # noqa: E402
 from tests.helpers.numerics import check_numerics  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TEXT, IMAGE, HEADS, D = 3, 5, 2, 16
 pytestmark = pytest.mark.triton_on_cpu(serves=("slice_write",))  # the Triton backend, writing into slices too
-
-
-def rope(x, cos, sin):
-    """diffusers' apply_rotary_emb (use_real, unbind -1) on [B, H, S, D]."""
-    cos, sin = cos[None, None], sin[None, None]
-    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
-    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
-def rms(x, w):
-    v = x.float().pow(2).mean(-1, keepdim=True)
-    return (x.float() * torch.rsqrt(v + 1e-6)).to(x.dtype) * w
 
 
 def hunyuan_dual_stream(q, k, v, eq, ek, ev, wq, wk, weq, wek, cos, sin):
