@@ -20,12 +20,14 @@ from collections.abc import Sequence
 import torch
 
 from ..ops.plan_cache import PlanCache
-from ..ops.public_functions import tensor_geometry
+
+_TENSOR = torch.Tensor
 
 
 def call_key(tensors: Sequence[torch.Tensor | None], scalars: tuple) -> tuple | None:
-    """The plan key of an eager call: each tensor's geometry (shape, strides, dtype, device, 16-byte alignment of
-    its data, on which Triton specialises a launch) and the call's other arguments; None where the call must go
+    """The plan key of an eager call: each tensor's geometry (shape, strides, dtype, device, its data pointer modulo
+    16: Triton specialises a launch on 16-byte alignment, also of a view a runner makes at a fixed offset) and the
+    call's other arguments; None where the call must go
     through the op (tracing, a dispatch mode or transform, a subclass, autograd to record) or an argument cannot
     be a key."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
@@ -33,14 +35,15 @@ def call_key(tensors: Sequence[torch.Tensor | None], scalars: tuple) -> tuple | 
         return None
     grad = torch.is_grad_enabled()
     key: list = [scalars]
+    append = key.append
     try:
         for t in tensors:
             if t is None:
-                key.append(None)
-                continue
-            if type(t) is not torch.Tensor or grad and t.requires_grad:
+                append(None)
+            elif t.__class__ is not _TENSOR or grad and t.requires_grad:
                 return None
-            key.append(tensor_geometry(t))
+            else:  # the pointer's residue, not only whether it is 16-byte aligned: a runner's views at fixed offsets
+                append((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16))  # then align as they did
         out = tuple(key)
         hash(out)
     except (TypeError, RuntimeError):  # an unhashable scalar, a tensor without storage: nothing to cache

@@ -102,23 +102,45 @@ def check_qk(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight:
     return head_dim, rotary_dim
 
 
-def _plan_qk(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-             rope_table: torch.Tensor, params: RotaryParams) -> Any:
+class _QkRunner:
     """The runner of a checked call geometry: its device's planned launch (one for q and k on CUDA), given the
-    table's two halves as views on every call."""
-    lead, half = (rope_table.shape[0],), params.rotary_dim // 2
-    cos, sin = _tables(rope_table, lead, half)
+    table's two halves as views until the plan launches from data pointers (`DirectLaunches.pointer_launches`);
+    from then on the halves are the table's pointer and the offset of its sin half, which the call's key fixes
+    (shape, strides, dtype and the pointer's 16-byte residue), and a call makes no view."""
+
+    __slots__ = ("run", "lead", "half", "sin_offset", "by_pointers")
+
+    def __init__(self, run: Any, rope_table: torch.Tensor, half: int) -> None:
+        self.run, self.lead, self.half = run, (rope_table.shape[0],), half
+        self.sin_offset = half * rope_table.stride(-1) * rope_table.element_size()
+        self.by_pointers = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 rope_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        go = self.by_pointers
+        if go is not None:
+            q_out, k_out = self.run.outputs((q, k))
+            table = rope_table.data_ptr()
+            go((q.data_ptr(), k.data_ptr()), (q_out.data_ptr(), k_out.data_ptr()), table, table + self.sin_offset,
+               table, (q_weight.data_ptr(), k_weight.data_ptr()))
+            return q_out, k_out
+        cos, sin = _tables(rope_table, self.lead, self.half)
+        q_out, k_out = self.run((q, k), cos, sin, None, (q_weight, k_weight))
+        ready = getattr(self.run, "pointer_launches", None)
+        if ready is not None:
+            self.by_pointers = ready()
+        return q_out, k_out
+
+
+def _plan_qk(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+             rope_table: torch.Tensor, params: RotaryParams) -> _QkRunner:
+    """The runner of a checked call geometry (`_QkRunner`), its launch planned for the device."""
+    half = params.rotary_dim // 2
+    cos, sin = _tables(rope_table, (rope_table.shape[0],), half)
     call = RotaryCall([q, k], cos, sin, params, None, [q_weight, k_weight])
     check_call(call)
     load_backends()  # the device kernels register on import
-    run = device_runners.device_runner(call)
-
-    def runner(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-               rope_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = _tables(rope_table, lead, half)
-        q_out, k_out = run((q, k), cos, sin, None, (q_weight, k_weight))
-        return q_out, k_out
-    return runner
+    return _QkRunner(device_runners.device_runner(call), rope_table, half)
 
 
 def fused_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,

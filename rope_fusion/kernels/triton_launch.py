@@ -147,6 +147,9 @@ def _tracing(xs: Sequence[torch.Tensor]) -> bool:
     return any(type(x) is not torch.Tensor or torch._is_functional_tensor(x) for x in xs)
 
 
+LAUNCH_TENSORS = 12  # a launch's tensors: q, k, v, their outputs, cos, sin, the rows, three weights (`_tensors`)
+
+
 class DirectLaunches:
     """The launches of one call geometry, planned once (`plan_eager`): each later call allocates its outputs and
     launches. The first launch of an entry goes through the kernel's JIT launcher (`rotary_kernel[grid]`), which
@@ -169,12 +172,37 @@ class DirectLaunches:
             for entry in self.entries:
                 entry[4] = False
 
-    def _outputs(self, xs: Sequence[torch.Tensor]) -> list:
+    def outputs(self, xs: Sequence[torch.Tensor]) -> list:
         """Contiguous outputs in x's shapes, as the plan was made for. `empty_like` costs the host about half of
         what `torch.empty(shape, dtype=, device=)` does (no shape or device to parse); the outputs of one call as
         views of one allocation cost more than two allocations on the H200's host (the views' dispatch)."""
         dtype, layout = self.out_dtype, torch.contiguous_format
         return [torch.empty_like(x, dtype=dtype, memory_format=layout) for x in xs]
+
+    def _outputs(self, xs: Sequence[torch.Tensor]) -> list:
+        """Where a call's launches write: new outputs here, the slices of the call in the in-place launches."""
+        return self.outputs(xs)
+
+    def pointer_launches(self) -> Any:
+        """The plan's launches fed data pointers alone, `launch(x_ptrs, out_ptrs, cos_ptr, sin_ptr, pos_ptr,
+        w_ptrs)` (a weight's pointer where the call has one, else any pointer: the kernel does not read it), once
+        every launch is checked and runs through torch's static launcher; None before, and where one does not.
+        A caller whose tables are views of one argument at offsets its key fixes (a packed `[cos | sin]` table)
+        passes that argument's pointer plus the offsets, and makes no views: the two views of a packed table cost
+        3.7 us a call on a 2-core CPU, as much as the call's two output allocations."""
+        steps = []
+        for sides, _, _, _, runner, checked in self.entries:
+            go = getattr(runner, "from_pointers", None) if checked else None
+            if go is None or go.count != LAUNCH_TENSORS:
+                return None
+            steps.append((sides, go))
+
+        def launch(x_ptrs: Sequence[int], out_ptrs: Sequence[int], cos_ptr: int, sin_ptr: int, pos_ptr: int,
+                   w_ptrs: Sequence[int]) -> None:
+            for sides, go in steps:
+                go(*[x_ptrs[i] for i in sides], *[out_ptrs[i] for i in sides], cos_ptr, sin_ptr, pos_ptr,
+                   *[w_ptrs[i] for i in sides])
+        return launch
 
     @staticmethod
     def _tensors(sides: list, xs: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], cos: torch.Tensor,
@@ -365,7 +393,13 @@ def _static_runner(compiled: Any, grid: tuple, n_args: int, constants: tuple) ->
             full = (*args, *constants)
             fixed.append(tuple(full[i] for i in rest))
         launch(gx, gy, gz, stream_of(device), *[args[i].data_ptr() for i in pointers], *fixed[0])
+
+    def from_pointers(*ptrs: int) -> None:  # every tensor argument as its data pointer, in the kernel's order
+        launch(gx, gy, gz, stream_of(device), *ptrs, *fixed[0])
     run.tensors_only = True
+    if pointers == list(range(len(pointers))):  # the tensors lead the kernel's parameters, each a runtime pointer
+        from_pointers.count = len(pointers)
+        run.from_pointers = from_pointers
     return run
 
 

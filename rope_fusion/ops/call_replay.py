@@ -27,24 +27,26 @@ _SEQUENCES = (list, tuple)
 
 
 def flatten(args: Sequence[Any], kw: dict) -> tuple[tuple, list] | None:
-    """(key, tensors) of a call: the key holds every tensor's geometry (shape, strides, dtype, device, 16-byte
-    alignment of its data: what a plan and Triton's specialisation read) in the order the tensors come, lists as
-    their length and items, every other value as it is, and the keywords' names; the tensors in that order. None
-    where the call cannot be keyed: a tensor without storage, a subclass, an unhashable value. One loop, a list's
-    items inline: this is most of a replayed call's own host time (about 5 us for a cat op's 25 arguments)."""
+    """(key, tensors) of a call: the key holds every tensor's geometry (shape, strides, dtype, device, and its data
+    pointer modulo 16: Triton specialises a launch on 16-byte alignment, also of the views a replay cuts at fixed
+    offsets, whose alignment the residue fixes where a bare "aligned or not" would not) in the order the tensors
+    come, lists as their length and items, every other value as it is, and the keywords' names; the tensors in
+    that order. None where the call cannot be keyed: a tensor without storage, a subclass, an unhashable value.
+    One loop, a list's items inline: this is most of a replayed call's own host time (about 5 us for a cat op's
+    25 arguments)."""
     key: list = [tuple(kw)]
     leaves: list = []
     append, keep = key.append, leaves.append
     try:
         for a in (*args, *kw.values()):
             if a.__class__ in _KEYED:
-                append((a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0))
+                append((a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16))
                 keep(a)
             elif a.__class__ in _SEQUENCES:
                 append(len(a))
                 for x in a:
                     if x.__class__ in _KEYED:
-                        append((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0))
+                        append((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16))
                         keep(x)
                     else:
                         _add(x, key, leaves)
@@ -59,7 +61,7 @@ def flatten(args: Sequence[Any], kw: dict) -> tuple[tuple, list] | None:
 
 def _add(a: Any, key: list, leaves: list) -> None:
     if a.__class__ in _KEYED:
-        key.append((a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16 == 0))
+        key.append((a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16))
         leaves.append(a)
     elif isinstance(a, _SEQUENCES):
         key.append(len(a))

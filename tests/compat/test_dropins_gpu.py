@@ -54,6 +54,33 @@ def test_cuda_fused_qk_norm_rope_every_call_and_in_a_graph(hq, hk, d, r, interle
     within_one_rounding(qo, normed_rope(q, qw, table, r, interleaved))
 
 
+@pytest.mark.parametrize("interleaved,table_dtype", [(False, torch.float32), (True, BF16)])
+def test_cuda_fused_qk_norm_rope_launches_from_pointers(interleaved, table_dtype):
+    """After a plan's check its calls launch from data pointers, the table's sin half at the offset the call's key
+    fixes, and make no views. Tables cut from one buffer at other element offsets (other 16-byte residues, so keys
+    of their own), q and k cut from one QKV or apart: each call against the fp64 contract."""
+    from rope_fusion.ops.plan_cache import plan_cache
+
+    torch.manual_seed(5)
+    tokens, hq, hk, d, r = 257, 8, 2, 128, 96
+    qw, kw = (torch.rand(d, device="cuda") + 0.5).to(BF16), (torch.rand(d, device="cuda") + 0.5).to(BF16)
+    buffer = torch.empty(tokens * r + 8, device="cuda", dtype=table_dtype)
+    for offset in (0, 1, 2, 3, 0):
+        for joined in (True, False) * 3:  # a plan, its check, then its launches from pointers
+            if joined:
+                q, k, _ = torch.randn(tokens, hq + 2 * hk, d, device="cuda", dtype=BF16).split([hq, hk, hk], 1)
+            else:
+                q, k = (torch.randn(tokens, h, d, device="cuda", dtype=BF16) for h in (hq, hk))
+            table = buffer[offset:offset + tokens * r].view(tokens, r)
+            table.copy_(packed_table(tokens, r))
+            qo, ko = vllm_omni.fused_qk_norm_rope(q, k, qw, kw, table, EPS, interleaved=interleaved)
+            within_one_rounding(qo, normed_rope(q, qw, table, r, interleaved))
+            within_one_rounding(ko, normed_rope(k, kw, table, r, interleaved))
+    runners = plan_cache("compat.qk_norm_rope").values()
+    assert len(runners) == 8  # 4 residues x (joined, apart)
+    assert all(runner.by_pointers is not None for runner in runners)
+
+
 def test_cuda_fused_joint_qkv_norm_rope():
     torch.manual_seed(1)
     b, s0, s1, h, d = 1, 64, 512, 24, 128
