@@ -37,6 +37,20 @@ def test_the_key_holds_each_tensors_geometry_and_every_other_value():
     assert call_replay.flatten((base[1:].view(4, 3),), {})[0] != call_replay.flatten((base[:12].view(4, 3),), {})[0]
 
 
+def test_the_key_holds_each_pointers_residue_modulo_16():
+    """Two unaligned pointers of other residues are other keys (a view a replay cuts at a fixed offset from one may
+    be aligned where the other's is not, and Triton compiled the planned launch for the first); pointers of one
+    residue share a key. The drop-ins' key reads pointers the same way."""
+    from rope_fusion.compat.direct import call_key
+
+    buffer = torch.randn(80)
+    at = {offset: buffer[offset:offset + 32] for offset in (0, 1, 3, 4, 5)}  # fp32: residues 0, 4, 12, 0, 4
+    for key in (lambda t: call_replay.flatten((t,), {})[0], lambda t: call_key((t,), ())):
+        assert key(at[1]) != key(at[3])
+        assert key(at[1]) == key(at[5])
+        assert key(at[0]) == key(at[4]) != key(at[1])
+
+
 def test_a_parameter_is_keyed_and_a_subclass_is_not():
     w = torch.nn.Parameter(torch.randn(4))
     key, leaves = call_replay.flatten((w,), {})
