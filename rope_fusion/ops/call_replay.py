@@ -24,6 +24,7 @@ import torch
 _TENSOR = torch.Tensor
 _KEYED = (torch.Tensor, torch.nn.Parameter)  # a module's weights come as parameters
 _SEQUENCES = (list, tuple)
+_PLAIN = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format))
 
 
 def flatten(args: Sequence[Any], kw: dict) -> tuple[tuple, list] | None:
@@ -39,15 +40,20 @@ def flatten(args: Sequence[Any], kw: dict) -> tuple[tuple, list] | None:
     append, keep = key.append, leaves.append
     try:
         for a in (*args, *kw.values()):
-            if a.__class__ in _KEYED:
+            cls = a.__class__
+            if cls in _PLAIN:  # most of a fold op's arguments: its options, a list's Nones and dims
+                append(a)
+            elif cls in _KEYED:
                 append((a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16))
                 keep(a)
-            elif a.__class__ in _SEQUENCES:
+            elif cls in _SEQUENCES:
                 append(len(a))
                 for x in a:
                     if x.__class__ in _KEYED:
                         append((x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16))
                         keep(x)
+                    elif x.__class__ in _PLAIN:
+                        append(x)
                     else:
                         _add(x, key, leaves)
             else:
