@@ -105,6 +105,60 @@ def test_fused_qk_norm_rope_one_launch_of_the_kernel(kernel_on_cpu, d, r, interl
     check_qk((q, k, *args[2:]), interleaved, r, out)
 
 
+class StaticLauncherStandIn:
+    """Torch's static Triton launcher runs only compiled CUDA kernels: in its place, a launcher of its interface
+    (`tensors_only`: called with a launch's 12 tensors; `from_pointers`: with their data pointers) that records what
+    it was given. The GPU test of the same path launches the real one (tests/compat/test_dropins_gpu.py)."""
+
+    tensors_only = True
+
+    def __init__(self) -> None:
+        self.given: list = []
+
+        def from_pointers(*pointers: int) -> None:
+            self.given.append(("pointers", pointers))
+        from_pointers.count = 12
+        self.from_pointers = from_pointers
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        self.given.append(("tensors", tuple(t.data_ptr() for t in tensors)))
+
+
+@pytest.mark.parametrize("offset", [0, 3])
+def test_a_checked_plan_launches_from_the_pointers_of_its_call(kernel_on_cpu, offset):  # noqa: F811
+    """Once a plan's launch is checked and runs through a launcher that takes pointers, a call passes its q, k,
+    outputs and weights' pointers, the table's for cos (and the unused rows) and the table's plus the offset of
+    its sin half: the pointers of the tensors the call's launch reads and writes, with no view made. The table is
+    cut from a buffer at an element offset (another 16-byte residue at offset 3)."""
+    from rope_fusion.ops.plan_cache import plan_cache
+
+    d, r = 64, 48
+    torch.manual_seed(offset)
+    args = qk_inputs(d, r, torch.bfloat16, torch.float32)
+    vllm_omni.fused_qk_norm_rope(*args, EPS)  # planned, launched by the JIT launcher
+    (runner,) = plan_cache("compat.qk_norm_rope").values()
+    stand_in = StaticLauncherStandIn()
+    (entry,) = runner.run.entries
+    entry[4:] = (stand_in, True)  # the launch checked, its launcher the stand-in
+    vllm_omni.fused_qk_norm_rope(*args, EPS)  # through the launcher with tensors; the plan takes its pointers
+    assert stand_in.given[-1][0] == "tensors" and runner.by_pointers is not None
+    buffer = torch.randn(T * r + offset)
+    q, k, qw, kw = torch.randn_like(args[0]), torch.randn_like(args[1]), args[2].clone(), args[3].clone()
+    table = buffer[offset:].view(T, r)
+    table.copy_(args[4])
+    if offset:  # another residue: a plan of its own, checked and launched apart
+        vllm_omni.fused_qk_norm_rope(q, k, qw, kw, table, EPS)
+        runner = next(p for p in plan_cache("compat.qk_norm_rope").values() if p.by_pointers is None)
+        (entry,) = runner.run.entries
+        entry[4:] = (stand_in, True)
+        vllm_omni.fused_qk_norm_rope(q, k, qw, kw, table, EPS)
+    outs = vllm_omni.fused_qk_norm_rope(q, k, qw, kw, table, EPS)
+    kind, pointers = stand_in.given[-1]
+    cos, sin = table[:, None, :r // 2], table[:, None, r // 2:]
+    want = (q, k, k, *outs, outs[1], cos, sin, cos, qw, kw, kw)
+    assert kind == "pointers" and pointers == tuple(t.data_ptr() for t in want)
+
+
 def test_eps_and_pairing_are_part_of_the_plan(kernel_on_cpu):  # noqa: F811
     """A plan is keyed by what it bakes in: another eps or pairing on the same tensors is a plan of its own."""
     torch.manual_seed(3)
