@@ -27,9 +27,8 @@ _TENSOR = torch.Tensor
 def call_key(tensors: Sequence[torch.Tensor | None], scalars: tuple) -> tuple | None:
     """The plan key of an eager call: each tensor's geometry (shape, strides, dtype, device, its data pointer modulo
     16: Triton specialises a launch on 16-byte alignment, also of a view a runner makes at a fixed offset) and the
-    call's other arguments; None where the call must go
-    through the op (tracing, a dispatch mode or transform, a subclass, autograd to record) or an argument cannot
-    be a key."""
+    call's other arguments; None where the call must go through the op (tracing, a dispatch mode or transform, a
+    subclass, autograd to record) or an argument cannot be a key."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
             or torch._C._are_functorch_transforms_active():
         return None

@@ -240,7 +240,8 @@ def _run_zoo(name):
     return p, _rel(out, ref), max(_rel(eager, ref), _rel(plain, ref))
 
 
-@pytest.mark.parametrize("name", ["flux", pytest.param("flux2", marks=pytest.mark.slow)])  # flux2 ~13 s: -m slow
+@pytest.mark.parametrize("name", [pytest.param("flux", marks=pytest.mark.slow),
+                                  pytest.param("flux2", marks=pytest.mark.slow)])  # 13-18 s each: -m slow
 def test_diffusers_joint_attention_folds_its_cat(triton_on_cpu, name):
     """The double-stream block's joint q and k: one node reading the text and image pieces, each piece's norm
     folded; the single-stream block's q and k fold their norm as before. Every site's norm is folded."""

@@ -289,8 +289,9 @@ def _reads_rotation(node, depth=6):
     return False
 
 
-@pytest.mark.parametrize("name,sites", [("hunyuan_video", 4), pytest.param("qwenimage", 8, marks=pytest.mark.slow),
-                                        pytest.param("prx", 4, marks=pytest.mark.slow)])  # ~25 s each: CI's -m slow
+@pytest.mark.parametrize("name,sites", [pytest.param("hunyuan_video", 4, marks=pytest.mark.slow),
+                                        pytest.param("qwenimage", 8, marks=pytest.mark.slow),
+                                        pytest.param("prx", 4, marks=pytest.mark.slow)])  # 25-36 s each: CI's -m slow
 def test_diffusers_joins_after_the_rotation_are_written_into(triton_on_cpu, name, sites):
     """Unmodified diffusers models: every q/k kernel writes its rotations into the joins after them (HunyuanVideo's
     dual- and single-stream blocks, Qwen-Image's text and image streams, PRX's k), no cat of a rotation is left,

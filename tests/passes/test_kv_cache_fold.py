@@ -291,6 +291,7 @@ def test_triton_chosen_folds_within_the_token_bound(vllm_parts, triton_on_cpu, t
         assert kernel.fold.startswith("kv-cache write not folded: 300 tokens, past the bound"), kernel.fold
 
 
+@pytest.mark.slow  # about 39 s on 2 cores (a 300-token launch interpreted): CI's -m slow
 @pytest.mark.triton_on_cpu(serves=("eager", "kv_cache"))
 def test_triton_backend_asked_for_folds(vllm_parts, triton_on_cpu):
     """The backend asked for by name emits its own op (`rotary_qk_triton`) for the sites it takes; the pair that
