@@ -12,7 +12,8 @@ A call geometry is planned once into a `_CatRunner` (`plan_runner`, which the op
 key and then feeds from each call's own tensors: ops/cat_rotary.py; `launch_cat` for a caller with a parsed call):
 its later calls cost their outputs and the replayed launch (the compiled kernel through torch's static launcher on
 the GPU, every tensor of the call passed per call), where the JIT launcher binds and specialises some 90 arguments
-in Python on every call.
+in Python on every call. A compiled graph does not call the op: the pass emits the launch as Inductor's own
+user-kernel node (`emit_node`), as it emits the main op's.
 """
 
 from __future__ import annotations
@@ -191,15 +192,15 @@ def _launch(cat: CatCall) -> list | None:
         planned = _PLANS.put(key, plan_cat(cat, outs))
     if isinstance(planned, str):
         return None
-    kernel = triton_launch.rotary_kernel  # read per call: the tests interpret the module's kernel
+    kernel = triton_launch.kernel_for(firsts)  # wrap_triton's op while traced (`emit_node`)
+    checks = triton_launch.row_checks(call.positions) if kernel is triton_launch.rotary_kernel else {}
     pos = call.positions if call.positions is not None else call.cos  # unused pointers stand in for absent ones
     sides = [min(i, n - 1) for i in range(3)]
     ws = [weights[i] if weights[i] is not None else call.cos for i in sides]
     ws2 = [seconds_w[i] if seconds_w[i] is not None else call.cos for i in sides[:2]]
     kernel[planned.grid](*(firsts[i] for i in sides), *(outs[i] for i in sides), call.cos, call.sin, pos, *ws,
                          *planned.scalars, **{**planned.meta, "q2_ptr": seconds[0], "k2_ptr": seconds[sides[1]],
-                                              "wq2_ptr": ws2[0], "wk2_ptr": ws2[1]},
-                         **triton_launch.row_checks(call.positions))
+                                              "wq2_ptr": ws2[0], "wk2_ptr": ws2[1]}, **checks)
     return outs
 
 
@@ -409,4 +410,47 @@ def warm_cat(cat: CatCall) -> int:
     return runner.warm(cat) if runner is not None else 0
 
 
-CAT_KERNELS.register("cuda", _serve, check=why_not, plan=plan_runner, warm=warm_cat)
+def emit_node(graph: Any, fake_mode: Any, cat: CatCall, like: Any) -> list | None:
+    """The cat op's call on graph nodes (`cat`'s tensors are nodes with fake values) as Inductor's own user-kernel
+    node, inserted at the graph's insertion point: `_launch` traced on the fake values (its output buffers and the
+    CAT launch), so that the compiled graph launches the kernel from its generated code as it does the main op's,
+    without the dispatcher's conversion of the op's 25-odd arguments and the op's host path on every call. None
+    where a size is symbolic or the launch is not one node (the pass then emits the op)."""
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_mutation
+
+    from .triton_graph import replay_traced, trace_host
+
+    sources = cat.sources()
+    slots = [i for i, t in enumerate(sources) if t is not None]
+    inputs = [sources[i] for i in slots]
+    vals = [n.meta["val"] for n in inputs]
+    if not all(isinstance(s, int) for v in vals for s in (*v.shape, *v.stride(), v.storage_offset())):
+        return None
+    n = len(cat.firsts)
+
+    def host(*args: Any) -> tuple:
+        full = [None] * len(sources)
+        for slot, a in zip(slots, args):
+            full[slot] = a
+        call = dataclasses.replace(cat.call, xs=full[:n], cos=full[2 * n], sin=full[2 * n + 1],
+                                   positions=full[2 * n + 2],
+                                   norm_weights=full[2 * n + 3:3 * n + 3] if cat.call.norm_weights else None)
+        outs = _launch(CatCall(call, full[n:2 * n], full[3 * n + 3:], cat.dims))
+        if outs is None:
+            raise _NotPlanned
+        return tuple(outs)
+
+    try:
+        gm = trace_host(host, vals, fake_mode)
+    except _NotPlanned:
+        return None
+    if sum(node.target is triton_kernel_wrapper_mutation for node in gm.graph.nodes) != 1:
+        return None
+    return replay_traced(graph, fake_mode, gm, inputs, like)
+
+
+class _NotPlanned(Exception):
+    """`_launch` declined the traced call (the pass asked `why_not` first, so only a geometry it could not see)."""
+
+
+CAT_KERNELS.register("cuda", _serve, check=why_not, plan=plan_runner, warm=warm_cat, node=emit_node)

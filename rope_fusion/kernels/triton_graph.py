@@ -20,6 +20,7 @@ a call is not planned.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,12 +44,9 @@ def _concrete(t: torch.Tensor) -> bool:
     return all(isinstance(s, int) for s in (*t.shape, *t.stride()))
 
 
-def _trace_launch(call: RotaryCall, inputs: list, vals: list, fake_mode: Any) -> fx.GraphModule:
+def _trace_launch(call: RotaryCall, vals: list, fake_mode: Any) -> fx.GraphModule:
     """The host side (`launch`) traced on fake values: its views, output buffers and kernel launches as ATen
     and `triton_kernel_wrapper_mutation` nodes, with one placeholder per tensor input of the call."""
-    from torch._dispatch.python import enable_python_dispatcher
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     slots = [i for i, t in enumerate(call.tensors()) if t is not None]  # where each input goes in the call
     n = len(call.xs)
 
@@ -59,6 +57,15 @@ def _trace_launch(call: RotaryCall, inputs: list, vals: list, fake_mode: Any) ->
         c = RotaryCall.parse(full, call.params.kwargs(), n)
         return tuple(launch(c.xs, c.cos, c.sin, c.params, c.positions, c.norm_weights, cu_seqlens=c.cu_seqlens,
                             seqlen_offsets=c.seqlen_offsets))
+
+    return trace_host(fn, vals, fake_mode)
+
+
+def trace_host(fn: Callable[..., Any], vals: list, fake_mode: Any) -> fx.GraphModule:
+    """A host function that launches the rotary kernel (through `triton_launch.kernel_for`, which hands the tracer
+    `wrap_triton`'s higher-order op), traced on fake values by make_fx: one placeholder per value."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.fx.experimental.proxy_tensor import make_fx
 
     with fake_mode, enable_python_dispatcher():
         return make_fx(fn, tracing_mode="real")(*vals)
@@ -122,8 +129,15 @@ def emit_triton(graph: fx.Graph, fake_mode: Any, call: RotaryCall, like: fx.Node
         if symbolic is None:
             return None
         vals = symbolic.stand_ins
-    gm = _trace_launch(call, inputs, vals, fake_mode)
+    gm = _trace_launch(call, vals, fake_mode)
+    return replay_traced(graph, fake_mode, gm, inputs, like, symbolic)
 
+
+def replay_traced(graph: fx.Graph, fake_mode: Any, gm: fx.GraphModule, inputs: list, like: fx.Node,
+                  symbolic: _SymbolicPlan | None = None) -> list | None:
+    """A traced host function (`trace_host`) copied into `graph` at its insertion point, its placeholders read
+    as `inputs`, each kernel launch as the functional user-kernel node (`_emit_kernel`); the nodes of its outputs,
+    or None where it traced something else than ATen calls and launches."""
     placeholders = [p for p in gm.graph.nodes if p.op == "placeholder"]
     env: dict = dict(zip(placeholders, inputs))
 

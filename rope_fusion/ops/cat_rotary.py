@@ -175,6 +175,41 @@ def warm(op: Any, args: tuple, kw: dict) -> int:
         return 0
 
 
+# devices whose kernels' own nodes Inductor launches from a compiled graph's code (its user-kernel nodes compile for
+# GPUs): elsewhere a device kernel serves the op's calls (the tests serve the CPU with the interpreted kernel)
+NODE_DEVICES = ("cuda",)
+
+
+def emit_node(graph: Any, fake_mode: Any, cat: CatCall, like: Any) -> list | None:
+    """The call, whose tensors are graph nodes, as the device kernel's own node in a post-grad graph
+    (`DeviceKernel.node`: the Triton kernel's user-kernel node), or None where the device has none or it declines
+    (the pass then emits the op). Never a failure of the compile: an error is logged and the op is emitted."""
+    device = cat.firsts[0].meta["val"].device.type
+    if fake_mode is None or reference_only() or device not in NODE_DEVICES:
+        return None
+    load_backends()
+    kernel = CAT_KERNELS.get(device)
+    if kernel is None or kernel.node is None:
+        return None
+    try:
+        return kernel.node(graph, fake_mode, cat, like)
+    except Exception as e:
+        log.info("rope_fusion: the cat kernel's node was not emitted (%s: %s); the op is", type(e).__name__, e)
+        return None
+
+
+def node_runner(cat: CatCall) -> Impl | None:
+    """How a compiled graph runs a call of cat's geometry where the pass emits the device kernel's own node
+    (`emit_node`): the kernel's planned runner (its launch, no dispatcher), for `auto` to time the fold as it
+    runs; None where the device has no node (the op is emitted, and called through the dispatcher) or the
+    geometry no planned runner."""
+    device = cat.firsts[0].device.type
+    kernel = CAT_KERNELS.get(device)
+    if kernel is None or kernel.node is None or kernel.plan is None or reference_only() or device not in NODE_DEVICES:
+        return None
+    return kernel.plan(cat)
+
+
 def _result(outs: list) -> Any:
     return outs[0] if len(outs) == 1 else tuple(outs)
 

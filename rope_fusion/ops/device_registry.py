@@ -25,14 +25,18 @@ class DeviceKernel:
     once into a runner of every later call of it (None from it: `impl` per call); `warm` compiles, in the
     background, what a call geometry given as fake values will launch, so that a compiled graph's first call of an
     opaque op finds its kernels compiled (kernels/triton_warmup.py; it returns how many launches it warmed);
-    `takes_packed`: packed sequences reach the kernel as they come (cu_seqlens), else their derived positions. What
-    each callable takes and returns is the family's (its module says)."""
+    `takes_packed`: packed sequences reach the kernel as they come (cu_seqlens), else their derived positions;
+    `node` emits a call on graph nodes as the backend's own node in a post-grad graph (Inductor's user-kernel
+    node: the compiled graph launches the kernel from its generated code, not the op through the dispatcher),
+    or returns None where it cannot (the pass then emits the op). What each callable takes and returns is the
+    family's (its module says)."""
 
     impl: Callable[..., Any] | None
     check: Callable[..., str | None] | None = None
     plan: Callable[..., Any] | None = None
     takes_packed: bool = False
     warm: Callable[..., int] | None = None
+    node: Callable[..., Any] | None = None
 
 
 class DeviceRegistry:
@@ -53,10 +57,11 @@ class DeviceRegistry:
 
     def register(self, device_type: str, impl: Callable[..., Any] | None = None, *,
                  check: Callable[..., str | None] | None = None, plan: Callable[..., Any] | None = None,
-                 takes_packed: bool = False, warm: Callable[..., int] | None = None) -> DeviceKernel:
+                 takes_packed: bool = False, warm: Callable[..., int] | None = None,
+                 node: Callable[..., Any] | None = None) -> DeviceKernel:
         """Serve the family's calls on `device_type` with this kernel (`DeviceKernel` says what each part does),
         in place of any registered before, and empty the registry's plan caches."""
-        kernel = DeviceKernel(impl, check, plan, takes_packed, warm)
+        kernel = DeviceKernel(impl, check, plan, takes_packed, warm, node)
         missing = [part for part in self.required if getattr(kernel, part) is None]
         if missing:
             raise ValueError(f"a {self.family} kernel for {device_type} needs {' and '.join(missing)}: the "

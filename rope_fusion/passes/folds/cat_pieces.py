@@ -5,7 +5,8 @@ Flux and Flux.2 norm the text and image q (and k) apart, join them along the seq
 one Inductor kernel, so nothing is gained there; an opaque kernel cannot fuse: the cat is a read and a write of q
 and k of its own beside the rotation, and each piece's norm stays in the graph too (the norm fold sees the cat, not
 a norm). For a backend whose `folds` name it (the Triton kernel) a group whose every x is such a cat becomes
-one call of `rope_fusion::rotary*_cat` (ops/cat_rotary.py), which reads the pieces and writes the joined rotation;
+one call of `rope_fusion::rotary*_cat` (ops/cat_rotary.py), which reads the pieces and writes the joined rotation
+(on CUDA as the kernel's own user-kernel node, `cat_rotary.emit_node`);
 each piece's RMSNorm folds into it (its own weight) where every piece's would fold on its own
 (passes/analysis/norms.py's proof, one norm kind and eps for all), and stays in the graph otherwise, the cat
 still folded.
@@ -169,9 +170,15 @@ def cat_call(call: RotaryCall, firsts: list, seconds: list, weights: list | None
 
 def emit_cat(em: Any, call: RotaryCall, firsts: list, seconds: list, weights: list | None, second_weights: list,
              dims: list, like: fx.Node) -> list:
-    """One call of the cat op of the call's arity on the pieces; returns its joined results."""
+    """The joined results of the cat op's call on the pieces: the device kernel's own node where it has one
+    (`cat_rotary.emit_node`: the Triton kernel's user-kernel node, launched from the compiled graph's code as the
+    main op's is), else one call of the cat op of the call's arity."""
     n = len(firsts)
     rot = RotaryCall(firsts, call.cos, call.sin, call.params, call.positions, weights)
+    nodes = cat_rotary.emit_node(em.graph, em.fake_mode, CatCall(rot, list(seconds), list(second_weights), list(dims)),
+                                 like)
+    if nodes is not None:
+        return nodes
     kwargs = dict(call.params.kwargs(), second_pieces=list(seconds), second_norm_weights=list(second_weights),
                   cat_dims=list(dims))
     op = CAT_OPS[n - 1]
