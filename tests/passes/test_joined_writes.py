@@ -302,3 +302,46 @@ def test_diffusers_joins_after_the_rotation_are_written_into(triton_on_cpu, name
     assert all(k.fold.startswith("joined write:") for k in r.kernels), r.table()
     assert joined and all(not cats for cats in joined), (joined, r.table())
     assert err_fused <= err_eager + torch.finfo(torch.float32).eps, (err_fused, err_eager, r.table())
+
+
+@pytest.mark.parametrize("fast", ["triton", "left"])
+def test_auto_times_the_joined_write_as_it_runs(triton_on_cpu, monkeypatch, tmp_path, fast):
+    """Under `auto` the Triton candidate of a group joined after its rotation is the joined write as the graph runs
+    it: the into op writing each rotation into its rows of a new tensor of the join's shape (not the plain kernel
+    writing a tensor of its own); its rows are the rotations "left" computes, and the fold is emitted exactly where
+    its timing wins."""
+    from rope_fusion.ops import backends
+    from rope_fusion.passes.auto import auto_timing
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(auto_timing.ENV, raising=False)
+    monkeypatch.setattr(auto_timing, "_MEASURE_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", ["triton", "inductor"])
+    times = {"left": 10e-6, "inductor": 12e-6, "triton": 5e-6 if fast == "triton" else 11e-6}
+    outputs, ops_called = {}, []
+
+    def clock(name, run):
+        with torch.profiler.profile() as prof:
+            outputs[name] = run()
+        if name == "triton":
+            ops_called.extend(e.name for e in prof.events())
+        return times[name]
+
+    monkeypatch.setattr(auto_timing, "TIMER", clock)
+    torch.manual_seed(3)  # auto's check draws its inputs from the global generator
+    args = hunyuan_inputs()
+    out, p = compile_with_pass(hunyuan_dual_stream, *args, backend="auto")
+    r = p.report
+    assert sorted(outputs) == ["inductor", "left", "triton"], r.table()
+    assert "rope_fusion::rotary_qk_into_" in ops_called, sorted(set(ops_called))
+    for got, want in zip(outputs["triton"], outputs["left"]):
+        assert tuple(got.shape) == tuple(want.shape) and got.stride() != want.stride()  # rows of the join
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if fast == "triton":
+        assert len(r.kernels) == 1 and r.kernels[0].fold.startswith("joined write:"), r.table()
+        assert r.kernels[0].choice.startswith("measured triton 5.0 us, left 10.0 us"), r.table()
+        assert "timed as the plain kernel" not in r.kernels[0].choice, r.table()
+        assert _counts(p)["aten.cat.default"] == 1  # v's cat alone
+    else:
+        assert not r.kernels, r.table()
+    check_numerics(hunyuan_dual_stream, args, out, context=r.table())

@@ -102,6 +102,7 @@ class AutoSite:
     call: Any  # RotaryCall whose tensors are nodes of the graph
     writes: list | None = None  # per member its slice_writes.SliceWrite, where the group is a fold of them
     joins: Any = None  # fold_cat.JoinPlan: the cat op's call on the pieces, where x is a join the kernel reads
+    joined: list | None = None  # per member its joined_writes.JoinedWrite, where the rotations are joined after it
     # the fold that claimed the group (passes/folds/fold_registry.py): a candidate whose backend takes it is timed by
     # the fold's runner, or as the plain kernel where it has none
     fold: Any = None
@@ -241,15 +242,19 @@ def build(site: AutoSite, cuda_graphs: bool) -> _Built:
     params = site.call.params
     text = "\n".join([f"params {params}", f"arity {len(site.call.xs)} weights {site.call.norm_weights is not None}",
                       f"slots {slots}", f"cuda_graphs {int(cuda_graphs)}",
-                      f"writes {[(w.dim, w.start, w.end, _clones(w)) for w in writes]}", "left:", canonical(left),
+                      f"writes {[(w.dim, w.start, w.end, _clones(w)) for w in writes]}",
+                      f"joined {[(w.dim, w.start, w.end, _join_geometry(w)) for w in site.joined or []]}",
+                      "left:", canonical(left),
                       "upstream:", canonical(upstream), joined])
     return _Built(left, inputs, upstream, uinputs, slots, hashlib.sha256(text.encode()).hexdigest()[:32],
                   base_slots, pieces, pinputs, pouts, down)
 
 
 def _cat_after(site: AutoSite) -> bool:
-    """Whether a `cat` after the rotation is a consumer to time: not where a fold claimed the group (the joined
-    write, which has no runner of its own: such a site is timed without the join, and the report says so)."""
+    """Whether a `cat` after the rotation is a consumer to time: not where a fold claimed the group. The joined
+    write's candidates are then the rotations alone ("left", the lowering: the kernel Inductor fuses into the
+    join's buffer) against the into op writing into that buffer (`joined_write_runner`), the copies of the other
+    pieces, the same in both, in neither."""
     return site.fold is None
 
 
@@ -376,17 +381,60 @@ def slice_write_runner(built: _Built, site: AutoSite, args: list) -> Callable[[]
     return fold_run
 
 
+def _join_geometry(write: Any) -> tuple:
+    """(shape, strides, dtype) of the tensor a joined write writes into: the join's, or the member's own (a
+    contiguous tensor of its shape in the op's out dtype, dtype None) where it is not joined."""
+    if write.cat is None:
+        return tuple(write.shape), None, None
+    val = write.cat.meta["val"]
+    return tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()), val.dtype
+
+
+def joined_write_runner(built: _Built, site: AutoSite, args: list) -> Callable[[], Any]:
+    """The joined write as the graph runs it: the upstream nodes, then the into op through the dispatcher (as
+    Inductor's fallback kernel calls it) writing each rotation into its rows of a new tensor of the join's shape
+    and strides, which the graph allocates on every call; the rows are what it returns, the rotations' values."""
+    from ...ops.slice_write import INTO_OPS
+
+    joined = site.joined
+    n = len(joined)
+    op = INTO_OPS[n - 1]
+    names = [a.name for a in op._schema.arguments]
+    params = site.call.params
+    geometry = [_join_geometry(w) for w in joined]
+    bounds = {"slice_dims": [w.dim for w in joined], "slice_starts": [w.start for w in joined],
+              "slice_ends": [w.end for w in joined]}
+    up = _upstream(built.upstream, args)
+
+    def into_run() -> Any:
+        outs = list(up())
+        device = outs[0].device
+        bases = [torch.empty(shape, dtype=params.out_dtype, device=device) if strides is None else
+                 torch.empty_strided(shape, strides, dtype=dtype, device=device) for shape, strides, dtype in geometry]
+        rest = [outs[i] if i is not None else None for i in built.call_slots]
+        while rest and rest[-1] is None:
+            rest.pop()
+        kwargs = dict(zip(names, bases + rest))
+        kwargs.update(params.kwargs(), **bounds)
+        op(**kwargs)
+        return [b if w.cat is None else b.narrow(w.dim, w.start, w.end - w.start) for b, w in zip(bases, joined)]
+    return into_run
+
+
 def cat_runner(built: _Built, site: AutoSite, args: list) -> Callable[[], Any]:
     """The cat fold as the graph runs it: the pieces' nodes (compiled by Inductor unless they are views of the
-    inputs), then the cat op on them through the dispatcher, as Inductor's fallback kernel calls it."""
-    from ...ops.cat_rotary import CAT_OPS
+    inputs), then the kernel's launch on them where the pass emits the kernel's own node
+    (`cat_rotary.node_runner`: the Triton kernel's user-kernel node, launched from the graph's code), else the cat
+    op through the dispatcher, as Inductor's fallback kernel calls it."""
+    from ...ops.cat_rotary import CAT_OPS, CatCall, node_runner
     from ...ops.schema import RotaryCall
 
     j, c = site.joins, site.call
     up = _upstream(built.pieces, args)
     index = {n: i for i, n in enumerate(built.pieces_outputs)}
     op = CAT_OPS[len(j.firsts) - 1]
-    extra = {"second_pieces": j.seconds, "second_norm_weights": j.second_weights, "cat_dims": list(j.dims)}
+    extra = {"second_pieces": j.seconds, "second_norm_weights": j.second_weights}
+    direct: list = []  # [the node's runner, or None], decided on the first call's real tensors
 
     def joins_run() -> Any:
         outs = up()
@@ -395,9 +443,13 @@ def cat_runner(built: _Built, site: AutoSite, args: list) -> Callable[[], Any]:
             return outs[index[t]] if isinstance(t, fx.Node) else t
         rot = RotaryCall([val(x) for x in j.firsts], val(c.cos), val(c.sin), j.params, val(c.positions),
                          [val(w) for w in j.weights] if j.weights else None)
-        kwargs = dict(j.params.kwargs(), **{k: [val(t) for t in v] if k != "cat_dims" else v
-                                            for k, v in extra.items()})
-        return op(*rot.tensors(), **kwargs)
+        pieces = {k: [val(t) for t in v] for k, v in extra.items()}
+        if not direct:
+            direct.append(node_runner(CatCall(rot, pieces["second_pieces"], pieces["second_norm_weights"],
+                                              list(j.dims))))
+        if direct[0] is not None:
+            return direct[0](CatCall(rot, pieces["second_pieces"], pieces["second_norm_weights"], list(j.dims)))
+        return op(*rot.tensors(), **j.params.kwargs(), **pieces, cat_dims=list(j.dims))
     return joins_run
 
 

@@ -1,7 +1,7 @@
 """The joined-write fold's record: a rotation joined after it, written into its rows of the join by the fused node
 (passes/folds/joined_writes.py finds and emits it, and once every group is committed replaces each cat by what the
-groups wrote). It has no runner of its own: `auto` times the plain kernel without the cat after it, and the
-report's choice says so."""
+groups wrote). `auto` times it as it runs: the into op writing into the join's buffer, through the dispatcher
+(`auto_timing.joined_write_runner`), against the rotations Inductor writes into that buffer itself."""
 
 from __future__ import annotations
 
@@ -32,7 +32,14 @@ def _finish(em: Any) -> None:
         finish_joins(em, em.joins)
 
 
+def _runner(built: Any, site: Any, real: dict) -> Any:
+    from ..auto.auto_timing import joined_write_runner
+
+    return joined_write_runner(built, site, [real[n] for n in built.upstream_inputs])
+
+
 # a group may write into what a group placed after it wrote, and the pieces are scattered before the cat: the
 # graph is sorted again afterwards
-JOINED_WRITE = Fold(NAME, _find, _emit, finish=_finish, reorders=True)
+JOINED_WRITE = Fold(NAME, _find, _emit, runner=_runner, timed_as=lambda writes: {"joined": writes}, finish=_finish,
+                    reorders=True)
 register_fold(JOINED_WRITE)
