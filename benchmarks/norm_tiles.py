@@ -21,8 +21,9 @@ The verdict lines at the end say, per change, whether its rows favour the new de
 decides `NORM_SPLIT_PROGRAMS` is `new` against `new form, old split` (MiniMax-H3) and `new` against `old` (the two
 interleaved geometries) at 256-2048 tokens.
 
-`--sweep` times the tiles the tuning options reach (the head loop's block_h/num_warps, and the held form, a tail
-held beside the rotated lanes where the geometry has one: `held_tail_launch`), as the first GPU run did.
+`--sweep` times the tiles the tuning options reach (the head loop's block_h/num_warps, each also at 1, 2, 4 and 8
+programs a token and at one a head block, and the held form, a tail held beside the rotated lanes where the
+geometry has one: `held_tail_launch`).
 
     python -m benchmarks.norm_tiles --out $OUT/tiles.json             # GPU: about a minute
     python -m benchmarks.norm_tiles --device cpu --quick              # CPU: the interpreter runs each launch once
@@ -57,6 +58,7 @@ TOKENS = (4096, 16384)  # the sweep's
 COMPARE_TOKENS = (64, 256, 1024, 2048, 4096, 16384)
 LOOP_TILES = ((None, None), (2, 1), (4, 1), (4, 2), (8, 2), (8, 4))  # (block_h, num_warps); None: the planner's
 HELD_TILES = ((2, 1), (4, 1), (4, 2), (8, 2), (8, 4))
+SPLITS = (1, 2, 4, 8, 0)  # the sweep's programs a token for each loop tile (0: one program per head block)
 
 
 def norm_params(rotary_dim: int, interleaved: bool, dtype: torch.dtype, eps: float = 1e-6) -> RotaryParams:
@@ -112,6 +114,16 @@ def old_nsplit(geometry: tuple, tokens: int, row_tail: bool) -> int:
     return 1 if tokens >= target else max(1, min(blocks, -(-target // tokens)))
 
 
+def split_blocks(geometry: tuple, block_h: int | None) -> int:
+    """Head blocks of q and k together at this block (None: the planner's), the most programs a token can use."""
+    from rope_fusion.kernels import triton_plan
+
+    hq, hk, d, r, il = geometry
+    half_pad, tail_pad, _ = triton_plan.row_lanes(norm_params(r, il, torch.bfloat16), d, None)
+    bh = block_h or triton_plan.block_heads([hq, hk], 2 * half_pad + tail_pad, triton_plan.NORM_TILE_ELEMENTS)
+    return -(-hq // bh) + -(-hk // bh)
+
+
 def compare_variants(geometry: tuple, q: torch.Tensor, k: torch.Tensor, weights: list, cos: torch.Tensor,
                      sin: torch.Tensor) -> dict[str, Callable[[], Any]]:
     """name -> call: the planner as it is (`new`), as it was (`old`), and at MiniMax-H3 each change alone."""
@@ -149,6 +161,15 @@ def variants(geometry: tuple, q: torch.Tensor, k: torch.Tensor, weights: list, c
         out[name] = (lambda bh=bh, warps=warps, stream=stream:
                      triton_launch.launch([q, k], cos, sin, params, None, weights, block_h=bh, num_warps=warps,
                                           stream=stream))
+    for (bh, warps), nsplit in itertools.product(LOOP_TILES, SPLITS):
+        blocks = split_blocks(geometry, bh)
+        nsplit = blocks if nsplit == 0 else nsplit
+        if nsplit > blocks:
+            continue
+        name = f"split={nsplit} " + ("default tile" if bh is None else f"bh={bh} w={warps}")
+        # the programs a token are a runtime scalar of the kernel: these rows time without compiling anew
+        out.setdefault(name, lambda bh=bh, warps=warps, nsplit=nsplit: triton_launch.launch(
+            [q, k], cos, sin, params, None, weights, block_h=bh, num_warps=warps, nsplit=nsplit))
     for (bh, warps), stream in itertools.product(HELD_TILES, (True, False)):
         if r < d:
             out[f"held+tail bh={bh} w={warps} stream={stream}"] = held_tail_launch(q, k, cos, sin, params, weights,
