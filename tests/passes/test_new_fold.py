@@ -61,7 +61,8 @@ def test_a_fold_registered_as_a_record_is_planned_emitted_and_reported(dummy_fol
 def test_the_registry_holds_the_built_in_folds_in_order():
     names = [f.name for f in fold_registry.folds()]
     assert names[:3] == ["slice write", "cat", "joined write"]
-    assert [f.runner is None for f in fold_registry.folds()][:3] == [False, False, True]
+    # each group fold is timed by `auto` as it runs (its runner), none as the plain kernel
+    assert all(f.runner is not None for f in fold_registry.folds()[:3])
     # the KV-cache write claims the pair whose k feeds vLLM's cache update (emitted as the op call), and its
     # epilogue folds the op and the update once every group is committed
     assert names[3] == "kv-cache write" and [f.name for f in fold_registry.epilogues()] == ["kv-cache write"]
