@@ -96,12 +96,19 @@ def test_packed_rows_found_in_the_kernel(batch, cu_dtype, with_offsets, interlea
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_one_head_several_tokens_a_program():
-    """One head of 8192 tokens takes several tokens a program (TOKS): the search runs over a column of tokens."""
+def test_one_head_several_tokens_a_program(monkeypatch, request):
+    """One head takes several tokens a program (TOKS) once that leaves MIN_PROGRAMS programs: the search runs over
+    a column of tokens. The rule's threshold is lowered to 16 programs, so that 256 tokens take that form (8192
+    at the planner's 1024; the interpreter runs every program, 23 s of a 2-core CPU)."""
+    from rope_fusion.kernels import triton_plan
+
+    monkeypatch.setattr(triton_plan, "MIN_PROGRAMS", 16)
+    rope_fusion.clear_caches()  # no launch planned under the lowered rule outlives the test: planned again after
+    request.addfinalizer(rope_fusion.clear_caches)
     lengths = random_lengths(7, 9)
-    lengths[0] += 8192 - sum(lengths)
+    lengths[0] += 256 - sum(lengths)
     (x,), cu, offsets, cos, sin = random_case(7, lengths, torch.int64, True, heads=(1,), head_dim=16, rotary_dim=16,
-                                              rows=8192 + 16)
+                                              rows=256 + 16)
     params = RotaryParams(interleaved=False, rotary_dim=16, full_tables=False, conjugate=False,
                           out_dtype=torch.float32)
     p = launching.make_launches([x], [x], launching.Tables(cos, sin, None, [None], cu, offsets), params)
