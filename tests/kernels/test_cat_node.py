@@ -124,6 +124,31 @@ def test_inductor_lowers_the_cat_node_with_the_traced_strides():
     assert (kw["q2_stride_t1"], kw["q2_stride_t2"]) == (eager["q2_ptr"].stride(0), eager["q2_ptr"].stride(1))
 
 
+def test_inductors_analysis_finds_only_the_outputs_written(monkeypatch):
+    """Inductor reads a user kernel's TTIR to find the tensors it writes, and clones any other it finds written:
+    the CAT launch writes the joined outputs alone, so the pieces are passed as they are. Triton builds the TTIR
+    for a target, which needs a GPU driver: a stand-in driver names an sm_90 target (nothing is compiled for it
+    beyond the TTIR, and nothing runs)."""
+    import triton
+    from torch._higher_order_ops.triton_kernel_wrap import get_mutated_tensors
+    from triton.backends.compiler import GPUTarget
+
+    class TargetOnly:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    args = _args("cuda", torch.bfloat16, 3, 5, 2, 16)
+    _p, gm = _pass_graph(flux_qk, args)
+    hop, = [n for n in gm.graph.nodes if n.target is triton_kernel_wrapper_functional]
+    kwargs = {k: v.meta["val"] if isinstance(v, fx.Node) else v for k, v in hop.kwargs["kwargs"].items()}
+    # the active driver, set as `set_active` sets it and put back as it was (`reset_active` would build the
+    # default one, which raises without a GPU)
+    monkeypatch.setattr(triton.runtime.driver, "_active", TargetOnly())
+    with args[0].fake_mode:
+        written = get_mutated_tensors(hop.kwargs["kernel_idx"], hop.kwargs["constant_args_idx"], kwargs, {})
+    assert sorted(written) == ["ko_ptr", "qo_ptr"]
+
+
 def test_the_cpu_keeps_the_op():
     """Inductor compiles user Triton kernels for GPUs only: on other devices the kernel's node is not emitted (the
     tests serve the CPU with the interpreted kernel through the op)."""
