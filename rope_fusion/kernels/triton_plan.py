@@ -385,6 +385,34 @@ def wide_row_warps(params: RotaryParams, head_dim: Any, lanes_pad: int, tile: in
     return None
 
 
+# A per-head norm's rows of 128 lanes, (heads a block, warps) by the launch's regime (benchmarks/norm_tiles.py
+# --sweep on an H200, CUDA-graph replay, x the copy floor, the rule's NORM_TILE_ELEMENTS block of 4 heads and one
+# warp against these): a launch of so few tokens that every head block is a program of its own (64 tokens: 24+24
+# heads interleaved 0.89-1.05 -> 0.85-0.98, 32/8 heads interleaved with a 64-lane tail 0.94 -> 0.82, MiniMax-H3's
+# NeoX 96 of 128 1.18 -> 1.15) takes 8 heads and 4 warps; a program per token of GQA's interleaved rows (32/8 heads,
+# rotary 64 of 128) takes 8 heads and 2 warps (4096 tokens 1.043 -> 1.009, 32768 1.062 -> 1.030), where equal q and
+# k head counts measured slower with them (24+24 interleaved 1.04 -> 1.16 at 4096 tokens).
+NORM_FEW_TOKENS_TILE = (8, 4)
+NORM_GQA_TILE = (8, 2)
+
+
+def norm_row_tile(params: RotaryParams, heads: Sequence[Any], lanes_pad: int, ntok: Any, tables: Tables,
+                  held: bool) -> tuple[int, int] | None:
+    """(heads a block, warps) of a per-head norm's launch over rows of 128 lanes where a measured regime has its
+    own (`NORM_FEW_TOKENS_TILE`, `NORM_GQA_TILE`), None elsewhere: the general rules then decide. Static sizes
+    only, tables read per token (no positions, no packed sequences), no pass-through head, rows not held."""
+    if not (params.norm == "rms" and lanes_pad == WIDE_ROW_LANES and not held and not params.rotary_offset
+            and not params.deinterleave and not params.angle_tables and not tables.rows
+            and isinstance(ntok, int) and ntok > 0 and all(isinstance(h, int) and h > 0 for h in heads)):
+        return None
+    bh = NORM_FEW_TOKENS_TILE[0]
+    if ntok * sum(-(-h // bh) for h in heads) <= MIN_PROGRAMS:
+        return NORM_FEW_TOKENS_TILE
+    if ntok >= MIN_PROGRAMS and params.interleaved and len(set(heads)) > 1:
+        return NORM_GQA_TILE
+    return None
+
+
 def per_lane(w: torch.Tensor, x: torch.Tensor) -> bool:
     """A norm weight the kernel may take: at most [heads, lanes] (`norm_fits` checks it against the plan)."""
     return w.dim() <= 2
@@ -564,6 +592,9 @@ def plan_tiles(p: Plan, xs: list, tables: Tables, params: RotaryParams, *, block
         neox_row = default_neox_row(params.interleaved, params.rotary_dim, head_dim) \
             and not (held and params.norm == "rms")
     neox_row = bool(neox_row) and not params.interleaved and params.rotary_blocks == 1 or row_tail
+    tile = None if block_h or num_warps else norm_row_tile(params, p.heads, lanes_pad, ntok, tables, held)
+    if tile is not None:
+        block_h, num_warps = tile
     bh = block_h or block_heads(p.heads, lanes_pad, _loop_tile(params, held, params.interleaved or neox_row))
     # a norm across heads whose heads all fit one block takes its statistics from that tile (a larger block to
     # get there was slower in the norm sweep: 1.32x against 1.17x the floor at 12 heads x 128)

@@ -947,15 +947,16 @@ def test_per_head_norm_plan_holds_padded_rows(interleaved, head_dim, heads, held
 
 
 @pytest.mark.parametrize("norm,head_dim,tokens,nsplit", [
-    ("rms", 128, 1024, 4), ("rms", 128, 2048, 2), ("rms", 128, 4096, 1), ("rms", 128, 256, 4), ("rms", 128, 64, 12),
+    ("rms", 128, 1024, 4), ("rms", 128, 2048, 2), ("rms", 128, 4096, 1), ("rms", 128, 256, 4), ("rms", 128, 64, 6),
     ("rms", 80, 2048, 1),  # held rows are never split
     ("none", 128, 2048, 1), ("none", 128, 256, 4), ("rms_across_heads", 128, 2048, 1),
 ])
 def test_per_head_norm_launches_of_few_tokens_fill_the_grid(norm, head_dim, tokens, nsplit):
     """Under a per-head norm (a tile of 4 heads x 128 lanes, one warp), a launch of fewer tokens than
     NORM_SPLIT_PROGRAMS spreads each token's head blocks over programs until it has that many, at most
-    NORM_SPLIT_MAX a token on that account (24/24 heads: 12 blocks; 64 tokens take all 12 by MIN_PROGRAMS); held
-    rows (D=80, a norm across heads) and other launches keep MIN_PROGRAMS."""
+    NORM_SPLIT_MAX a token on that account (24/24 heads: 12 blocks); 64 tokens, whose every block is a program of
+    its own, take blocks of 8 heads (6, `norm_row_tile`); held rows (D=80, a norm across heads) and other launches
+    keep MIN_PROGRAMS."""
     q, k = (torch.empty(tokens, 24, head_dim, dtype=torch.bfloat16) for _ in range(2))
     cos, sin = tables((tokens, 1), head_dim // 2)
     params = RotaryParams(**opts(False, head_dim), norm=norm)
@@ -963,6 +964,51 @@ def test_per_head_norm_launches_of_few_tokens_fill_the_grid(norm, head_dim, toke
     [(_, grid, _, meta)] = planner.make_launches([q, k], [q, k], planner.Tables(cos, sin, None, weights), params)
     assert grid == (tokens, nsplit)
     assert bool(meta["HELD"]) == (head_dim == 80 or norm == "rms_across_heads")
+
+
+@pytest.mark.parametrize("interleaved,rotary,heads,tokens,positions,tile", [
+    (True, 128, (24, 24), 64, False, (8, 4)),  # every head block a program of its own
+    (False, 96, (24, 24), 64, False, (8, 4)),  # MiniMax-H3's NeoX rows with their tail in the halves' padding
+    (True, 64, (32, 8), 64, False, (8, 4)),
+    (True, 64, (32, 8), 4096, False, (8, 2)),  # GQA's interleaved rows, a program per token
+    (True, 128, (24, 24), 4096, False, (4, 1)),  # equal head counts: the general rule
+    (False, 128, (32, 8), 4096, False, (4, 1)),  # GQA's NeoX rows: not measured, the general rule
+    (True, 128, (24, 24), 256, False, (4, 1)),  # 256 tokens x 6 blocks of 8 exceed MIN_PROGRAMS: the split rule
+    (True, 128, (24, 24), 64, True, (4, 1)),  # rows gathered by positions: not measured
+])
+def test_per_head_norm_rows_of_128_lanes_take_the_measured_tiles(interleaved, rotary, heads, tokens, positions,
+                                                                 tile):
+    """`norm_row_tile`: a per-head norm's rows of 128 lanes take 8 heads a block and 4 warps where every head
+    block is a program of its own, and 8 heads with 2 warps for GQA's interleaved rows a program per token; every
+    other launch keeps the general rules; the launch's result is the fp64 reference's (the kernel interpreted, at
+    a few tokens of the same heads: the tile is the rule's, asked for)."""
+    q, k = (torch.randn(tokens, h, 128) for h in heads)
+    params = RotaryParams(interleaved=interleaved, rotary_dim=rotary, full_tables=False, conjugate=False,
+                          out_dtype=torch.float32, norm="rms")
+    angles = torch.randn(tokens + 3 if positions else tokens, rotary // 2, dtype=torch.float64)
+    cos, sin = angles.cos().float(), angles.sin().float()  # cache rows with positions, else a row a token
+    if not positions:
+        cos, sin = cos[:, None], sin[:, None]
+    pos = torch.randperm(tokens + 3)[:tokens, None] if positions else None  # [T, 1]: a row a token, every head
+    weights = [torch.rand(128) + 0.5 for _ in range(2)]
+    tabs = planner.Tables(cos, sin, pos, weights)
+    outs = [torch.empty_like(q), torch.empty_like(k)]
+    [(_, grid, _, meta)] = planner.make_launches([q, k], outs, tabs, params)
+    assert (meta["BLOCK_H"], meta["num_warps"]) == tile and not meta["HELD"]
+    if tile == planner.NORM_FEW_TOKENS_TILE:
+        assert grid == (tokens, sum(-(-h // 8) for h in heads))
+    few = 5  # the interpreter runs every program: the tile asked for, on a few tokens
+    xs = [x[:few] for x in (q, k)]
+    cos, sin = (t[:few + 3] if positions else t[:few] for t in (cos, sin))
+    pos = torch.randperm(few + 3)[:few, None] if positions else None
+    with poisoned_outputs():
+        outs = tr.launch(xs, cos, sin, params, pos, weights, kernel=KERNEL, block_h=tile[0], num_warps=tile[1])
+    for out, x, w in zip(outs, xs, weights):
+        c, s_ = (cos[pos], sin[pos]) if positions else (cos, sin)
+        want = rotary_reference(x.double(), c.double(), s_.double(), norm_weight=w.double(),
+                                **{**params.kwargs(), "out_dtype": torch.float64})
+        assert not out.isnan().any()
+        assert (out.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
 @pytest.mark.parametrize("interleaved,neox_row,blocks", [(True, None, 1), (False, None, 1), (False, True, 1),
@@ -1084,4 +1130,8 @@ def test_whole_row_warps_follow_the_row_sweep(interleaved, tokens, heads, head_d
     w = [torch.ones(head_dim)] * 2
     [(_, _, _, meta)] = planner.make_launches([q, k], [q, k], planner.Tables(cos, sin, None, w),
                                               params.replace(norm="rms"))
-    assert meta["NORM"] == 1 and meta["num_warps"] == planner.warps_for(meta["BLOCK_H"] * head_dim, "rows")
+    # under a per-head norm GQA's interleaved rows take their own measured tile (`norm_row_tile`), others the
+    # general rule's warps
+    gqa = interleaved and heads[0] != heads[1] and head_dim == 128
+    want = planner.NORM_GQA_TILE[1] if gqa else planner.warps_for(meta["BLOCK_H"] * head_dim, "rows")
+    assert meta["NORM"] == 1 and meta["num_warps"] == want
