@@ -426,16 +426,11 @@ def emit_node(graph: Any, fake_mode: Any, cat: CatCall, like: Any) -> list | Non
     vals = [n.meta["val"] for n in inputs]
     if not all(isinstance(s, int) for v in vals for s in (*v.shape, *v.stride(), v.storage_offset())):
         return None
-    n = len(cat.firsts)
-
     def host(*args: Any) -> tuple:
         full = [None] * len(sources)
         for slot, a in zip(slots, args):
             full[slot] = a
-        call = dataclasses.replace(cat.call, xs=full[:n], cos=full[2 * n], sin=full[2 * n + 1],
-                                   positions=full[2 * n + 2],
-                                   norm_weights=full[2 * n + 3:3 * n + 3] if cat.call.norm_weights else None)
-        outs = _launch(CatCall(call, full[n:2 * n], full[3 * n + 3:], cat.dims))
+        outs = _launch(cat.with_sources(full))
         if outs is None:
             raise _NotPlanned
         return tuple(outs)

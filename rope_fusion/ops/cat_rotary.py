@@ -16,6 +16,7 @@ call, the reference: the pieces normalised in the math dtype, joined, then the r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +56,15 @@ class CatCall:
         call, n = self.call, len(self.seconds)
         return [*call.xs, *self.seconds, call.cos, call.sin, call.positions, *(call.norm_weights or [None] * n),
                 *self.second_weights]
+
+    def with_sources(self, sources: list) -> CatCall:
+        """This call with its tensors replaced by `sources`, in `sources()`' order (a traced or later call of the
+        same geometry)."""
+        call, n = self.call, len(self.seconds)
+        weights = sources[2 * n + 3:3 * n + 3] if call.norm_weights is not None else None
+        rot = dataclasses.replace(call, xs=sources[:n], cos=sources[2 * n], sin=sources[2 * n + 1],
+                                  positions=sources[2 * n + 2], norm_weights=weights)
+        return CatCall(rot, sources[n:2 * n], sources[3 * n + 3:4 * n + 3], self.dims)
 
     def joined_shape(self, i: int) -> tuple:
         shape = list(self.firsts[i].shape)

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from rope_fusion.ops import cat_rotary  # noqa: E402
 from rope_fusion.ops.reference import rms_norm, rotary_reference  # noqa: E402
+from tests.helpers.auto_clock import stub_clock  # noqa: E402
 from tests.helpers.compile_pass import compile_with_pass  # noqa: E402
 from tests.helpers.diffusers_rotary import rms  # noqa: E402
 from tests.helpers.diffusers_rotary import rope_tokens_first as rope  # noqa: E402
@@ -280,24 +281,7 @@ def test_auto_times_the_cat_op_on_the_pieces(triton_on_cpu, monkeypatch, tmp_pat
     """Under `auto` the Triton candidate of a joined site is the fold as the graph would run it: the pieces' own
     nodes, then the cat op reading them (not the join Inductor writes and the plain kernel); it computes what the
     site left to Inductor computes, and the fold is emitted exactly where its timing wins."""
-    from rope_fusion.ops import backends
-    from rope_fusion.passes.auto import auto_timing
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(auto_timing.ENV, raising=False)
-    monkeypatch.setattr(auto_timing, "_MEASURE_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", ["triton", "inductor"])
-    times = {"left": 10e-6, "inductor": 12e-6, "triton": 5e-6 if fast == "triton" else 11e-6}
-    outputs, ops_called = {}, []
-
-    def clock(name, run):
-        with torch.profiler.profile() as prof:
-            outputs[name] = run()
-        if name == "triton":
-            ops_called.extend(e.name for e in prof.events())
-        return times[name]
-
-    monkeypatch.setattr(auto_timing, "TIMER", clock)
+    outputs, ops_called = stub_clock(monkeypatch, tmp_path, 5.0 if fast == "triton" else 11.0)
     args = [*_pieces(), *_weights(), *_tables()]
     # auto's check draws its inputs from the global generator: seeded, so that which inputs it judges by does not
     # depend on the tests run before (a norm's fp32 rounding once exceeded one eps of the largest value there)

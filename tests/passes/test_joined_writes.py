@@ -22,6 +22,7 @@ from torch._inductor.utils import run_and_get_code  # noqa: E402
 
 import rope_fusion  # noqa: E402
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
+from tests.helpers.auto_clock import stub_clock  # noqa: E402
 from tests.helpers.compile_pass import compile_with_pass  # noqa: E402
 from tests.helpers.diffusers_rotary import rms  # noqa: E402
 from tests.helpers.diffusers_rotary import rope_heads_first as rope  # noqa: E402
@@ -310,24 +311,7 @@ def test_auto_times_the_joined_write_as_it_runs(triton_on_cpu, monkeypatch, tmp_
     it: the into op writing each rotation into its rows of a new tensor of the join's shape (not the plain kernel
     writing a tensor of its own); its rows are the rotations "left" computes, and the fold is emitted exactly where
     its timing wins."""
-    from rope_fusion.ops import backends
-    from rope_fusion.passes.auto import auto_timing
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(auto_timing.ENV, raising=False)
-    monkeypatch.setattr(auto_timing, "_MEASURE_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", ["triton", "inductor"])
-    times = {"left": 10e-6, "inductor": 12e-6, "triton": 5e-6 if fast == "triton" else 11e-6}
-    outputs, ops_called = {}, []
-
-    def clock(name, run):
-        with torch.profiler.profile() as prof:
-            outputs[name] = run()
-        if name == "triton":
-            ops_called.extend(e.name for e in prof.events())
-        return times[name]
-
-    monkeypatch.setattr(auto_timing, "TIMER", clock)
+    outputs, ops_called = stub_clock(monkeypatch, tmp_path, 5.0 if fast == "triton" else 11.0)
     torch.manual_seed(3)  # auto's check draws its inputs from the global generator
     args = hunyuan_inputs()
     out, p = compile_with_pass(hunyuan_dual_stream, *args, backend="auto")

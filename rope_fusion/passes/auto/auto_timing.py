@@ -444,11 +444,11 @@ def cat_runner(built: _Built, site: AutoSite, args: list) -> Callable[[], Any]:
         rot = RotaryCall([val(x) for x in j.firsts], val(c.cos), val(c.sin), j.params, val(c.positions),
                          [val(w) for w in j.weights] if j.weights else None)
         pieces = {k: [val(t) for t in v] for k, v in extra.items()}
+        cat = CatCall(rot, pieces["second_pieces"], pieces["second_norm_weights"], list(j.dims))
         if not direct:
-            direct.append(node_runner(CatCall(rot, pieces["second_pieces"], pieces["second_norm_weights"],
-                                              list(j.dims))))
+            direct.append(node_runner(cat))
         if direct[0] is not None:
-            return direct[0](CatCall(rot, pieces["second_pieces"], pieces["second_norm_weights"], list(j.dims)))
+            return direct[0](cat)
         return op(*rot.tensors(), **j.params.kwargs(), **pieces, cat_dims=list(j.dims))
     return joins_run
 
