@@ -412,8 +412,8 @@ def plan_group(em: Emitter, group: tuple, nodes: dict, anchor: fx.Node, choose: 
         site = fold_site(em, group, nodes, norms, depends_on)
         call = site.call
         found = fold_planning.search(em, site, lambda fold: _may_take(em, call, fold))
-        spec = dataclasses.replace(site_spec(call.xs, call.cos, call.sin, call.params, m0, call.positions,
-                                             found.reads_pieces), measure=AutoSite(group, call, **found.timed()))
+        spec = site_spec(call.xs, call.cos, call.sin, call.params, m0, call.positions, found.reads_pieces)
+        spec = dataclasses.replace(spec, cost=found.costed(spec.cost), measure=AutoSite(group, call, **found.timed()))
         choice = choose(spec)
         taken = fold_planning.after_choice(em, site, choice.backend, found)
         if isinstance(taken, tuple):

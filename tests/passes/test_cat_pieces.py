@@ -300,3 +300,67 @@ def test_auto_times_the_cat_op_on_the_pieces(triton_on_cpu, monkeypatch, tmp_pat
     else:
         assert not r.kernels, r.table()
     check_numerics(flux_qk, args, out, context=r.table())
+
+
+def _fake_flux_cuda(normed):
+    """Flux's joint attention at 1024x1024 on fake CUDA tensors (bf16, 512 text + 4096 image tokens, 24 x 128)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        def e(*s, dtype=torch.bfloat16):
+            return torch.empty(*s, device="cuda", dtype=dtype)
+        pieces = [e(1, 4096, 24, 128), e(1, 4096, 24, 128), e(1, 512, 24, 128), e(1, 512, 24, 128)]
+        weights = [e(128) for _ in range(4)] if normed else []
+        tables = [e(4608, 1, 128, dtype=torch.float32) for _ in range(2)]
+    return [*pieces, *weights, *tables]
+
+
+def _rope_broadcast(x, cos, sin):
+    """diffusers' interleaved rotation with [S, 1, D] tables (fake CUDA tensors take no None-indexing)."""
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def _flux_qk_fake(q, k, eq, ek, wq, wk, weq, wek, cos, sin):
+    return (_rope_broadcast(torch.cat([rms(eq, weq), rms(q, wq)], 1), cos, sin),
+            _rope_broadcast(torch.cat([rms(ek, wek), rms(k, wk)], 1), cos, sin))
+
+
+def _unnormed_qk_fake(q, k, eq, ek, cos, sin):
+    return _rope_broadcast(torch.cat([eq, q], 1), cos, sin), _rope_broadcast(torch.cat([ek, k], 1), cos, sin)
+
+
+@pytest.fixture
+def fresh_decisions_dir(tmp_path, monkeypatch):
+    from rope_fusion.passes.auto import auto_timing
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(auto_timing.ENV, raising=False)
+
+
+@pytest.mark.parametrize("normed", [True, False])
+def test_auto_costs_a_joined_site_with_the_pieces_norms_it_folds(fresh_decisions_dir, normed):
+    """The pieces' norms are work that every choice carries (plain compile and the lowering fuse norm, cat and
+    rotation), so a Flux joint pair whose norms fold into the cat op is costed as a normed rotation: the kernel at
+    well under half of left's estimate, taken unmeasured in a compile of any size. Without norms the site is a plain
+    interleaved rotation, which the table cannot call: it is not taken unmeasured."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import rope_fusion
+
+    fn = _flux_qk_fake if normed else _unnormed_qk_fake
+    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*_fake_flux_cuda(normed))
+    p = rope_fusion.RopeFusionPass(cuda_graphs=True)
+    p(gm.graph)
+    r = p.report
+    assert not r.errors, r.table()
+    if normed:
+        (kernel,) = r.kernels
+        assert kernel.backend == "triton" and kernel.fold.startswith("cat folded:"), r.table()
+        assert kernel.choice.startswith("table, clear-cut, not measured"), kernel.choice
+        assert [r.sites[i].norm for i in kernel.sites] == ["rms folded"] * 2, r.table()
+    else:  # undecided: measured where a GPU and the compile's allowance are at hand (here neither is)
+        (kernel,) = r.kernels
+        assert "clear-cut" not in kernel.choice and "not measured: no cuda device" in kernel.choice, kernel.choice

@@ -40,6 +40,14 @@ class FoldSearch:
             return {}
         return {"fold": self.claimed, **self.claimed.timed_as(self.plan)}
 
+    def costed(self, cost: Any) -> Any:
+        """The site's cost record as the claiming fold's plan sees it (`Fold.costed_as`); `cost` where none claims
+        the group or the record is absent."""
+        if self.claimed is None or cost is None:
+            return cost
+        changes = self.claimed.costed_as(self.plan)
+        return dataclasses.replace(cost, **changes) if changes else cost
+
 
 def _holds(outcome: Any) -> bool:
     return outcome is not None and not isinstance(outcome, (NotFolded, _Unprepared))

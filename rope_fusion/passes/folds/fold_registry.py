@@ -109,7 +109,10 @@ class Fold:
     `auto_timing.AutoSite` its timed region needs; `runner(built, site, real)` is its candidate's compiled call
     (None: `auto` times the plain kernel, and the report says so). `finish(em)` runs once all groups are committed;
     `reorders`: the graph needs a stable topological sort after the fold. `reads_pieces`: the kernel reads x's
-    pieces itself, so the cost model drops the join's write and read (ops/cost_model.py). `epilogue(graph, backend)`:
+    pieces itself, so the cost model drops the join's write and read (ops/cost_model.py). `costed_as(plan)`: the
+    fields of the site's cost record (`SiteCost`) that the fold's plan changes for every choice, where it sees work
+    the site's own call does not (a norm of the pieces that the model's code and the lowering compute too, which
+    the kernel folds). `epilogue(graph, backend)`:
     a fold that acts after every group is committed instead (no `find`, `emit`), returning its `FoldOutcome`s."""
 
     name: str
@@ -121,6 +124,7 @@ class Fold:
     finish: Callable[[Any], None] | None = None
     reorders: bool = False
     reads_pieces: bool = False
+    costed_as: Callable[[Any], dict] = lambda plan: {}
     epilogue: Callable[[Any, str], list[FoldOutcome]] | None = None
 
 
