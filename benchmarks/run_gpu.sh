@@ -19,9 +19,10 @@
 #   norm_tiles         python -m benchmarks.norm_tiles (the planner before and after) -> nt.json, nt.log
 #   kv_cache           python -m benchmarks.kv_cache (RoPE + the KV-cache write) -> kv.json, kv.log
 #   compile_time[:LIST] python -m benchmarks.compile_time [--models LIST] (cold and warm) -> ct.json, ct.log
+#   node_launch        python -m benchmarks.node_launch (the cat fold's node against the op's launch) -> nl.json, nl.log
 #   notests            skip the GPU tests (which otherwise run first, -> tests.log)
 # Extra arguments per step: $KERNELS_ARGS, $MODELS_ARGS, $PROFILE_ARGS, $TRAINING_ARGS, $DROPINS_ARGS,
-# $KV_CACHE_ARGS, $COMPILE_TIME_ARGS, $NORM_TILES_ARGS (word-split); $TESTS_LIMIT (seconds, default 240), $TEST_WORKERS, $GPU_TESTS.
+# $KV_CACHE_ARGS, $COMPILE_TIME_ARGS, $NORM_TILES_ARGS, $NODE_LAUNCH_ARGS (word-split); $TESTS_LIMIT (seconds, default 240), $TEST_WORKERS, $GPU_TESTS.
 # Deadline for the whole call: $RUN_DEADLINE seconds (default 570); a step gets at most what is left, and is
 # skipped when less than 30 s is left. A failing or timed-out step is reported and the next one runs (the
 # benchmarks rewrite their JSON after every row or model, so a timed-out step still leaves what it measured).
@@ -159,11 +160,15 @@ for a in "$@"; do
             # shellcheck disable=SC2086
             run compile_time "${limit:-360}" "$OUT/ct.log" python3 -m benchmarks.compile_time --out "$OUT/ct.json" \
                 ${arg:+--models ${arg//,/ }} ${COMPILE_TIME_ARGS:-} ;;
+        node_launch)
+            # shellcheck disable=SC2086
+            run node_launch "${limit:-200}" "$OUT/nl.log" python3 -m benchmarks.node_launch --out "$OUT/nl.json" \
+                ${NODE_LAUNCH_ARGS:-} ;;
         norm_tiles)
             # shellcheck disable=SC2086
             run norm_tiles "${limit:-300}" "$OUT/nt.log" python3 -m benchmarks.norm_tiles --out "$OUT/nt.json" \
                 ${NORM_TILES_ARGS:-} ;;
-        *) note "unknown step '$a' (kernels[:GROUPS], models[:LIST], models_cg[:LIST], profile:LIST, training[:LIST], distributed, vllm_omni, dropins[:SECTIONS], norm_tiles, kv_cache, compile_time[:LIST], notests)" ;;
+        *) note "unknown step '$a' (kernels[:GROUPS], models[:LIST], models_cg[:LIST], profile:LIST, training[:LIST], distributed, vllm_omni, dropins[:SECTIONS], norm_tiles, kv_cache, compile_time[:LIST], node_launch, notests)" ;;
     esac
 done
 note "all steps done; files in $OUT:"

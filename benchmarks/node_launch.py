@@ -1,0 +1,160 @@
+"""The cat fold's user-kernel node against the cat op's own launch of the same plan, side by side on the GPU.
+
+The fold runs as Inductor's user-kernel node in a compiled graph (`cat_rotary.emit_node`), where it ran as the
+`rotary_qk_cat` op called through the dispatcher before, whose planned runner launches the kernel through Triton's
+JIT launcher. In graph replay both run one launch of one plan, yet the node measured 1.349x the floor at Flux's
+joint attention (M13) where the op had measured 1.175-1.237x in earlier runs. This compiles each row twice with
+`backend="triton"` (the node, and the op: `cat_rotary.NODE_DEVICES` emptied), then per variant:
+- GPU time in CUDA-graph replay and in do_bench, alternating rounds, as multiples of the row's copy floor;
+- every kernel one call launches, with its GPU time (the profiler): a copy around the node would show here;
+- the compiled rotary kernel each variant ran, read from Triton's cache (a fresh TRITON_CACHE_DIR, which Inductor's
+  compiles use too): num_warps, num_stages, the arguments Triton took as 16-divisible (its TTIR's
+  `tt.divisibility`), and whether the two variants ran the same binary;
+- the user-kernel node's decorator in Inductor's generated code (its configs and triton_meta).
+
+    python -m benchmarks.node_launch --out $OUT/node_launch.json            # M13 (GPU)
+    python -m benchmarks.node_launch --quick                                # CPU smoke test (nothing timed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+# before Triton is imported: every kernel of this process (the JIT's and Inductor's) compiles into a cache we read
+os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="node-launch-triton-"))
+
+import torch  # noqa: E402
+
+from benchmarks import device_check  # noqa: E402
+from benchmarks import kernels as kb  # noqa: E402
+
+VARIANTS = ("node", "op")
+KERNEL = "rotary_kernel"
+
+
+def _cache_entries() -> dict[str, float]:
+    """Triton's cache entries of the rotary kernel: the metadata file of each compiled specialisation -> mtime."""
+    root = os.environ["TRITON_CACHE_DIR"]
+    return {p: os.path.getmtime(p) for p in glob.glob(os.path.join(root, "*", f"{KERNEL}.json"))}
+
+
+def _describe(meta_path: str) -> dict:
+    """One compiled kernel: its options from the metadata, and the parameters its TTIR marks 16-divisible."""
+    with open(meta_path) as f:
+        meta = json.load(f)
+    keep = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "shared", "hash", "launch_pdl")
+    out = {k: meta.get(k) for k in keep if k in meta}
+    ttir = meta_path[:-len(".json")] + ".ttir"
+    if os.path.exists(ttir):
+        with open(ttir) as f:
+            text = f.read()
+        head = re.search(r"tt\.func public @\w+\((.*?)\)\s*(attributes|\{)", text, re.S)
+        args = head.group(1).split("%arg")[1:] if head else []
+        out["params"] = len(args)
+        out["divisible_16"] = [int(a.split(":")[0]) for a in args if "tt.divisibility = 16" in a]
+    return out
+
+
+def _decorators(codes: list[str]) -> list[str]:
+    """The user-kernel decorators of the rotary kernel in Inductor's generated code (configs and triton_meta)."""
+    found = []
+    for code in codes:
+        for m in re.finditer(r"@triton_heuristics\.user_autotune\((.*?)\)\n@triton\.jit\ndef (\w+)", code, re.S):
+            if KERNEL in m.group(2):
+                found.append(" ".join(m.group(1).split())[:3000])
+    return found
+
+
+def _compile(row: Any, variant: str, args: tuple) -> tuple[Any, Any, list[str], list[str]]:
+    """The row's function compiled with backend="triton" as the variant emits the fold; its output, the pass, the
+    generated code and the rotary kernels it compiled (new cache entries)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from rope_fusion.ops import cat_rotary
+
+    saved = cat_rotary.NODE_DEVICES
+    cat_rotary.NODE_DEVICES = saved if variant == "node" else ()
+    before = _cache_entries()
+    try:
+        fn, p = kb.compiled(row.fn, "triton+cg")
+        out, codes = run_and_get_code(fn, *args)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        out = fn(*args)  # the op's first calls go through the JIT launcher: let them compile here
+    finally:
+        cat_rotary.NODE_DEVICES = saved
+    new = sorted(set(_cache_entries()) - set(before))
+    return (fn, out), p, codes, new
+
+
+def run_row(row: Any, device: str, rounds: int) -> dict:
+    torch.manual_seed(0)
+    args = row.make(device)
+    floor_args = row.floor(args)
+    rec: dict = {"row": row.name, "shape": row.shape, "variants": {}}
+    with torch.no_grad():
+        want = row.fn(*(a.double() if a.is_floating_point() else a for a in args))
+        fns = {}
+        for v in VARIANTS:
+            (fn, out), p, codes, new = _compile(row, v, args)
+            fns[v] = (lambda fn=fn: fn(*args))
+            rec["variants"][v] = {
+                "kernels": [k.op + (f" [{k.fold[:60]}]" if k.fold else "") for k in p.report.kernels],
+                "err_vs_fp64": kb.max_err(out, want),
+                "compiled": [_describe(m) for m in new],
+                "decorators": _decorators(codes),
+                "graph": [], "do_bench": [],
+            }
+        fns["floor"] = lambda: [t.clone() for t in floor_args]
+        if device == "cuda":
+            for _ in range(rounds):
+                for v, call in fns.items():
+                    r = rec["variants"].setdefault(v, {"graph": [], "do_bench": []})
+                    r["graph"].append(kb.graph_ms(call, device))
+                    r["do_bench"].append(kb.bench_ms(call, device))
+            for v in VARIANTS:
+                rec["variants"][v]["launched"] = {k: [round(n, 2), round(us, 2)]
+                                                  for k, (n, us) in kb.kernel_times(fns[v], device=device).items()}
+            floor = {k: statistics.median(rec["variants"]["floor"][k]) for k in ("graph", "do_bench")}
+            for v in VARIANTS:
+                r = rec["variants"][v]
+                r["x_floor"] = {k: round(statistics.median(r[k]) / floor[k], 3) for k in ("graph", "do_bench")}
+    node, op = (rec["variants"][v]["compiled"] for v in VARIANTS)
+    rec["same_binary"] = bool(node) and not op  # the op's launch found the node's compile in the cache: one binary
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", nargs="+", default=["M13 flux joint cat"])
+    ap.add_argument("--rounds", type=int, default=3, help="alternating timing rounds")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (the smoke test)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not args.quick and not device_check.gpu_present():
+        return device_check.no_gpu("benchmarks.node_launch", "python -m benchmarks.node_launch --quick")
+    device = "cpu" if args.quick else "cuda"
+    result: dict = {"environment": kb.environment(), "triton_cache": os.environ["TRITON_CACHE_DIR"], "rows": []}
+    device_check.announce(device, result)
+    rows = [r for r in kb.coverage_rows(args.quick) if r.name in args.rows]
+    for row in rows:
+        rec = run_row(row, device, args.rounds)
+        result["rows"].append(rec)
+        kb.write_json(args.out, result)
+        print(json.dumps(rec, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
