@@ -60,9 +60,10 @@ def _describe(meta_path: str) -> dict:
         with open(ttir) as f:
             text = f.read()
         head = re.search(r"tt\.func public @\w+\((.*?)\)\s*(attributes|\{)", text, re.S)
-        args = head.group(1).split("%arg")[1:] if head else []
+        # each parameter as `%name: type {attributes} loc(...)` (`%argN` in older Triton)
+        args = re.findall(r"%(\w+)\s*:\s*[^,{()]+(\{[^}]*\})?", head.group(1)) if head else []
         out["params"] = len(args)
-        out["divisible_16"] = [int(a.split(":")[0]) for a in args if "tt.divisibility = 16" in a]
+        out["divisible_16"] = [name for name, attrs in args if "tt.divisibility = 16" in attrs]
     return out
 
 
@@ -86,9 +87,13 @@ def _compile(row: Any, variant: str, args: tuple) -> tuple[Any, Any, list[str], 
     saved = cat_rotary.NODE_DEVICES
     cat_rotary.NODE_DEVICES = saved if variant == "node" else ()
     before = _cache_entries()
+    # the caches off: the pass's cache key names its options, not NODE_DEVICES, so the second variant's compile
+    # would be served the first's code from them (the op variant ran the node)
+    caches = dict(fx_graph_cache=False, fx_graph_remote_cache=False)
     try:
         fn, p = kb.compiled(row.fn, "triton+cg")
-        out, codes = run_and_get_code(fn, *args)
+        with torch._inductor.config.patch(caches), torch._functorch.config.patch(enable_autograd_cache=False):
+            out, codes = run_and_get_code(fn, *args)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         out = fn(*args)  # the op's first calls go through the JIT launcher: let them compile here
@@ -109,11 +114,16 @@ def run_row(row: Any, device: str, rounds: int) -> dict:
         for v in VARIANTS:
             (fn, out), p, codes, new = _compile(row, v, args)
             fns[v] = (lambda fn=fn: fn(*args))
+            decorators = _decorators(codes)
+            emitted = "node" if decorators else "op"
+            if device == "cuda" and emitted != v:  # a variant that did not take effect measures nothing of its own
+                raise SystemExit(f"node_launch: the {v} variant compiled the fold as the {emitted}")
             rec["variants"][v] = {
+                "emitted": emitted,
                 "kernels": [k.op + (f" [{k.fold[:60]}]" if k.fold else "") for k in p.report.kernels],
                 "err_vs_fp64": kb.max_err(out, want),
                 "compiled": [_describe(m) for m in new],
-                "decorators": _decorators(codes),
+                "decorators": decorators,
                 "graph": [], "do_bench": [],
             }
         fns["floor"] = lambda: [t.clone() for t in floor_args]
