@@ -199,20 +199,27 @@ def _packed_variants(site: dict, device: str, out: dict) -> dict:
     return out
 
 
-def host_us(fn: Callable[[], Any], device: str, calls: int) -> float:
-    """Host microseconds per call over `calls` back-to-back calls; on the GPU a sleep kernel queued first keeps
-    it busy throughout, so no call waits for it (what an eager model's host sees when it runs ahead)."""
+def host_us(fn: Callable[[], Any], device: str, calls: int, rounds: int = 5) -> float:
+    """Host microseconds per call: the median over `rounds` rounds of the mean of back-to-back calls (`calls` in
+    all), so that one pause of the host (a collection, another process) moves one round, not the figure: a single
+    mean over every call put 3 of 9 rows of an H100 host's drop-in table 25-60% over the others, one of them over
+    its own end-to-end time a call. On the GPU a sleep
+    kernel queued first keeps it busy throughout, so no call waits for it (what an eager model's host sees when
+    it runs ahead)."""
     for _ in range(3):
         fn()
     sync(device)
     if device == "cuda":
         torch.cuda._sleep(200_000_000)  # about 0.1 s at 2 GHz: longer than the calls' host time
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - t0
+    per = max(1, calls // rounds)
+    means = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(per):
+            fn()
+        means.append((time.perf_counter() - t0) / per)
     sync(device)
-    return 1e6 * elapsed / calls
+    return 1e6 * statistics.median(means)
 
 
 def host_profile(shape: tuple, device: str, calls: int) -> dict:
