@@ -203,9 +203,8 @@ def host_us(fn: Callable[[], Any], device: str, calls: int, rounds: int = 5) -> 
     """Host microseconds per call: the median over `rounds` rounds of the mean of back-to-back calls (`calls` in
     all), so that one pause of the host (a collection, another process) moves one round, not the figure: a single
     mean over every call put 3 of 9 rows of an H100 host's drop-in table 25-60% over the others, one of them over
-    its own end-to-end time a call. On the GPU a sleep
-    kernel queued first keeps it busy throughout, so no call waits for it (what an eager model's host sees when
-    it runs ahead)."""
+    its own end-to-end time a call. On the GPU a sleep kernel queued first keeps it busy throughout, so no call
+    waits for it (what an eager model's host sees when it runs ahead)."""
     for _ in range(3):
         fn()
     sync(device)

@@ -87,13 +87,9 @@ def _compile(row: Any, variant: str, args: tuple) -> tuple[Any, Any, list[str], 
     saved = cat_rotary.NODE_DEVICES
     cat_rotary.NODE_DEVICES = saved if variant == "node" else ()
     before = _cache_entries()
-    # the caches off: the pass's cache key names its options, not NODE_DEVICES, so the second variant's compile
-    # would be served the first's code from them (the op variant ran the node)
-    caches = dict(fx_graph_cache=False, fx_graph_remote_cache=False)
     try:
         fn, p = kb.compiled(row.fn, "triton+cg")
-        with torch._inductor.config.patch(caches), torch._functorch.config.patch(enable_autograd_cache=False):
-            out, codes = run_and_get_code(fn, *args)
+        out, codes = run_and_get_code(fn, *args)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         out = fn(*args)  # the op's first calls go through the JIT launcher: let them compile here
@@ -155,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick and not device_check.gpu_present():
         return device_check.no_gpu("benchmarks.node_launch", "python -m benchmarks.node_launch --quick")
     device = "cpu" if args.quick else "cuda"
+    # the pass's cache key names its options, not NODE_DEVICES: with the graph caches on, the op variant's compile
+    # is served the node's code
+    kb.no_graph_caches()
     result: dict = {"environment": kb.environment(), "triton_cache": os.environ["TRITON_CACHE_DIR"], "rows": []}
     device_check.announce(device, result)
     rows = [r for r in kb.coverage_rows(args.quick) if r.name in args.rows]
