@@ -4,7 +4,7 @@ The fold runs as Inductor's user-kernel node in a compiled graph (`cat_rotary.em
 `rotary_qk_cat` op called through the dispatcher before, whose planned runner launches the kernel through Triton's
 JIT launcher. In graph replay both run one launch of one plan, yet the node measured 1.349x the floor at Flux's
 joint attention (M13) where the op had measured 1.175-1.237x in earlier runs. This compiles each row twice with
-`backend="triton"` (the node, and the op: `cat_rotary.NODE_DEVICES` emptied), then per variant:
+`backend="triton"` (the node, and the op: `device_registry.NODE_DEVICES` emptied), then per variant:
 - GPU time in CUDA-graph replay and in do_bench, alternating rounds, as multiples of the row's copy floor;
 - every kernel one call launches, with its GPU time (the profiler): a copy around the node would show here;
 - the compiled rotary kernel each variant ran, read from Triton's cache (a fresh TRITON_CACHE_DIR, which Inductor's
@@ -82,10 +82,10 @@ def _compile(row: Any, variant: str, args: tuple) -> tuple[Any, Any, list[str], 
     generated code and the rotary kernels it compiled (new cache entries)."""
     from torch._inductor.utils import run_and_get_code
 
-    from rope_fusion.ops import cat_rotary
+    from rope_fusion.ops import device_registry
 
-    saved = cat_rotary.NODE_DEVICES
-    cat_rotary.NODE_DEVICES = saved if variant == "node" else ()
+    saved = device_registry.NODE_DEVICES
+    device_registry.NODE_DEVICES = saved if variant == "node" else ()
     before = _cache_entries()
     try:
         fn, p = kb.compiled(row.fn, "triton+cg")
@@ -94,7 +94,7 @@ def _compile(row: Any, variant: str, args: tuple) -> tuple[Any, Any, list[str], 
             torch.cuda.synchronize()
         out = fn(*args)  # the op's first calls go through the JIT launcher: let them compile here
     finally:
-        cat_rotary.NODE_DEVICES = saved
+        device_registry.NODE_DEVICES = saved
     new = sorted(set(_cache_entries()) - set(before))
     return (fn, out), p, codes, new
 
@@ -151,8 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick and not device_check.gpu_present():
         return device_check.no_gpu("benchmarks.node_launch", "python -m benchmarks.node_launch --quick")
     device = "cpu" if args.quick else "cuda"
-    # the pass's cache key names its options, not NODE_DEVICES: with the graph caches on, the op variant's compile
-    # is served the node's code
+    # each variant compiled cold: its kernels are the ones this run compiles and reads back from Triton's cache
     kb.no_graph_caches()
     result: dict = {"environment": kb.environment(), "triton_cache": os.environ["TRITON_CACHE_DIR"], "rows": []}
     device_check.announce(device, result)

@@ -292,7 +292,7 @@ def rotary_kernel(
     k_scale_ptr=None, v_scale_ptr=None, wvn_ptr=None, wvn_stride_head=None,
     KC_FP8: tl.constexpr = False, VC_FP8: tl.constexpr = False, V_DIM: tl.constexpr = 0, V_PAD: tl.constexpr = 0,
     BLOCK_V: tl.constexpr = 1, V_NORM: tl.constexpr = False, V_W: tl.constexpr = False,
-    ROW_TAIL: tl.constexpr = False,
+    ROW_TAIL: tl.constexpr = False, qo_off=None, ko_off=None, vo_off=None,
 ):
     """Rotate the rows of one token of q (and k, and v): grid = (tokens, nsplit).
 
@@ -325,7 +325,9 @@ def rotary_kernel(
     copied into the v cache's slot, normalised first with V_NORM. Off by default, compiling to the code before it
     existed; NSIDES 2 and one token a program under it. With ROW_TAIL (NEOX_ROW, OFFSET 0, TAIL_PAD 0), the lanes
     past ROT, no more than the halves' padding holds, are loaded into that padding and pass through the rotation;
-    off, the code before it existed."""
+    off, the code before it existed. With qo_off (and ko_off, vo_off), each output is written that many elements
+    past its pointer: a rotation written into rows of a larger tensor that the launch is handed whole (the slice
+    and into folds' user-kernel node, kernels/triton_slice.py); None, the code before it existed."""
     HALF: tl.constexpr = ROT // 2
     PASS: tl.constexpr = HEAD_DIM - ROT
     ROWS_FORM: tl.constexpr = NEOX_ROW or INTERLEAVED  # a block is one tile, split into pairs in registers
@@ -428,6 +430,8 @@ def rotary_kernel(
     # each side's tensors, head count and strides, picked by the side's index (a compile-time constant)
     x_ptrs = (q_ptr, k_ptr, v_ptr)
     o_ptrs = (qo_ptr, ko_ptr, vo_ptr)
+    if qo_off is not None:  # outputs at an offset into the tensors passed (a compile-time choice)
+        o_ptrs = (qo_ptr + qo_off, ko_ptr + ko_off, vo_ptr + vo_off)
     w_ptrs = (wq_ptr, wk_ptr, wv_ptr)
     side_heads = (q_heads, k_heads, v_heads)
     w_strides = (wq_stride_head, wk_stride_head, wv_stride_head)

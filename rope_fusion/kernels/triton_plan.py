@@ -660,7 +660,7 @@ def _constants(p: Plan, xs: list, tables: Tables, params: RotaryParams, t: Tilin
                 # the joined form off (kernels/triton_cat.py sets it): every parameter is passed, at its default
                 # here, since the user-kernel node of torch 2.11 takes none of a kernel's defaults ("Incorrect
                 # number of arguments passed to kernel") and the compiled launcher's check wants them all
-                **CAT_OFF, **KV_OFF,
+                **CAT_OFF, **KV_OFF, **OUT_AT_BASE,
                 ROW_TAIL=t.row_tail,  # the pass-through tail in the NeoX row's padding
                 num_warps=t.num_warps)
 
@@ -690,6 +690,8 @@ def launch_args(p: Plan, xs: list, outs: list, tables: Tables, group: list, para
 # the kernel's joined-form parameters at their defaults: a launch that reads no second pieces
 CAT_OFF = dict(CAT=False, CAT_SLOT=0, cat_split=None, q2_ptr=None, k2_ptr=None, wq2_ptr=None, wk2_ptr=None,
                **{f"{s}2_stride_{a}": None for s in "qk" for a in ("t0", "t1", "t2", "head")})
+# the outputs written from their pointers (the slice and into folds' node passes offsets: kernels/triton_slice.py)
+OUT_AT_BASE = dict(qo_off=None, ko_off=None, vo_off=None)
 # the kernel's KV-cache write at its defaults: a launch that writes no cache (kernels/triton_kv_cache.py sets it)
 KV_OFF = dict(KV_CACHE=False, slot_ptr=None, n_slots=None, block_size=None, kv_capacity=None, kc_ptr=None,
               kc_stride_block=None, kc_stride_slot=None, kc_stride_head=None, vc_ptr=None, vc_stride_block=None,

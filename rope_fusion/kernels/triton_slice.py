@@ -22,7 +22,7 @@ import torch
 from ..ops.plan_cache import PlanCache
 from ..ops.public_functions import tensor_geometry
 from ..ops.schema import RotaryCall
-from ..ops.slice_write import IN_PLACE_KERNELS
+from ..ops.slice_write import IN_PLACE_KERNELS, WrittenCall
 from . import triton_launch
 from .triton_plan import KERNEL_FIELDS, Tables, is_true, make_launches, per_lane
 
@@ -146,6 +146,75 @@ def warm_in_place(call: RotaryCall, views: list | None = None) -> int:
     return runner.warm(call.xs, outs, call.cos, call.sin, call.positions, call.norm_weights)
 
 
+def launch_at_offsets(runner: _InPlaceLaunches, xs: list, bases: list, views: list, cos: torch.Tensor,
+                      sin: torch.Tensor, positions: Any, weights: Any) -> None:
+    """The planned launches of `runner` (`plan_in_place` of the call on its slices) with each output passed as its
+    base whole and the slice's offset in it (the kernel's qo_off, ko_off, vo_off), through `kernel_for` (traced:
+    the user-kernel node). A base, not a view of it, is what Inductor's reinplacing writes in place: a node that
+    writes a view of a fresh buffer is left as a clone of the view and a `slice_scatter` back (two copies)."""
+    pos = positions if positions is not None else cos  # unused pointers stand in for absent tensors, as `launch`'s
+    weights = weights or [None] * len(xs)
+    kernel = triton_launch.kernel_for(xs)
+    for sides, grid, scalars, meta, *_ in runner.entries:
+        tensors = runner._tensors(sides, xs, bases, cos, sin, pos, weights)
+        offsets = {f"{s}o_off": views[i].storage_offset() - bases[i].storage_offset() for s, i in zip("qkv", sides)}
+        kernel[grid](*tensors, *scalars, **{**meta, **offsets})
+
+
+def emit_node(graph: Any, fake_mode: Any, written: WrittenCall, like: Any) -> list | None:
+    """A slice or into call on graph nodes (`WrittenCall`) as Inductor's own user-kernel node, inserted at the
+    graph's insertion point: `launch_at_offsets` traced on the fake values, each base whole and its slice's offset
+    a kernel argument, so that Inductor's reinplacing writes each base in place (a fresh join, a base nothing reads
+    afterwards) and its workers compile the kernel with the rest of the graph. Returns the written bases; None
+    where a size, stride or bound is symbolic, the call is not one pass over each row (`plan_in_place`), or the
+    launch is not one node per planned launch (the pass then emits the op)."""
+    from .triton_graph import replay_traced, trace_host
+
+    call, n = written.call, len(written.bases)
+    if call.cu_seqlens is not None or not all(isinstance(v, int) for b in written.bounds for v in b):
+        return None
+    tables = [call.cos, call.sin, call.positions, *(call.norm_weights or [None] * n)]
+    sources = [*written.bases, *(call.xs if written.into else ()), *tables]
+    slots = [i for i, t in enumerate(sources) if t is not None]
+    inputs = [sources[i] for i in slots]
+    vals = [node.meta["val"] for node in inputs]
+    if not all(isinstance(s, int) for v in vals for s in (*v.shape, *v.stride(), v.storage_offset())):
+        return None
+    launches = []
+
+    def host(*args: Any) -> tuple:
+        full = [None] * len(sources)
+        for slot, a in zip(slots, args):
+            full[slot] = a
+        bases = full[:n]
+        views = written.views(bases)
+        xs = full[n:2 * n] if written.into else views
+        cos, sin, positions, *weights = full[2 * n:] if written.into else full[n:]
+        rot = dataclasses.replace(call, xs=xs, cos=cos, sin=sin, positions=positions,
+                                  norm_weights=weights if call.norm_weights is not None else None)
+        runner = plan_in_place(rot, views if written.into else None)
+        if runner is None:
+            raise _NotPlanned
+        launches.extend(runner.entries)
+        launch_at_offsets(runner, xs, bases, views, cos, sin, positions, rot.norm_weights)
+        return tuple(bases)
+
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_mutation
+
+    try:
+        gm = trace_host(host, vals, fake_mode)
+    except _NotPlanned:
+        return None
+    if sum(node.target is triton_kernel_wrapper_mutation for node in gm.graph.nodes) != len(launches):
+        return None
+    return replay_traced(graph, fake_mode, gm, inputs, like)
+
+
+class _NotPlanned(Exception):
+    """`plan_in_place` declined the traced call: not one pass over each row (a norm applied first, more token dims
+    than the kernel merges, lanes with a stride), which the op serves through fresh buffers and a copy."""
+
+
 def _is_empty(views: list) -> bool:
     return any(is_true(v.numel() == 0) for v in views)
 
@@ -156,4 +225,4 @@ def _serve(call: RotaryCall, views: list) -> bool:
     return rotate_in_place(call, views)
 
 
-IN_PLACE_KERNELS.register("cuda", _serve, plan=plan_in_place, warm=warm_in_place)
+IN_PLACE_KERNELS.register("cuda", _serve, plan=plan_in_place, warm=warm_in_place, node=emit_node)

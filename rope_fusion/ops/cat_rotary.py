@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from . import call_replay
-from .device_registry import DeviceRegistry
+from .device_registry import DeviceRegistry, emits_nodes
 from .op_definition import reference_only
 from .op_families import define_family
 from .optional_backends import load_backends
@@ -185,17 +185,12 @@ def warm(op: Any, args: tuple, kw: dict) -> int:
         return 0
 
 
-# devices whose kernels' own nodes Inductor launches from a compiled graph's code (its user-kernel nodes compile for
-# GPUs): elsewhere a device kernel serves the op's calls (the tests serve the CPU with the interpreted kernel)
-NODE_DEVICES = ("cuda",)
-
-
 def emit_node(graph: Any, fake_mode: Any, cat: CatCall, like: Any) -> list | None:
     """The call, whose tensors are graph nodes, as the device kernel's own node in a post-grad graph
     (`DeviceKernel.node`: the Triton kernel's user-kernel node), or None where the device has none or it declines
     (the pass then emits the op). Never a failure of the compile: an error is logged and the op is emitted."""
     device = cat.firsts[0].meta["val"].device.type
-    if fake_mode is None or reference_only() or device not in NODE_DEVICES:
+    if fake_mode is None or reference_only() or not emits_nodes(device):
         return None
     load_backends()
     kernel = CAT_KERNELS.get(device)
@@ -215,7 +210,7 @@ def node_runner(cat: CatCall) -> Impl | None:
     geometry no planned runner."""
     device = cat.firsts[0].device.type
     kernel = CAT_KERNELS.get(device)
-    if kernel is None or kernel.node is None or kernel.plan is None or reference_only() or device not in NODE_DEVICES:
+    if kernel is None or kernel.node is None or kernel.plan is None or reference_only() or not emits_nodes(device):
         return None
     return kernel.plan(cat)
 

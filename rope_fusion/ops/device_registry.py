@@ -16,6 +16,16 @@ from typing import Any
 
 from .plan_cache import PlanCache
 
+# devices whose kernels' own nodes Inductor launches from a compiled graph's code (its user-kernel nodes compile for
+# GPUs): elsewhere a device kernel serves the op's calls (the tests serve the CPU with the interpreted kernel).
+# Read per emission (`emits_nodes`): a benchmark empties it to time the op a node replaces.
+NODE_DEVICES = ("cuda",)
+
+
+def emits_nodes(device_type: str) -> bool:
+    """Whether the pass emits a family's `DeviceKernel.node` for calls on this device type (`NODE_DEVICES`)."""
+    return device_type in NODE_DEVICES
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DeviceKernel:

@@ -20,6 +20,7 @@ slice must not share memory unless x is that slice: such a call is computed apar
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import re
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 
 from . import call_replay
-from .device_registry import DeviceRegistry
+from .device_registry import DeviceRegistry, emits_nodes
 from .op_definition import reference_only
 from .op_families import define_family
 from .optional_backends import load_backends
@@ -335,6 +336,45 @@ def warm_written(op: Any, values: dict) -> int:
     except Exception as e:  # an optimisation of the first call, never a failure of the compile
         log.debug("rope_fusion: the %s op's launches were not warmed (%s); its first call compiles them", op, e)
         return 0
+
+
+@dataclasses.dataclass
+class WrittenCall:
+    """A call of a slice or into op whose tensors are graph nodes with fake values, as the pass emits it: the
+    tensors written (`bases`, each whole), the rotary call (its xs the into op's sources; the slice op's xs are the
+    bases' slices, which a node reads from the bases), each written slice's (dim, start, end), and which op it is."""
+
+    bases: list
+    call: RotaryCall
+    bounds: list
+    into: bool
+
+    def views(self, bases: Sequence[torch.Tensor]) -> list:
+        """The slices of `bases` (values of the `bases` nodes) that the call writes."""
+        return slice_views(bases, tuple(list(b) for b in zip(*self.bounds)))
+
+
+def emit_node(graph: Any, fake_mode: Any, written: WrittenCall, like: Any) -> list | None:
+    """The call as the device kernel's own node in a post-grad graph (`DeviceKernel.node`: the Triton kernel's
+    user-kernel node, handed each base whole and the offset of its slice), inserted at the graph's insertion point;
+    returns the written bases, or None where the device has none or it declines (the pass then emits the op).
+    Launched from the compiled graph's code, the kernel compiles in Inductor's workers with the rest of the graph,
+    where the op's launches compiled in the main process (kernels/triton_warmup.py) and each call paid the
+    dispatcher's conversion of its 25-30 arguments. Never a failure of the compile: an error is logged and the op is
+    emitted."""
+    device = written.bases[0].meta["val"].device.type
+    if fake_mode is None or reference_only() or not emits_nodes(device):
+        return None
+    load_backends()
+    kernel = IN_PLACE_KERNELS.get(device)
+    if kernel is None or kernel.node is None:
+        return None
+    try:
+        return kernel.node(graph, fake_mode, written, like)
+    except Exception as e:
+        log.info("rope_fusion: the %s kernel's node was not emitted (%s: %s); the op is",
+                 "into" if written.into else "slice", type(e).__name__, e)
+        return None
 
 
 SLICE_OPS = define_family(_named("_slice_"), slice_schema, _eager, _fake)  # by arity - 1: rotary_slice_, ...

@@ -22,6 +22,7 @@ from typing import Any
 import torch.fx as fx
 
 from ..fx_sizes import hint_reads
+from ..ops import device_registry
 from ..ops.backends import BACKEND_NAMES, LeftToInductor, SiteSpec
 from . import emission, fusion_check
 from .analysis.grouping import pair_up
@@ -343,8 +344,10 @@ class RopeFusionPass(PassBase):
     def _options_key(self) -> str:
         graphs = "" if self.cuda_graphs is None else f"-g{int(self.cuda_graphs)}"  # None: in Inductor's key
         chooser = "" if self.chooser is AUTO_CHOOSER else f"-{self.chooser.name}"
+        # the devices whose kernels are emitted as their own nodes, where a benchmark or a test changed them
+        nodes = "" if device_registry.NODE_DEVICES == ("cuda",) else f"-n{'.'.join(device_registry.NODE_DEVICES)}"
         return (f"rope_fusion-{source_hash()[:32]}-{self.backend}{chooser}-{int(self.fuse_qk)}"
-                f"-{int(self.cache_host_tables)}{graphs}{_MEASURE_KEYS[self.measure]}"
+                f"-{int(self.cache_host_tables)}{graphs}{nodes}{_MEASURE_KEYS[self.measure]}"
                 f"{'-verify' if fusion_check.enabled(self.verify) else ''}")
 
     @property

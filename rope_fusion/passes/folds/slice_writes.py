@@ -27,7 +27,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...fx_sizes import as_int
 from ...ops.schema import TENSOR_NAMES
-from ...ops.slice_write import SLICE_OPS, warm_written
+from ...ops.slice_write import INTO_OPS, SLICE_OPS, WrittenCall, emit_node, warm_written
 from .written_bases import base_reason, shared_reason
 
 aten = torch.ops.aten
@@ -174,17 +174,21 @@ def emit_slice_write(em, call, writes: list, like: fx.Node) -> list:
 
 
 def emit_written(em, op, tensors: list, call, writes: list, like: fx.Node, bounds: list | None = None) -> list:
-    """One `auto_functionalized` call of a slice-writing op (the slice op, or the into op of
-    passes/folds/joined_writes.py): its tensors in schema order, the call's parameters, and each write's (dim, start,
-    end) as graph arguments (`bounds`; by default the writes' own, ints); returns the tensors it wrote, one per
-    write."""
+    """The call of a slice-writing op (the slice op, or the into op of passes/folds/joined_writes.py): the device
+    kernel's own node where it has one (`slice_write.emit_node`: on CUDA the Triton kernel's user-kernel node, each
+    tensor written passed whole with its slice's offset), else one `auto_functionalized` call of the op: its tensors
+    in schema order, the call's parameters, and each write's (dim, start, end) as graph arguments (`bounds`; by
+    default the writes' own, ints). Returns the tensors it wrote, one per write."""
     from torch._higher_order_ops.auto_functionalize import auto_functionalized
 
     n = len(writes)
+    bounds = bounds or [(w.dim, w.start, w.end) for w in writes]
+    nodes = emit_node(em.graph, em.fake_mode, WrittenCall(list(tensors[:n]), call, list(bounds), op in INTO_OPS), like)
+    if nodes is not None:  # the device kernel's own node, the bases whole: nothing of the op is left to warm
+        return nodes
     names = [a.name for a in op._schema.arguments]
     kwargs = dict(zip(names, tensors + [None] * (len(names) - len(tensors))))  # every argument by name
     kwargs.update(call.params.kwargs())
-    bounds = bounds or [(w.dim, w.start, w.end) for w in writes]
     kwargs.update(slice_dims=[b[0] for b in bounds], slice_starts=[b[1] for b in bounds],
                   slice_ends=[b[2] for b in bounds])
     node = em.graph.call_function(auto_functionalized, (op,), kwargs)
