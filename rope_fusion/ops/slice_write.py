@@ -377,6 +377,20 @@ def emit_node(graph: Any, fake_mode: Any, written: WrittenCall, like: Any) -> li
         return None
 
 
+def node_runner(call: RotaryCall, views: list | None = None) -> Callable | None:
+    """How a compiled graph runs a slice call (`views` None: the call's xs are the slices, rotated in place) or an
+    into call (the xs written into `views`) where the pass emits the device kernel's own node (`emit_node`): the
+    kernel's planned runner of the call's geometry, `runner(xs, cos, sin, positions, weights, views)`, its launch
+    with no dispatcher, for `auto` to time the fold as it runs; None where the device has no node (the op is
+    emitted, and called through the dispatcher) or the call is not planned once."""
+    device = call.xs[0].device.type
+    kernel = IN_PLACE_KERNELS.get(device)
+    if kernel is None or kernel.node is None or kernel.plan is None or reference_only() or not emits_nodes(device) \
+            or call.cu_seqlens is not None:
+        return None
+    return kernel.plan(call, views) if views is not None else kernel.plan(call)
+
+
 SLICE_OPS = define_family(_named("_slice_"), slice_schema, _eager, _fake)  # by arity - 1: rotary_slice_, ...
 INTO_OPS = define_family(_named("_into_"), into_schema, functools.partial(_eager, into=True),
                          _into_fake)  # by arity - 1: rotary_into_, rotary_qk_into_, ...

@@ -123,3 +123,16 @@ def triton_on_cpu(serves: Iterable[str], wrap: Callable[[Any], Any] | None = Non
     whatever the interpreter left patched in `triton.language`."""
     with triton_language_kept(), pytest.MonkeyPatch.context() as mp:
         yield install(mp, serves, wrap)
+
+
+def timed_as_nodes(mp: pytest.MonkeyPatch) -> None:
+    """The CPU as a device whose slice and into calls the pass emits as the kernel's own node (CUDA's case), for
+    `auto`'s timing: `NODE_DEVICES` names the CPU, and the CPU's in-place record (`install` with "slice_write")
+    gets a node that declines. Inductor compiles user Triton kernels for GPUs only, so the stand-in keeps the
+    compile emitting the op; the node itself is checked on fake CUDA tensors (tests/kernels/test_written_node.py).
+    `auto` then times the fold as the node runs: the kernel's planned launch, not the op through the dispatcher."""
+    from rope_fusion.ops import device_registry, slice_write
+
+    table = slice_write.IN_PLACE_KERNELS.kernels
+    mp.setitem(table, "cpu", dataclasses.replace(table["cpu"], node=lambda graph, fake_mode, written, like: None))
+    mp.setattr(device_registry, "NODE_DEVICES", ("cpu",))

@@ -27,6 +27,7 @@ from tests.helpers.compile_pass import compile_with_pass  # noqa: E402
 from tests.helpers.diffusers_rotary import rms  # noqa: E402
 from tests.helpers.diffusers_rotary import rope_heads_first as rope  # noqa: E402
 from tests.helpers.numerics import check_numerics  # noqa: E402
+from tests.helpers.triton_cpu import timed_as_nodes  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TEXT, IMAGE, HEADS, D = 3, 5, 2, 16
@@ -305,19 +306,22 @@ def test_diffusers_joins_after_the_rotation_are_written_into(triton_on_cpu, name
     assert err_fused <= err_eager + torch.finfo(torch.float32).eps, (err_fused, err_eager, r.table())
 
 
-@pytest.mark.parametrize("fast", ["triton", "left"])
-def test_auto_times_the_joined_write_as_it_runs(triton_on_cpu, monkeypatch, tmp_path, fast):
+@pytest.mark.parametrize("fast,emitted", [("triton", "op"), ("left", "op"), ("triton", "node")])
+def test_auto_times_the_joined_write_as_it_runs(triton_on_cpu, monkeypatch, tmp_path, fast, emitted):
     """Under `auto` the Triton candidate of a group joined after its rotation is the joined write as the graph runs
-    it: the into op writing each rotation into its rows of a new tensor of the join's shape (not the plain kernel
-    writing a tensor of its own); its rows are the rotations "left" computes, and the fold is emitted exactly where
-    its timing wins."""
+    it: each rotation written into its rows of a new tensor of the join's shape (not the plain kernel writing a
+    tensor of its own), by the into op where the pass emits it, by the kernel's planned launch with no dispatcher
+    where it emits the kernel's own node (CUDA; the CPU stands in, `timed_as_nodes`); its rows are the rotations
+    "left" computes, and the fold is emitted exactly where its timing wins."""
+    if emitted == "node":
+        timed_as_nodes(monkeypatch)
     outputs, ops_called = stub_clock(monkeypatch, tmp_path, 5.0 if fast == "triton" else 11.0)
     torch.manual_seed(3)  # auto's check draws its inputs from the global generator
     args = hunyuan_inputs()
     out, p = compile_with_pass(hunyuan_dual_stream, *args, backend="auto")
     r = p.report
     assert sorted(outputs) == ["inductor", "left", "triton"], r.table()
-    assert "rope_fusion::rotary_qk_into_" in ops_called, sorted(set(ops_called))
+    assert ("rope_fusion::rotary_qk_into_" in ops_called) == (emitted == "op"), sorted(set(ops_called))
     for got, want in zip(outputs["triton"], outputs["left"]):
         assert tuple(got.shape) == tuple(want.shape) and got.stride() != want.stride()  # rows of the join
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -263,13 +263,19 @@ def test_diffusers_cogvideox_fuses_its_sites_with_the_fold(triton_on_cpu):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fast", ["triton", "left"])
-def test_auto_times_the_fold_with_the_scatter_it_removes(triton_on_cpu, monkeypatch, tmp_path, fast):
+@pytest.mark.parametrize("fast,emitted", [("triton", "op"), ("left", "op"), ("triton", "node")])
+def test_auto_times_the_fold_with_the_scatter_it_removes(triton_on_cpu, monkeypatch, tmp_path, fast, emitted):
     """Under `auto` a slice-write group is timed as each candidate would run it: "left" and "inductor" compute the
-    written bases (the scatters Inductor fuses into the rotation), "triton" is the fold itself, the in-place op on
-    the bases. The three compute the same bases, and the fold is emitted exactly where its timing wins."""
+    written bases (the scatters Inductor fuses into the rotation), "triton" is the fold itself, the bases' slices
+    rotated in place: by the in-place op where the pass emits it, by the kernel's planned launch with no dispatcher
+    where it emits the kernel's own node (CUDA; the CPU stands in, `timed_as_nodes`). The three compute the same
+    bases, and the fold is emitted exactly where its timing wins."""
     from rope_fusion.ops import backends
     from rope_fusion.passes.auto import auto_decisions, auto_timing
+    from tests.helpers.triton_cpu import timed_as_nodes
+
+    if emitted == "node":
+        timed_as_nodes(monkeypatch)
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(auto_timing.ENV, raising=False)
@@ -294,7 +300,7 @@ def test_auto_times_the_fold_with_the_scatter_it_removes(triton_on_cpu, monkeypa
     out, p = compile_with_pass(cogvideox_attention, *[a.clone() for a in args], backend="auto")
     r = p.report
     assert sorted(outputs) == ["inductor", "left", "triton"], r.table()
-    assert "rope_fusion::rotary_qk_slice_" in ops_called, sorted(set(ops_called))
+    assert ("rope_fusion::rotary_qk_slice_" in ops_called) == (emitted == "op"), sorted(set(ops_called))
     for name in ("inductor", "triton"):  # every candidate's values are the written bases, [2, heads, s, d]
         assert len(outputs[name]) == 2, name
         for got, want in zip(outputs[name], outputs["left"]):

@@ -354,9 +354,31 @@ def _after(built: _Built, real: dict, run: Callable[[], Any]) -> Callable[[], An
     return lambda: consumers(*built.down.shaped(list(run())), *others)
 
 
+def _planned_launch(call: Any, n: int, tensors: list, views: list, into: bool, direct: list) -> bool:
+    """The slice or into call run as the kernel's own node runs it (`slice_write.node_runner`: its planned launch,
+    no dispatcher), decided on the first call's real tensors and kept in `direct`; False where the pass emits the op
+    instead (the caller then calls it). `tensors`: the call's own, in the op's order after the written ones (the
+    into op's sources first), trailing Nones dropped."""
+    from ...ops.schema import RotaryCall
+    from ...ops.slice_write import node_runner
+
+    rest = [*tensors, *[None] * (3 + 2 * n + (n if into else 0) - len(tensors))]
+    xs = rest[:n] if into else views
+    cos, sin, positions = rest[n:n + 3] if into else rest[:3]
+    weights = (rest[n + 3:2 * n + 3] if into else rest[3:3 + n]) if call.norm_weights is not None else None
+    if not direct:
+        planned = RotaryCall(list(xs), cos, sin, call.params, positions, weights)
+        direct.append(node_runner(planned, list(views) if into else None))
+    if direct[0] is None:
+        return False
+    direct[0](list(xs), cos, sin, positions, weights, list(views) if into else None)
+    return True
+
+
 def slice_write_runner(built: _Built, site: AutoSite, args: list) -> Callable[[], Any]:
-    """The slice-write fold as the graph runs it: the upstream nodes, then the in-place op on the bases (a clone of
-    a base that Inductor would clone). The op goes through the dispatcher, as Inductor's fallback kernel calls it.
+    """The slice-write fold as the graph runs it: the upstream nodes, then the rotation of the bases' slices in
+    place (a clone of a base that Inductor would clone): the kernel's planned launch where the pass emits its own
+    node (`_planned_launch`), else the in-place op through the dispatcher, as Inductor's fallback kernel calls it.
     The bases are written on every call, so their values drift; nothing reads them but the next call."""
     from ...ops.slice_write import SLICE_OPS
 
@@ -367,6 +389,7 @@ def slice_write_runner(built: _Built, site: AutoSite, args: list) -> Callable[[]
     bounds = {"slice_dims": [w.dim for w in site.writes], "slice_starts": [w.start for w in site.writes],
               "slice_ends": [w.end for w in site.writes]}
     up = _upstream(built.upstream, args)
+    direct: list = []
 
     def fold_run() -> Any:
         outs = list(up())
@@ -374,6 +397,9 @@ def slice_write_runner(built: _Built, site: AutoSite, args: list) -> Callable[[]
         rest = [outs[i] if i is not None else None for i in built.call_slots][n:]
         while rest and rest[-1] is None:
             rest.pop()
+        views = [b.narrow(w.dim, w.start, w.end - w.start) for b, w in zip(bases, site.writes)]
+        if _planned_launch(site.call, n, rest, views, False, direct):
+            return bases
         kwargs = dict(zip(names, bases + rest))
         kwargs.update(site.call.params.kwargs(), **bounds)
         op(**kwargs)
@@ -391,9 +417,10 @@ def _join_geometry(write: Any) -> tuple:
 
 
 def joined_write_runner(built: _Built, site: AutoSite, args: list) -> Callable[[], Any]:
-    """The joined write as the graph runs it: the upstream nodes, then the into op through the dispatcher (as
-    Inductor's fallback kernel calls it) writing each rotation into its rows of a new tensor of the join's shape
-    and strides, which the graph allocates on every call; the rows are what it returns, the rotations' values."""
+    """The joined write as the graph runs it: the upstream nodes, then each rotation written into its rows of a new
+    tensor of the join's shape and strides, which the graph allocates on every call: the kernel's planned launch
+    where the pass emits its own node (`_planned_launch`), else the into op through the dispatcher (as Inductor's
+    fallback kernel calls it). The rows are what it returns, the rotations' values."""
     from ...ops.slice_write import INTO_OPS
 
     joined = site.joined
@@ -405,6 +432,7 @@ def joined_write_runner(built: _Built, site: AutoSite, args: list) -> Callable[[
     bounds = {"slice_dims": [w.dim for w in joined], "slice_starts": [w.start for w in joined],
               "slice_ends": [w.end for w in joined]}
     up = _upstream(built.upstream, args)
+    direct: list = []
 
     def into_run() -> Any:
         outs = list(up())
@@ -414,10 +442,13 @@ def joined_write_runner(built: _Built, site: AutoSite, args: list) -> Callable[[
         rest = [outs[i] if i is not None else None for i in built.call_slots]
         while rest and rest[-1] is None:
             rest.pop()
+        rows = [b if w.cat is None else b.narrow(w.dim, w.start, w.end - w.start) for b, w in zip(bases, joined)]
+        if _planned_launch(site.call, n, rest, rows, True, direct):
+            return rows
         kwargs = dict(zip(names, bases + rest))
         kwargs.update(params.kwargs(), **bounds)
         op(**kwargs)
-        return [b if w.cat is None else b.narrow(w.dim, w.start, w.end - w.start) for b, w in zip(bases, joined)]
+        return rows
     return into_run
 
 
