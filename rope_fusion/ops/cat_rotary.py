@@ -187,20 +187,9 @@ def warm(op: Any, args: tuple, kw: dict) -> int:
 
 def emit_node(graph: Any, fake_mode: Any, cat: CatCall, like: Any) -> list | None:
     """The call, whose tensors are graph nodes, as the device kernel's own node in a post-grad graph
-    (`DeviceKernel.node`: the Triton kernel's user-kernel node), or None where the device has none or it declines
-    (the pass then emits the op). Never a failure of the compile: an error is logged and the op is emitted."""
-    device = cat.firsts[0].meta["val"].device.type
-    if fake_mode is None or reference_only() or not emits_nodes(device):
-        return None
-    load_backends()
-    kernel = CAT_KERNELS.get(device)
-    if kernel is None or kernel.node is None:
-        return None
-    try:
-        return kernel.node(graph, fake_mode, cat, like)
-    except Exception as e:
-        log.info("rope_fusion: the cat kernel's node was not emitted (%s: %s); the op is", type(e).__name__, e)
-        return None
+    (`DeviceRegistry.emit_node`: on CUDA the Triton kernel's user-kernel node), or None where the pass emits the
+    op."""
+    return CAT_KERNELS.emit_node(cat.firsts[0].meta["val"].device.type, graph, fake_mode, cat, like)
 
 
 def node_runner(cat: CatCall) -> Impl | None:

@@ -11,10 +11,13 @@ served its first call.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from .plan_cache import PlanCache
+
+log = logging.getLogger("rope_fusion")
 
 # devices whose kernels' own nodes Inductor launches from a compiled graph's code (its user-kernel nodes compile for
 # GPUs): elsewhere a device kernel serves the op's calls (the tests serve the CPU with the interpreted kernel).
@@ -86,6 +89,28 @@ class DeviceRegistry:
     def get(self, device_type: str) -> DeviceKernel | None:
         """The kernel registered for `device_type`, or None (the family's reference serves it)."""
         return self.kernels.get(device_type)
+
+    def emit_node(self, device_type: str, graph: Any, fake_mode: Any, call: Any, like: Any) -> Any:
+        """A call of the family whose tensors are graph nodes (`call`: what the family's `DeviceKernel.node` takes)
+        as the device kernel's own node in a post-grad graph, inserted at the graph's insertion point; None where
+        the pass emits the op instead: no fake mode, the reference kernels in force, a device that `emits_nodes`
+        does not name or whose record has no node, or a node that declines. Never a failure of the compile: an
+        error is logged and the op is emitted."""
+        from .op_definition import reference_only
+        from .optional_backends import load_backends
+
+        if fake_mode is None or reference_only() or not emits_nodes(device_type):
+            return None
+        load_backends()  # the device's kernel registers when its backend imports
+        kernel = self.kernels.get(device_type)
+        if kernel is None or kernel.node is None:
+            return None
+        try:
+            return kernel.node(graph, fake_mode, call, like)
+        except Exception as e:
+            log.info("rope_fusion: the %s kernel's node was not emitted (%s: %s); the op is", self.family,
+                     type(e).__name__, e)
+            return None
 
     def plan_cache(self, name: str) -> PlanCache:
         """A plan cache (`plan_cache.PlanCache`, registered as `name`) whose entries hold what this registry's

@@ -355,26 +355,13 @@ class WrittenCall:
 
 
 def emit_node(graph: Any, fake_mode: Any, written: WrittenCall, like: Any) -> list | None:
-    """The call as the device kernel's own node in a post-grad graph (`DeviceKernel.node`: the Triton kernel's
-    user-kernel node, handed each base whole and the offset of its slice), inserted at the graph's insertion point;
-    returns the written bases, or None where the device has none or it declines (the pass then emits the op).
-    Launched from the compiled graph's code, the kernel compiles in Inductor's workers with the rest of the graph,
-    where the op's launches compiled in the main process (kernels/triton_warmup.py) and each call paid the
-    dispatcher's conversion of its 25-30 arguments. Never a failure of the compile: an error is logged and the op is
-    emitted."""
+    """The call as the device kernel's own node in a post-grad graph (`DeviceRegistry.emit_node`: on CUDA the Triton
+    kernel's user-kernel node, handed each base whole and the offset of its slice); returns the written bases, or
+    None where the pass emits the op. Launched from the compiled graph's code, the kernel compiles in Inductor's
+    workers with the rest of the graph, where the op's launches compiled in the main process
+    (kernels/triton_warmup.py) and each call paid the dispatcher's conversion of its 25-30 arguments."""
     device = written.bases[0].meta["val"].device.type
-    if fake_mode is None or reference_only() or not emits_nodes(device):
-        return None
-    load_backends()
-    kernel = IN_PLACE_KERNELS.get(device)
-    if kernel is None or kernel.node is None:
-        return None
-    try:
-        return kernel.node(graph, fake_mode, written, like)
-    except Exception as e:
-        log.info("rope_fusion: the %s kernel's node was not emitted (%s: %s); the op is",
-                 "into" if written.into else "slice", type(e).__name__, e)
-        return None
+    return IN_PLACE_KERNELS.emit_node(device, graph, fake_mode, written, like)
 
 
 def node_runner(call: RotaryCall, views: list | None = None) -> Callable | None:

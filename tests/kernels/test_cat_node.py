@@ -8,8 +8,6 @@ passes make of it are checked here; the GPU test compiles Flux's joint q/k and c
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 import torch.fx as fx
@@ -18,11 +16,11 @@ pytest.importorskip("triton")
 
 from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 import rope_fusion  # noqa: E402
 from rope_fusion.kernels import triton_launch  # noqa: E402
 from tests.helpers.diffusers_rotary import rms  # noqa: E402
+from tests.helpers.fake_cuda import inductor_reinplaced, pass_graph, written_by_kernel  # noqa: E402
 
 if triton_launch.INTERPRETED:  # TRITON_INTERPRET=1 set for the whole run
     pytest.skip("the kernel module was imported under TRITON_INTERPRET=1: make_fx cannot trace it",
@@ -65,23 +63,13 @@ def _args(device, dtype, text, image, heads, d, normed=True, fake=True):
             angles.sin().to(device, torch.float32)]
 
 
-def _pass_graph(fn, args):
-    from torch._inductor.decomposition import select_decomp_table
-
-    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
-    p = rope_fusion.RopeFusionPass(backend="triton")
-    p(gm.graph)
-    assert not p.report.errors, p.report.table()
-    return p, gm
-
-
 @pytest.mark.parametrize("fn,normed", [(flux_qk, True), (unnormed_qk, False)])
 @pytest.mark.parametrize("text,image,heads,d", [(3, 5, 2, 16), (7, 64, 4, 128)])
 def test_the_cat_fold_is_one_user_kernel_node(fn, normed, text, image, heads, d):
     """q and k read from their pieces in one CAT launch, each piece its own pointer (and norm weight): no cat, no
     op through the dispatcher, the joined outputs as the kernel's written buffers."""
     args = _args("cuda", torch.bfloat16, text, image, heads, d, normed)
-    p, gm = _pass_graph(fn, args)
+    p, gm = pass_graph(fn, args)
     r = p.report
     assert len(r.kernels) == 1 and r.kernels[0].fold.startswith("cat folded:"), r.table()
     targets = [str(n.target) for n in gm.graph.nodes]
@@ -104,18 +92,10 @@ def test_inductor_lowers_the_cat_node_with_the_traced_strides():
     """After Inductor's reinplacing and decomposition the launch is one mutation node whose eager values pin the
     pieces' traced strides (the kernel's strides are constants of the launch), the second pieces' included."""
     from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_mutation
-    from torch._inductor.fx_passes.post_grad import decompose_triton_kernel_wrapper_functional
-    from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
-    from torch._inductor.fx_utils import FakeTensorUpdater
-    from torch._inductor.virtualized import V
 
     args = _args("cuda", torch.bfloat16, 3, 5, 2, 16)
-    _p, gm = _pass_graph(flux_qk, args)
-    fm = next(n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder").fake_mode
-    takes_gm = "gm" in inspect.signature(FakeTensorUpdater).parameters  # torch 2.13 takes the module, 2.11 the graph
-    with V.set_fake_mode(fm):
-        reinplace_inplaceable_ops(FakeTensorUpdater(gm if takes_gm else gm.graph), gm.graph)
-        decompose_triton_kernel_wrapper_functional(gm.graph)
+    _p, gm = pass_graph(flux_qk, args)
+    gm = inductor_reinplaced(gm, args[0].fake_mode)
     mut, = [n for n in gm.graph.nodes if n.target is triton_kernel_wrapper_mutation]
     kw = mut.kwargs["kwargs"]
     eager = mut.meta["eager_input_vals"][1]["kwargs"]
@@ -129,24 +109,10 @@ def test_inductors_analysis_finds_only_the_outputs_written(monkeypatch):
     the CAT launch writes the joined outputs alone, so the pieces are passed as they are. Triton builds the TTIR
     for a target, which needs a GPU driver: a stand-in driver names an sm_90 target (nothing is compiled for it
     beyond the TTIR, and nothing runs)."""
-    import triton
-    from torch._higher_order_ops.triton_kernel_wrap import get_mutated_tensors
-    from triton.backends.compiler import GPUTarget
-
-    class TargetOnly:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
     args = _args("cuda", torch.bfloat16, 3, 5, 2, 16)
-    _p, gm = _pass_graph(flux_qk, args)
+    _p, gm = pass_graph(flux_qk, args)
     hop, = [n for n in gm.graph.nodes if n.target is triton_kernel_wrapper_functional]
-    kwargs = {k: v.meta["val"] if isinstance(v, fx.Node) else v for k, v in hop.kwargs["kwargs"].items()}
-    # the active driver, set as `set_active` sets it and put back as it was (`reset_active` would build the
-    # default one, which raises without a GPU)
-    monkeypatch.setattr(triton.runtime.driver, "_active", TargetOnly())
-    with args[0].fake_mode:
-        written = get_mutated_tensors(hop.kwargs["kernel_idx"], hop.kwargs["constant_args_idx"], kwargs, {})
-    assert sorted(written) == ["ko_ptr", "qo_ptr"]
+    assert written_by_kernel(monkeypatch, hop, args[0].fake_mode) == ["ko_ptr", "qo_ptr"]
 
 
 def test_the_cpu_keeps_the_op():

@@ -12,8 +12,6 @@ kernel on the CPU (the function the node traces, on real tensors); the GPU tests
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 import torch.fx as fx
@@ -25,13 +23,12 @@ from torch._higher_order_ops.triton_kernel_wrap import (  # noqa: E402
     triton_kernel_wrapper_mutation,
 )
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
-from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
-import rope_fusion  # noqa: E402
 from rope_fusion.kernels import triton_launch  # noqa: E402
 from rope_fusion.ops.reference import rotary_reference  # noqa: E402
 from rope_fusion.ops.schema import RotaryCall, RotaryParams  # noqa: E402
 from tests.helpers.diffusers_rotary import rms  # noqa: E402
+from tests.helpers.fake_cuda import inductor_reinplaced, pass_graph, written_by_kernel  # noqa: E402
 
 if triton_launch.INTERPRETED:  # TRITON_INTERPRET=1 set for the whole run
     pytest.skip("the kernel module was imported under TRITON_INTERPRET=1: make_fx cannot trace it",
@@ -83,31 +80,6 @@ def _fake(shapes):
         return [torch.empty(s, device="cuda", dtype=dt) for s, dt in shapes]
 
 
-def _pass_graph(fn, args):
-    from torch._inductor.decomposition import select_decomp_table
-
-    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
-    p = rope_fusion.RopeFusionPass(backend="triton")
-    p(gm.graph)
-    assert not p.report.errors, p.report.table()
-    return p, gm
-
-
-def _inductor_reinplaced(gm, args):
-    """The graph after Inductor's reinplacing and the decomposition of the functional user-kernel nodes."""
-    from torch._inductor.fx_passes.post_grad import decompose_triton_kernel_wrapper_functional
-    from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
-    from torch._inductor.fx_utils import FakeTensorUpdater
-    from torch._inductor.virtualized import V
-
-    takes_gm = "gm" in inspect.signature(FakeTensorUpdater).parameters  # torch 2.13 takes the module, 2.11 the graph
-    fm = args[0].fake_mode
-    with V.set_fake_mode(fm), fm:  # active: CPU-only torch cannot copy fake CUDA tensors outside their mode
-        reinplace_inplaceable_ops(FakeTensorUpdater(gm if takes_gm else gm.graph), gm.graph)
-        decompose_triton_kernel_wrapper_functional(gm.graph)
-    return gm
-
-
 def _targets(gm):
     return [str(n.target) for n in gm.graph.nodes]
 
@@ -124,7 +96,7 @@ def test_qwen_joint_writes_the_join_through_two_chained_nodes(text, image, heads
     bf, f32 = torch.bfloat16, torch.float32
     args = _fake([((2, heads, text, d), bf)] * 2 + [((2, heads, image, d), bf)] * 2 + [((text, d), f32)] * 2
                  + [((image, d), f32)] * 2)
-    p, gm = _pass_graph(qwen_joint, args)
+    p, gm = pass_graph(qwen_joint, args)
     assert len(p.report.kernels) == 2 and all(k.fold.startswith("joined write:") for k in p.report.kernels), \
         p.report.table()
     _no_ops_of_the_family(gm)
@@ -140,7 +112,7 @@ def test_qwen_joint_writes_the_join_through_two_chained_nodes(text, image, heads
         assert sorted(node.kwargs["tensors_to_clone"]) == ["ko_ptr", "qo_ptr"]
     # the image's launch writes what the text's wrote: the chain Inductor reinplaces
     assert second.kwargs["kwargs"]["qo_ptr"].args == (first, "qo_ptr")
-    gm = _inductor_reinplaced(gm, args)
+    gm = inductor_reinplaced(gm, args[0].fake_mode)
     assert "aten.clone.default" not in _targets(gm), _targets(gm)
     mutations = [n for n in gm.graph.nodes if n.target is triton_kernel_wrapper_mutation]
     assert len(mutations) == 2 and all(m.kwargs["kwargs"]["qo_ptr"] is joins[0] for m in mutations)
@@ -153,7 +125,7 @@ def test_hunyuan_normed_rotation_writes_the_image_rows_and_the_text_is_scattered
     bf = torch.bfloat16
     args = _fake([((2, 2, 5, 16), bf)] * 2 + [((2, 2, 3, 16), bf)] * 2 + [((16,), bf)] * 4
                  + [((5, 16), torch.float32)] * 2)
-    p, gm = _pass_graph(hunyuan_dual_stream, args)
+    p, gm = pass_graph(hunyuan_dual_stream, args)
     assert len(p.report.kernels) == 1 and p.report.kernels[0].fold.startswith("joined write:"), p.report.table()
     _no_ops_of_the_family(gm)
     node, = [n for n in gm.graph.nodes if n.target is triton_kernel_wrapper_functional]
@@ -170,7 +142,7 @@ def test_cogvideox_slice_write_rotates_the_base_in_place(text, rows, tail):
     reinplacing then writes the bases the graph computed, with no clone and no scatter."""
     bf = torch.bfloat16
     args = [*_fake([((2, 4, text + rows + tail, 64), bf)] * 2 + [((rows, 64), torch.float32)] * 2), text]
-    p, gm = _pass_graph(cogvideox_qk, args)
+    p, gm = pass_graph(cogvideox_qk, args)
     assert len(p.report.kernels) == 1 and p.report.kernels[0].fold.startswith("slice write:"), p.report.table()
     _no_ops_of_the_family(gm)
     assert "aten.slice_scatter.default" not in _targets(gm)
@@ -184,7 +156,7 @@ def test_cogvideox_slice_write_rotates_the_base_in_place(text, rows, tail):
         assert [kw[n].args[0] for n in ("q_ptr", "k_ptr")] == bases
     else:
         assert [kw[n] for n in ("q_ptr", "k_ptr")] == bases
-    gm = _inductor_reinplaced(gm, args)
+    gm = inductor_reinplaced(gm, args[0].fake_mode)
     assert "aten.clone.default" not in _targets(gm), _targets(gm)
     mut, = [n for n in gm.graph.nodes if n.target is triton_kernel_wrapper_mutation]
     assert [mut.kwargs["kwargs"][k] for k in ("qo_ptr", "ko_ptr")] == bases
@@ -194,9 +166,9 @@ def test_a_base_read_again_is_written_as_a_clone():
     """The base is read after the write: Inductor clones it for the node, so the later read sees its old
     values."""
     args = [*_fake([((2, 4, 11, 64), torch.bfloat16)] + [((8, 64), torch.float32)] * 2), 3]
-    p, gm = _pass_graph(read_again, args)
+    p, gm = pass_graph(read_again, args)
     assert len(p.report.kernels) == 1 and p.report.kernels[0].fold.startswith("slice write:"), p.report.table()
-    gm = _inductor_reinplaced(gm, args)
+    gm = inductor_reinplaced(gm, args[0].fake_mode)
     mut, = [n for n in gm.graph.nodes if n.target is triton_kernel_wrapper_mutation]
     base = mut.kwargs["kwargs"]["qo_ptr"]
     assert "aten.clone.default" in _targets(gm) and base.target is not aten.mul.Tensor
@@ -205,22 +177,10 @@ def test_a_base_read_again_is_written_as_a_clone():
 def test_inductors_analysis_finds_only_the_bases_written(monkeypatch):
     """Inductor reads a user kernel's TTIR to find what it writes and clones any other tensor it finds written:
     the offset launch writes the bases alone (a stand-in driver names an sm_90 target for the TTIR; nothing runs)."""
-    import triton
-    from torch._higher_order_ops.triton_kernel_wrap import get_mutated_tensors
-    from triton.backends.compiler import GPUTarget
-
-    class TargetOnly:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
     args = [*_fake([((2, 4, 11, 64), torch.bfloat16)] * 2 + [((8, 64), torch.float32)] * 2), 3]
-    _p, gm = _pass_graph(cogvideox_qk, args)
+    _p, gm = pass_graph(cogvideox_qk, args)
     node, = [n for n in gm.graph.nodes if n.target is triton_kernel_wrapper_functional]
-    kwargs = {k: v.meta["val"] if isinstance(v, fx.Node) else v for k, v in node.kwargs["kwargs"].items()}
-    monkeypatch.setattr(triton.runtime.driver, "_active", TargetOnly())
-    with args[0].fake_mode:
-        written = get_mutated_tensors(node.kwargs["kernel_idx"], node.kwargs["constant_args_idx"], kwargs, {})
-    assert sorted(written) == ["ko_ptr", "qo_ptr"]
+    assert written_by_kernel(monkeypatch, node, args[0].fake_mode) == ["ko_ptr", "qo_ptr"]
 
 
 def _params(out_dtype, *, interleaved=False, rotary_dim=64, norm="none"):
