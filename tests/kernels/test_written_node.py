@@ -118,6 +118,90 @@ def test_qwen_joint_writes_the_join_through_two_chained_nodes(text, image, heads
     assert len(mutations) == 2 and all(m.kwargs["kwargs"]["qo_ptr"] is joins[0] for m in mutations)
 
 
+def rope_bshd(x, cos, sin, interleaved=False, rotary_dim=None):
+    """[B, S, H, D] with [S, R] tables: NeoX or interleaved pairs over the first R lanes, the rest passed through."""
+    r = rotary_dim or x.shape[-1]
+    rot, tail = x.narrow(-1, 0, r).float(), x.narrow(-1, r, x.shape[-1] - r)  # no [...] on fake CUDA: see above
+    cos, sin = cos.unsqueeze(0).unsqueeze(2), sin.unsqueeze(0).unsqueeze(2)
+    if interleaved:
+        even, odd = rot.reshape(*rot.shape[:-1], r // 2, 2).unbind(-1)
+        turned = torch.stack([-odd, even], -1).reshape(rot.shape)
+    else:
+        a, b = rot.chunk(2, -1)
+        turned = torch.cat([-b, a], -1)
+    return torch.cat([(rot * cos + turned * sin).to(x.dtype), tail], -1)
+
+
+def joint_bshd(tq, tk, iq, ik, cos, sin, interleaved=False, rotary_dim=None):
+    """Both streams' q and k rotated by one table each and joined along the sequence ([B, S, H, D], dim 1)."""
+    t, i = tq.shape[1], iq.shape[1]
+    ct, st, ci, si = cos.narrow(0, 0, t), sin.narrow(0, 0, t), cos.narrow(0, t, i), sin.narrow(0, t, i)
+    q = torch.cat([rope_bshd(tq, ct, st, interleaved, rotary_dim), rope_bshd(iq, ci, si, interleaved, rotary_dim)], 1)
+    k = torch.cat([rope_bshd(tk, ct, st, interleaved, rotary_dim), rope_bshd(ik, ci, si, interleaved, rotary_dim)], 1)
+    return q, k
+
+
+def prx_k_joined(q, k, tk, cos, sin):
+    """PRX: the image q and k rotated, the text k joined before the image's, q not joined."""
+    q, k = rope_bshd(q, cos, sin), rope_bshd(k, cos, sin)
+    return q, torch.cat([tk, k], 1)
+
+
+def qkv_rows(q, k, v, cos, sin, text):
+    """q, k and v's video rows rotated by one table and written back ([B, S, H, D], dim 1)."""
+    rows = cos.shape[0]
+    out = []
+    for x in (q * 1.0, k * 1.0, v * 1.0):
+        out.append(torch.slice_scatter(x, rope_bshd(x.narrow(1, text, rows), cos, sin), 1, text, text + rows))
+    return tuple(out)
+
+
+_BF, _F32 = torch.bfloat16, torch.float32
+_FORMS = {
+    # name: (fn, the tensors' shapes and dtypes, extra args, the rows written: (dim, each launch's start) or None)
+    "neox, GQA heads": (joint_bshd, [((2, 3, 8, 64), _BF), ((2, 3, 2, 64), _BF), ((2, 13, 8, 64), _BF),
+                                     ((2, 13, 2, 64), _BF), ((16, 64), _F32), ((16, 64), _F32)], (False, None),
+                        (1, [0, 3])),
+    "interleaved, D=80": (joint_bshd, [((1, 5, 4, 80), _BF)] * 2 + [((1, 7, 4, 80), _BF)] * 2
+                          + [((12, 80), _F32)] * 2, (True, None), (1, [0, 5])),
+    "partial rotary": (joint_bshd, [((2, 4, 2, 64), _BF)] * 2 + [((2, 6, 2, 64), _BF)] * 2
+                       + [((10, 32), _F32)] * 2, (False, 32), (1, [0, 4])),
+    "PRX, q its own tensor": (prx_k_joined, [((2, 6, 4, 32), _BF)] * 2 + [((2, 3, 4, 32), _BF)]
+                              + [((6, 32), _F32)] * 2, (), None),
+    "q, k and v rows": (qkv_rows, [((2, 11, 4, 64), _BF)] * 3 + [((8, 64), _F32)] * 2, (3,), (1, [3])),
+}
+
+
+@pytest.mark.parametrize("form", list(_FORMS))
+def test_every_form_is_a_node_on_the_whole_tensor_at_its_rows_offset(form):
+    """Across layouts, pairings, partial rotary, GQA heads, a member written whole into its own tensor and three
+    tensors: the writes are user-kernel nodes only, each handed whole tensors and each written tensor's offset the
+    start of its rows times their stride, and Inductor's reinplacing writes them in place (no clone)."""
+    fn, shapes, extra, rows = _FORMS[form]
+    args = [*_fake(shapes), *extra]
+    p, gm = pass_graph(fn, args)
+    folds = [k.fold.split(":")[0] for k in p.report.kernels]
+    assert folds and set(folds) <= {"joined write", "slice write"}, p.report.table()
+    _no_ops_of_the_family(gm)
+    nodes = [n for n in gm.graph.nodes if n.target is triton_kernel_wrapper_functional]
+    assert nodes
+    if rows is not None:
+        dim, starts = rows
+        got = []
+        for node in nodes:  # every side of a launch starts at the same row of its own tensor (GQA: other strides)
+            kw = node.kwargs["kwargs"]
+            first = {divmod(kw[f"{s}o_off"], kw[f"{s}o_ptr"].meta["val"].stride(dim)) for s in "qkv"[:kw["NSIDES"]]}
+            assert len(first) == 1 and next(iter(first))[1] == 0, first
+            got.append(next(iter(first))[0])
+        assert sorted(got) == starts
+    else:  # PRX: q written whole into a tensor of its own, k into the image rows of the join after the text
+        kw = nodes[0].kwargs["kwargs"]
+        assert kw["qo_off"] == 0 and kw["ko_off"] == 3 * kw["ko_ptr"].meta["val"].stride(1)
+    if "aten.slice_scatter.default" not in _targets(gm):  # (PRX's text k: a scatter CPU-only torch cannot reinplace)
+        gm = inductor_reinplaced(gm, args[0].fake_mode)
+        assert "aten.clone.default" not in _targets(gm), _targets(gm)
+
+
 def test_hunyuan_normed_rotation_writes_the_image_rows_and_the_text_is_scattered():
     """The image stream's normed rotation writes rows [0, image) of each join; the text stream, normed by plain
     compile, is scattered into the rows after (the copy the cat made of it). (Inductor's reinplacing of that
@@ -218,13 +302,15 @@ def test_symbolic_bounds_and_the_cpu_keep_the_op():
 # -- the offset outputs on real numbers: the interpreted kernel, the function the node traces --------------------
 
 
-def _written(seed, *, into, interleaved, rotary_dim, normed, arity):
-    """Bases [B, S, H, D] with a slice of rows along S, sources of the slice's shape (into), tables, weights."""
+def _written(seed, *, into, interleaved, rotary_dim, normed, arity, heads=(3,)):
+    """Bases [B, S, H, D] with a slice of rows along S, sources of the slice's shape (into), tables, weights; tensor
+    i has heads[i] heads (the last entry repeats: GQA's k with fewer heads than q)."""
     g = torch.Generator().manual_seed(seed)
-    b, s, h, d = 2, 9, 3, 16
+    b, s, d = 2, 9, 16
     start, rows = 2, 5
-    bases = [torch.randn(b, s, h, d, generator=g, dtype=torch.float64).float() for _ in range(arity)]
-    xs = [torch.randn(b, rows, h, d, generator=g, dtype=torch.float64).float() for _ in range(arity)]
+    hs = [heads[min(i, len(heads) - 1)] for i in range(arity)]
+    bases = [torch.randn(b, s, h, d, generator=g, dtype=torch.float64).float() for h in hs]
+    xs = [torch.randn(b, rows, h, d, generator=g, dtype=torch.float64).float() for h in hs]
     angles = torch.randn(rows, rotary_dim // 2, generator=g, dtype=torch.float64)
     angles = angles.repeat_interleave(2, -1) if interleaved else torch.cat([angles, angles], -1)
     weights = [1.0 + 0.1 * torch.randn(d, generator=g, dtype=torch.float64).float() for _ in range(arity)] \
@@ -236,17 +322,18 @@ def _written(seed, *, into, interleaved, rotary_dim, normed, arity):
 
 @pytest.mark.triton_on_cpu(serves=("slice_write",))
 @pytest.mark.parametrize("into", [True, False])
-@pytest.mark.parametrize("interleaved,rotary_dim,normed,arity", [(False, 16, False, 2), (True, 16, True, 2),
-                                                                  (False, 8, False, 1), (True, 12, False, 3)])
-def test_the_offset_launch_writes_only_its_rows(triton_on_cpu, into, interleaved, rotary_dim, normed, arity):
+@pytest.mark.parametrize("interleaved,rotary_dim,normed,arity,heads", [
+    (False, 16, False, 2, (3,)), (True, 16, True, 2, (3,)), (False, 8, False, 1, (3,)), (True, 12, False, 3, (3,)),
+    (False, 16, True, 2, (4, 2))])
+def test_the_offset_launch_writes_only_its_rows(triton_on_cpu, into, interleaved, rotary_dim, normed, arity, heads):
     """`launch_at_offsets` on real tensors: each base's slice holds the rotation (of its source, or of the slice
     itself) within the numbers contract of fp64, and every other row is the base's own, bit for bit."""
     from rope_fusion.kernels.triton_slice import launch_at_offsets, plan_in_place
     from rope_fusion.ops.reference import rms_norm
 
     bases, xs, cos, sin, weights, params, (dim, start, end) = _written(
-        7 * arity + rotary_dim, into=into, interleaved=interleaved, rotary_dim=rotary_dim, normed=normed,
-        arity=arity)
+        7 * arity + rotary_dim + sum(heads), into=into, interleaved=interleaved, rotary_dim=rotary_dim,
+        normed=normed, arity=arity, heads=heads)
     before = [b.clone() for b in bases]
     views = [b.narrow(dim, start, end - start) for b in bases]
     sources = xs if into else [v.clone() for v in views]
