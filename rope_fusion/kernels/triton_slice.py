@@ -168,6 +168,8 @@ def emit_node(graph: Any, fake_mode: Any, written: WrittenCall, like: Any) -> li
     afterwards) and its workers compile the kernel with the rest of the graph. Returns the written bases; None
     where a size, stride or bound is symbolic, the call is not one pass over each row (`plan_in_place`), or the
     launch is not one node per planned launch (the pass then emits the op)."""
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_mutation
+
     from .triton_graph import replay_traced, trace_host
 
     call, n = written.call, len(written.bases)
@@ -198,8 +200,6 @@ def emit_node(graph: Any, fake_mode: Any, written: WrittenCall, like: Any) -> li
         launches.extend(runner.entries)
         launch_at_offsets(runner, xs, bases, views, cos, sin, positions, rot.norm_weights)
         return tuple(bases)
-
-    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_mutation
 
     try:
         gm = trace_host(host, vals, fake_mode)
