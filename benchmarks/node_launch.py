@@ -8,8 +8,9 @@ joint attention (M13) where the op had measured 1.175-1.237x in earlier runs. Th
 - GPU time in CUDA-graph replay and in do_bench, alternating rounds, as multiples of the row's copy floor;
 - every kernel one call launches, with its GPU time (the profiler): a copy around the node would show here;
 - the compiled rotary kernel each variant ran, read from Triton's cache (a fresh TRITON_CACHE_DIR, which Inductor's
-  compiles use too): num_warps, num_stages, the arguments Triton took as 16-divisible (its TTIR's
-  `tt.divisibility`), and whether the two variants ran the same binary;
+  compiles use too): its compile options (num_warps, num_stages, debug, ...), the arguments Triton took as
+  16-divisible (its TTIR's `tt.divisibility`), its PTX instructions by opcode, and whether the two variants ran the
+  same binary;
 - the user-kernel node's decorator in Inductor's generated code (its configs and triton_meta).
 
     python -m benchmarks.node_launch --out $OUT/node_launch.json            # M13 (GPU)
@@ -19,6 +20,7 @@ joint attention (M13) where the op had measured 1.175-1.237x in earlier runs. Th
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import json
 import os
@@ -50,11 +52,16 @@ def _cache_entries() -> dict[str, float]:
 
 
 def _describe(meta_path: str) -> dict:
-    """One compiled kernel: its options from the metadata, and the parameters its TTIR marks 16-divisible."""
+    """One compiled kernel: every scalar of its metadata (the compile options: num_warps, num_stages, debug, ...),
+    the parameters its TTIR marks 16-divisible, and its PTX instructions counted by opcode (`_ptx_ops`): what two
+    binaries of one plan differ in, where their options and specialisation are the same."""
     with open(meta_path) as f:
         meta = json.load(f)
-    keep = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "shared", "hash", "launch_pdl")
-    out = {k: meta.get(k) for k in keep if k in meta}
+    out = {k: v for k, v in meta.items() if isinstance(v, (bool, int, float, str, type(None)))}
+    ptx = meta_path[:-len(".json")] + ".ptx"
+    if os.path.exists(ptx):
+        with open(ptx) as f:
+            out["ptx_ops"] = _ptx_ops(f.read())
     ttir = meta_path[:-len(".json")] + ".ttir"
     if os.path.exists(ttir):
         with open(ttir) as f:
@@ -67,13 +74,27 @@ def _describe(meta_path: str) -> dict:
     return out
 
 
+def _ptx_ops(ptx: str) -> dict[str, int]:
+    """The PTX's instructions by opcode with its type suffixes (`ld.global.v4.b32`, `cvt.f32.bf16`, ...), most
+    frequent first, and their total: comments, labels and directives left out."""
+    ops = collections.Counter()
+    for line in ptx.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("//", ".", "{", "}", "$")) or line.endswith(":"):
+            continue
+        if line.startswith("@"):  # a predicated instruction: its guard, then the instruction
+            line = line.split(None, 1)[1] if " " in line else line
+        ops[line.split(None, 1)[0].rstrip(";")] += 1
+    return {"total": sum(ops.values()), **dict(ops.most_common())}
+
+
 def _decorators(codes: list[str]) -> list[str]:
     """The user-kernel decorators of the rotary kernel in Inductor's generated code (configs and triton_meta)."""
     found = []
     for code in codes:
         for m in re.finditer(r"@triton_heuristics\.user_autotune\((.*?)\)\n@triton\.jit\ndef (\w+)", code, re.S):
             if KERNEL in m.group(2):
-                found.append(" ".join(m.group(1).split())[:3000])
+                found.append(" ".join(m.group(1).split()))
     return found
 
 
