@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from . import call_replay
-from .device_registry import DeviceRegistry, emits_nodes
+from .device_registry import DeviceRegistry
 from .op_definition import reference_only
 from .op_families import define_family
 from .optional_backends import load_backends
@@ -197,11 +197,8 @@ def node_runner(cat: CatCall) -> Impl | None:
     (`emit_node`): the kernel's planned runner (its launch, no dispatcher), for `auto` to time the fold as it
     runs; None where the device has no node (the op is emitted, and called through the dispatcher) or the
     geometry no planned runner."""
-    device = cat.firsts[0].device.type
-    kernel = CAT_KERNELS.get(device)
-    if kernel is None or kernel.node is None or kernel.plan is None or reference_only() or not emits_nodes(device):
-        return None
-    return kernel.plan(cat)
+    plan = CAT_KERNELS.node_planner(cat.firsts[0].device.type)
+    return plan(cat) if plan is not None else None
 
 
 def _result(outs: list) -> Any:

@@ -90,6 +90,17 @@ class DeviceRegistry:
         """The kernel registered for `device_type`, or None (the family's reference serves it)."""
         return self.kernels.get(device_type)
 
+    def node_planner(self, device_type: str) -> Callable[..., Any] | None:
+        """The device kernel's planner (`DeviceKernel.plan`) where the pass emits the device's own node for the
+        family's calls (`emits_nodes`, a record with a node), for `auto` to time a call as the node runs it: its
+        planned launch, no dispatcher; None where the pass emits the op (or the reference kernels are in force)."""
+        from .op_definition import reference_only
+
+        kernel = self.kernels.get(device_type)
+        if kernel is None or kernel.node is None or reference_only() or not emits_nodes(device_type):
+            return None
+        return kernel.plan
+
     def emit_node(self, device_type: str, graph: Any, fake_mode: Any, call: Any, like: Any) -> Any:
         """A call of the family whose tensors are graph nodes (`call`: what the family's `DeviceKernel.node` takes)
         as the device kernel's own node in a post-grad graph, inserted at the graph's insertion point; None where

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from . import call_replay
-from .device_registry import DeviceRegistry, emits_nodes
+from .device_registry import DeviceRegistry
 from .op_definition import reference_only
 from .op_families import define_family
 from .optional_backends import load_backends
@@ -370,12 +370,10 @@ def node_runner(call: RotaryCall, views: list | None = None) -> Callable | None:
     kernel's planned runner of the call's geometry, `runner(xs, cos, sin, positions, weights, views)`, its launch
     with no dispatcher, for `auto` to time the fold as it runs; None where the device has no node (the op is
     emitted, and called through the dispatcher) or the call is not planned once."""
-    device = call.xs[0].device.type
-    kernel = IN_PLACE_KERNELS.get(device)
-    if kernel is None or kernel.node is None or kernel.plan is None or reference_only() or not emits_nodes(device) \
-            or call.cu_seqlens is not None:
+    plan = IN_PLACE_KERNELS.node_planner(call.xs[0].device.type)
+    if plan is None or call.cu_seqlens is not None:
         return None
-    return kernel.plan(call, views) if views is not None else kernel.plan(call)
+    return plan(call, views) if views is not None else plan(call)
 
 
 SLICE_OPS = define_family(_named("_slice_"), slice_schema, _eager, _fake)  # by arity - 1: rotary_slice_, ...

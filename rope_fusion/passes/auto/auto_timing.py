@@ -362,7 +362,7 @@ def _planned_launch(call: Any, n: int, tensors: list, views: list, into: bool, d
     from ...ops.schema import RotaryCall
     from ...ops.slice_write import node_runner
 
-    rest = [*tensors, *[None] * (3 + 2 * n + (n if into else 0) - len(tensors))]
+    rest = [*tensors, *[None] * (2 * n + 3)]  # the trailing Nones back: every slot below exists
     xs = rest[:n] if into else views
     cos, sin, positions = rest[n:n + 3] if into else rest[:3]
     weights = (rest[n + 3:2 * n + 3] if into else rest[3:3 + n]) if call.norm_weights is not None else None
