@@ -1,5 +1,5 @@
-"""Compile time: plain torch.compile against torch.compile with RopeFusionPass, cold and warm, per model, with
-what `auto` measured to decide.
+"""Compile time: plain torch.compile against torch.compile with RopeFusionPass, cold, warm and at a restart, per
+model, with what `auto` measured to decide.
 
 Per model (benchmarks/models.py's builders at their real attention shapes, `--layers` layers or blocks of each
 kind, default 1: the pass's sites and signatures are the same as with 2, plain compile's own seconds smaller, so
@@ -8,18 +8,23 @@ order:
 
 1. `plain warm-up`: only before the process's first model, reported and not compared: the first compile of a
    process pays for what every later one reuses (CUDA libraries, the compile workers' first kernels);
-2. `plain cold`: a fresh TORCHINDUCTOR_CACHE_DIR (Inductor's FX graph and AOTAutograd caches, its Triton kernels:
-   all empty), the FX graph and AOTAutograd caches off in every step;
+2. `plain cold`: a process's first start: a fresh TORCHINDUCTOR_CACHE_DIR (Inductor's FX graph and AOTAutograd
+   caches, its Triton kernels: all empty), torch.compile's defaults (both graph caches on: the compile writes them);
 3. `pass cold`: the same in a fresh dir of its own: no `auto` decisions on disk either, measuring as `--measure`
    says (the pass's default, "auto": only where the factor table cannot call the choice);
-4. `plain warm`: plain's dir again (its Triton kernels cached), the FX graph and AOTAutograd caches still off;
-5. `pass warm`: the pass's dir again: its decisions and kernels cached, the FX graph cache off, so the pass runs,
-   reads its decisions and times nothing.
+4. `plain warm`: plain's dir again (its Triton kernels cached), the FX graph and AOTAutograd caches off, so that
+   everything compiles again (a changed graph whose kernels are known);
+5. `pass warm`: the pass's dir again: its decisions and kernels cached, the graph caches off, so the pass runs,
+   reads its decisions and times nothing;
+6. `plain restart`: plain's dir, torch.compile's defaults again: a process's second start, served by the graph
+   caches that cold wrote;
+7. `pass restart`: the same for the pass, whose cache key the decisions its cold compile wrote leave as it was.
 
-Printed per model: the seconds of each, pass cold / plain cold and pass warm / plain warm, the pass's own seconds in
-each (its report: analysis and measuring), what `auto` did (signatures timed, decisions read, sites left unmeasured
-as clear-cut, table fallbacks) and each kernel's or left site's choice, and whether the outputs agree. Models run
-with CUDA graphs where the issue's table has them (`--modes`).
+Each step records Inductor's FX graph and AOTAutograd cache counters (hits, misses, bypasses), so a restart that
+compiled again shows as such. Printed per model: the seconds of each, the pass's over plain's for each kind, the
+pass's own seconds in each (its report: analysis and measuring), what `auto` did (signatures timed, decisions read,
+sites left unmeasured as clear-cut, table fallbacks) and each kernel's or left site's choice, and whether the outputs
+agree (the restart's against cold's too). Models run with CUDA graphs where the issue's table has them (`--modes`).
 
     python -m benchmarks.compile_time --out $OUT/compile_time.json      # every model (GPU, about 5 minutes)
     python -m benchmarks.compile_time --models flux ltx-video --modes both --layers 2
@@ -63,18 +68,26 @@ MEASURE = {"auto": "auto", "all": True, "off": False}
 
 
 @contextlib.contextmanager
-def _graph_caches_off() -> Any:
-    """The FX graph and AOTAutograd caches off, so that every compile runs (the pass included); Inductor's Triton
-    kernels and `auto`'s decisions are read from the cache dir, empty when cold. Not `force_disable_caches`: under
-    it Inductor compiles in a fresh directory of its own every time, so a warm compile found neither (an earlier
-    version of this benchmark measured its "warm" column that way)."""
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
+def _graph_caches(on: bool) -> Any:
+    """The FX graph and AOTAutograd caches on or off (off: every compile runs, the pass included); Inductor's Triton
+    kernels and `auto`'s decisions are read from the cache dir either way, empty when cold. Not
+    `force_disable_caches`: under it Inductor compiles in a fresh directory of its own every time, so a warm compile
+    found neither (an earlier version of this benchmark measured its "warm" column that way)."""
+    with torch._inductor.config.patch(fx_graph_cache=on), \
+            torch._functorch.config.patch(enable_autograd_cache=on):
         yield
 
 
+def _cache_counters() -> collections.Counter:
+    """Inductor's FX graph and AOTAutograd cache counters (hit, miss, bypass)."""
+    from torch._dynamo.utils import counters
+
+    return collections.Counter({k: v for k, v in counters["inductor"].items()
+                                if k.startswith(("fxgraph_cache_", "autograd_cache_"))})
+
+
 def _compile_seconds(m: torch.nn.Module, inputs: dict, cache_dir: str, cudagraphs: bool, device: str,
-                     p: Any = None) -> tuple[float, Any]:
+                     p: Any = None, caches: bool = False) -> tuple[float, Any]:
     """Seconds of the first call of a fresh compile (the compile and one forward) in `cache_dir`, and its output.
     Triton's own cache goes there too: a kernel launched by its JIT launcher (the folds' ops) compiles into
     TRITON_CACHE_DIR, by default one directory per user that outlives the process, where an earlier run's kernels
@@ -88,7 +101,7 @@ def _compile_seconds(m: torch.nn.Module, inputs: dict, cache_dir: str, cudagraph
     fn = torch.compile(m, options=opts) if opts else torch.compile(m)
     call = caller(fn, inputs, cudagraphs)
     t0 = time.perf_counter()
-    with torch.no_grad(), _graph_caches_off():
+    with torch.no_grad(), _graph_caches(caches):
         out = call()
         if device == "cuda":
             torch.cuda.synchronize()
@@ -169,8 +182,10 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-STEPS = {"plain": [("plain cold", "plain", False), ("plain warm", "plain", False)],
-         "pass": [("pass cold", "pass", True), ("pass warm", "pass", True)]}
+# (step, its cache dir, with the pass, the graph caches on)
+STEPS = {v: [(f"{v} cold", v, v == "pass", True), (f"{v} warm", v, v == "pass", False),
+             (f"{v} restart", v, v == "pass", True)] for v in ("plain", "pass")}
+KINDS = ("cold", "warm", "restart")
 
 
 def run_model(name: str, args: argparse.Namespace, device: str, cudagraphs: bool, first: bool,
@@ -184,27 +199,28 @@ def run_model(name: str, args: argparse.Namespace, device: str, cudagraphs: bool
         if variant is not None:
             steps = STEPS[variant]
         else:
-            steps = [("plain warm-up", "warm-up", False)] if first else []
-            steps += [("plain cold", "plain", False), ("pass cold", "pass", True), ("plain warm", "plain", False),
-                      ("pass warm", "pass", True)]
-        if any(with_pass for _, _, with_pass in steps):
+            steps = [("plain warm-up", "warm-up", False, False)] if first else []
+            steps += [step for pair in zip(STEPS["plain"], STEPS["pass"]) for step in pair]
+        if any(with_pass for _, _, with_pass, _ in steps):
             t0 = time.perf_counter()
             import rope_fusion
             rec["import_s"] = round(time.perf_counter() - t0, 3)
         outs = {}
-        for step, d, with_pass in steps:
+        for step, d, with_pass, caches in steps:
             p = rope_fusion.RopeFusionPass(measure=MEASURE[args.measure]) if with_pass else None
             before = _stats() if with_pass else collections.Counter()
             top = args.profile if step.endswith("cold") else 0
+            counted = _cache_counters()
             try:
                 dump = f"{args.save_outs}.{d}.prof" if args.save_outs else None
                 rec["s"][step], outs[step] = _profiled(
                     f"{name} {step}", top,
-                    lambda d=d, p=p: _compile_seconds(m, inputs, dirs[d], cudagraphs, device, p), dump)
+                    lambda d=d, p=p, c=caches: _compile_seconds(m, inputs, dirs[d], cudagraphs, device, p, c), dump)
             except Exception as e:  # a failing step is reported, the others still run
                 rec["errors"][step] = f"{type(e).__name__}: {e}"[:400]
                 traceback.print_exc(limit=3)
                 continue
+            rec.setdefault("caches", {})[step] = dict(_cache_counters() - counted)
             if p is not None:
                 rec["pass_s"][step] = round(_pass_seconds(p), 3)
                 rec.setdefault("auto", {})[step] = {k: round(v, 3) if isinstance(v, float) else v
@@ -216,10 +232,9 @@ def run_model(name: str, args: argparse.Namespace, device: str, cudagraphs: bool
             torch.save({k: v.cpu() for k, v in outs.items() if v is not None}, args.save_outs)
         if outs.get("plain cold") is not None and outs.get("pass cold") is not None:
             rec["pass_vs_plain"] = compare(outs["pass cold"], outs["plain cold"])
-        s = rec["s"]
-        for kind in ("cold", "warm"):
-            if f"plain {kind}" in s and f"pass {kind}" in s:
-                rec[f"ratio_{kind}"] = s[f"pass {kind}"] / s[f"plain {kind}"]
+        if outs.get("pass restart") is not None and outs.get("pass cold") is not None:
+            rec["restart_vs_cold"] = compare(outs["pass restart"], outs["pass cold"])
+        _ratios(rec)
     except Exception as e:
         rec["errors"]["build"] = f"{type(e).__name__}: {e}"[:400]
         traceback.print_exc(limit=3)
@@ -252,7 +267,7 @@ def isolated(name: str, cudagraphs: bool, args: argparse.Namespace) -> dict:
                 rec["errors"][variant] = f"child exited {done.returncode}: {done.stderr.strip()[-300:]}"
                 continue
             (child,) = json.load(open(js))["records"]
-            for key in ("s", "pass_s", "errors", "auto", "choices", "sites"):
+            for key in ("s", "pass_s", "errors", "auto", "choices", "sites", "caches"):
                 rec.setdefault(key, {}).update(child.get(key, {}))
             if "import_s" in child:
                 rec["import_s"] = child["import_s"]
@@ -263,39 +278,62 @@ def isolated(name: str, cudagraphs: bool, args: argparse.Namespace) -> dict:
             profile_difference(*profiles, top=args.profile)
     if "plain cold" in outs and "pass cold" in outs:
         rec["pass_vs_plain"] = compare(outs["pass cold"], outs["plain cold"])
-    for kind in ("cold", "warm"):
+    if "pass restart" in outs and "pass cold" in outs:  # the graph a restart is served computes what cold's did
+        rec["restart_vs_cold"] = compare(outs["pass restart"], outs["pass cold"])
+    _ratios(rec)
+    return rec
+
+
+def _ratios(rec: dict) -> None:
+    for kind in KINDS:
         if f"plain {kind}" in rec["s"] and f"pass {kind}" in rec["s"]:
             rec[f"ratio_{kind}"] = rec["s"][f"pass {kind}"] / rec["s"][f"plain {kind}"]
-    return rec
 
 
 def _num(x: Any, fmt: str = ".1f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _served(counts: dict | None) -> str:
+    """"hit" where the graph caches served every graph of the step, else what they did ("2 miss", "1 bypass")."""
+    counts = counts or {}
+    hits = sum(v for k, v in counts.items() if k.endswith("_hit"))
+    other = {k.rsplit("_", 1)[-1]: v for k, v in counts.items() if not k.endswith("_hit") and v}
+    if not other:
+        return "hit" if hits else "-"
+    return " ".join(f"{v} {k}" for k, v in sorted(other.items()))
+
+
 def summary(records: list[dict]) -> None:
     rows = []
     for r in records:
-        s, ps, a = r["s"], r["pass_s"], r.get("auto", {}).get("pass cold", {})
+        s, ps, a, c = r["s"], r["pass_s"], r.get("auto", {}).get("pass cold", {}), r.get("caches", {})
         rows.append([r["model"], r["mode"], _num(s.get("plain cold")), _num(s.get("pass cold")),
                      _num(r.get("ratio_cold"), ".2f"), _num(ps.get("pass cold"), ".2f"), _num(s.get("plain warm")),
                      _num(s.get("pass warm")), _num(r.get("ratio_warm"), ".2f"), _num(ps.get("pass warm"), ".2f"),
+                     _num(s.get("plain restart"), ".2f"), _num(s.get("pass restart"), ".2f"),
+                     _num(r.get("ratio_restart"), ".2f"),
+                     f"{_served(c.get('plain restart'))} / {_served(c.get('pass restart'))}",
                      a.get("timed", 0), a.get("cached", 0), a.get("clear", 0), a.get("over allowance", 0),
                      a.get("table", 0),
                      _num((r.get("pass_vs_plain") or {}).get("rel"), ".1e"),
                      _num(r.get("import_s"), ".2f"),
                      "; ".join(f"{k}: {v[:60]}" for k, v in r["errors"].items()) or "-"])
-    print_table("compile seconds (first call, FX graph cache off): plain and with the pass, cold and warm; the pass's "
-                "own seconds; auto: signatures timed, decisions read, sites left unmeasured (clear-cut, or beyond the "
-                "compile's allowance for measuring), table",
+    print_table("compile seconds (first call): plain and with the pass; cold (empty caches, graph caches on), warm "
+                "(Inductor's kernels cached, graph caches off: everything compiles, the pass reads its decisions), "
+                "restart (graph caches on again: what cold wrote serves it); the pass's own seconds; the graph caches "
+                "at the restart (plain / pass); auto: signatures timed, decisions read, sites left unmeasured "
+                "(clear-cut, or beyond the compile's allowance for measuring), table",
                 rows, ["model", "mode", "plain cold", "pass cold", "x", "pass's own", "plain warm", "pass warm", "x",
-                       "pass's own", "timed", "cached", "clear-cut", "over allowance", "table", "out rel err",
-                       "import s", "errors"])
+                       "pass's own", "plain restart", "pass restart", "x", "restart caches", "timed", "cached",
+                       "clear-cut", "over allowance", "table", "out rel err", "import s", "errors"])
     for r in records:
         for step in ("pass cold", "pass warm"):
             print(f"  {r['model']} ({r['mode']}) {step}: auto {(r.get('auto') or {}).get(step)}")
             for line in (r.get("choices") or {}).get(step, []):
                 print(f"    {line}")
+        if r.get("restart_vs_cold"):
+            print(f"  {r['model']} ({r['mode']}) pass restart against pass cold: {r['restart_vs_cold']}")
 
 
 def main(argv: list[str] | None = None) -> int:

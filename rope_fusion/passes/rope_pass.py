@@ -332,8 +332,10 @@ class RopeFusionPass(PassBase):
         return self._options_key() + self._decisions_key()
 
     def _decisions_key(self) -> str:
-        """What `auto` could read from disk and compile by (measured decisions, calibrated tables: their content
-        hash) and whether it measures: a graph compiled under other decisions must not be served."""
+        """Whether `auto` measures, and the calibrated tables it could read (their content hash), never the
+        decisions file: a measuring compile writes every decision it compiled by, so its graph is the graph a
+        later compile reading that file would build, and serving it is what lets a process's second start hit
+        the cache as plain compile's does. A compile that does not measure reads no decisions."""
         if self.backend != "auto" or not self.chooser.reads_decisions:
             return ""
         from .auto.auto_decisions import fingerprint

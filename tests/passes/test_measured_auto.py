@@ -1,6 +1,6 @@
 """`auto` that measures (passes/auto/auto_timing.py, passes/auto/auto_decisions.py): timings steer the choice, decisions
 are cached on disk and read back without timing, any failure falls back to the table, and Inductor's FX graph cache
-never serves a graph compiled under other decisions.
+serves a measuring compile's graph to the next start.
 
 Measuring is CUDA-only; these tests add "cpu" to `_MEASURE_DEVICE_TYPES`, so the region extraction, the
 candidates' standalone Inductor compiles and their runs are real, on the CPU. Only the clock is steered: `TIMER`
@@ -178,37 +178,44 @@ def _fx_counts() -> tuple:
     return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
 
 
-def test_the_fx_graph_cache_does_not_mix_decisions(clock):
+def test_a_measuring_compile_is_served_to_the_next_start(clock):
+    """The decision a measuring compile writes leaves the FX graph cache key as it was: the next start (a fresh
+    pass, the file now holding the decision) is served the graph, as plain compile's second start is, where a key
+    that covered the file compiled it all again."""
     args = _args(tokens=20, heads=3, seed=4)
     clock.times = {"left": 10e-6, "inductor": 5e-6}
     p1 = rope_fusion.RopeFusionPass()
     key1 = p1.uuid()
+    hits, misses = _fx_counts()
     out = _compile_cached(rope_qk, args, p1)
+    assert _fx_counts() == (hits, misses + 1) and sorted(clock.calls) == ["inductor", "left"]
     assert [k.backend for k in p1.report.kernels] == ["inductor"], p1.report.table()
+    assert len(_decisions()) == 1
     check_numerics(rope_qk, args, out)
 
-    # another decision for the same site signature (as another device or run could have measured)
-    decisions = _decisions()
-    (entry,) = decisions.values()
-    entry["choice"], entry["timings_us"] = "left", {"left": 5.0, "inductor": 10.0}
-    with open(auto_decisions.decisions_path(), "w") as f:
-        json.dump({"format": auto_decisions.FORMAT, "decisions": decisions}, f)
-    clock.fail = AssertionError("the decision is cached: nothing is timed")
+    clock.fail = AssertionError("the graph is served: nothing is timed")
     p2 = rope_fusion.RopeFusionPass()
-    assert p2.uuid() != key1
-    hits, misses = _fx_counts()
+    assert p2.uuid() == key1
     out = _compile_cached(rope_qk, args, p2)
-    assert _fx_counts() == (hits, misses + 1)  # compiled anew, not served the graph fused under the other decision
-    assert not p2.report.kernels and p2.report.misses and not p2.report.cached.graphs, p2.report.table()
-    assert all("cached left 5.0 us, inductor 10.0 us, chose left" in m.reason for m in p2.report.misses), \
+    assert _fx_counts() == (hits + 1, misses + 1)
+    # the records stored with the graph: the choice as the first start measured it
+    assert p2.report.cached.graphs == 1 and [r.from_cache for r in p2.report.graph_records] == [True]
+    assert [k.choice[:38] for k in p2.report.kernels] == ["measured inductor 5.0 us, left 10.0 us"], \
         p2.report.table()
     check_numerics(rope_qk, args, out)
 
-    # the same decisions again: the FX graph cache serves the graph compiled under them
-    p3 = rope_fusion.RopeFusionPass()
-    out = _compile_cached(rope_qk, args, p3)
-    assert _fx_counts() == (hits + 1, misses + 1)
-    assert p3.report.cached.graphs == 1 and not p3.report.kernels, p3.report.table()
+    # the graph cache off (another graph with the same sites): the pass runs, reads the decision, times nothing
+    out, p3 = compile_with_pass(rope_qk, *args)
+    assert [k.backend for k in p3.report.kernels] == ["inductor"], p3.report.table()
+    assert p3.report.kernels[0].choice.startswith("cached inductor 5.0 us, left 10.0 us"), p3.report.table()
+    check_numerics(rope_qk, args, out)
+
+    # a pass that does not measure reads no decisions: its own key, its own graph, by the fixed order
+    p4 = rope_fusion.RopeFusionPass(measure=False)
+    assert p4.uuid() != key1
+    out = _compile_cached(rope_qk, args, p4)
+    assert _fx_counts() == (hits + 1, misses + 2)
+    assert p4.report.kernels[0].choice.startswith("fixed order, not measured"), p4.report.table()
     check_numerics(rope_qk, args, out)
 
 
@@ -225,7 +232,7 @@ def test_uuid_covers_the_measure_setting_and_what_auto_could_read(cache_root, mo
     monkeypatch.delenv(auto_timing.ENV)
     assert p.uuid() == base
     auto_decisions.DECISIONS.put("some device | versions | signature", auto_decisions.Decision("left", {}, 0.02))
-    assert p.uuid() != base
+    assert p.uuid() == base  # a written decision is the graph's own (test_a_measuring_compile_is_served_...)
     fixed = rope_fusion.RopeFusionPass(backend="inductor")
     assert fixed.uuid() == rope_fusion.RopeFusionPass(backend="inductor").uuid()
     assert "measure=False" in repr(rope_fusion.RopeFusionPass(measure=False))

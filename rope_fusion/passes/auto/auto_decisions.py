@@ -9,10 +9,14 @@ follows `TORCHINDUCTOR_CACHE_DIR`), so that clearing Inductor's caches clears th
 - `factors-<device>.json`: the factor table `rope-fusion calibrate` measured on that device (ops/cost_model.py
   `Factors`); the table fallback uses it instead of the H200's when it is present.
 
-What a compile could read decides what it compiles, so the pass's `uuid()` (Inductor's FX graph cache key) covers
-`fingerprint()`: the content hash of both files. A graph compiled under other decisions is never served. The cost
-is one FX-cache miss on the first compile after one that measured (its decisions changed the file); that compile
-then times nothing and is cached under the new key.
+The pass's `uuid()` (Inductor's FX graph cache key) covers `fingerprint()`, the calibrated tables' content hash: a
+table that `rope-fusion calibrate` rewrote compiles anew. It does not cover the decisions file. A compile that
+measures writes every decision it compiled by, so the graph it caches is the one a later compile reading the file
+would build; with the file in the key, the decision written by a process's first compile changed the key, and its
+second start compiled everything again where plain compile's was a cache hit. What a hit can then serve that a fresh
+compile would not: a site the first compile left unmeasured (beyond its allowance for measuring) stays as plain
+compile writes it, and a decision edited by hand is not read, until Inductor's cache dir is removed or another
+`TORCHINDUCTOR_CACHE_DIR` is used. A compile that does not measure reads no decisions.
 
 Writes merge with what is on disk and replace the file atomically, so concurrent compiles (several ranks, several
 processes) lose no decision and never read half a file. A file that does not parse is treated as empty (and
@@ -229,8 +233,9 @@ def write_factors(device: torch.device | str, factors: Factors, measured: dict) 
 
 
 def fingerprint(device_types: tuple = ("cuda",)) -> str:
-    """What `auto` could read from disk: the decisions file and the calibrated tables of the visible devices."""
-    parts = [DECISIONS.digest()]
+    """What `auto` could read from disk that a compiled graph does not itself settle: the calibrated tables of the
+    visible devices (their content hash). The decisions file is not in it: see the module's docstring."""
+    parts = []
     if "cuda" in device_types and torch.cuda.is_available():
         parts += [file_digest(factors_path(f"cuda:{i}")) for i in range(torch.cuda.device_count())]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
