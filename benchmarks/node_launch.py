@@ -15,6 +15,10 @@ joint attention (M13) where the op had measured 1.175-1.237x in earlier runs. Th
 
     python -m benchmarks.node_launch --out $OUT/node_launch.json            # M13 (GPU)
     python -m benchmarks.node_launch --quick                                # CPU smoke test (nothing timed)
+    python -m benchmarks.node_launch --dump $OUT/ir   # and each variant's compiled kernel as text, for a diff
+
+`--dump DIR` writes `<row>.<variant>.ir` per variant: the TTIR, TTGIR and PTX of each rotary kernel it compiled,
+one after the other, so that `diff` shows where two binaries of one plan differ line by line.
 """
 
 from __future__ import annotations
@@ -120,7 +124,19 @@ def _compile(row: Any, variant: str, args: tuple) -> tuple[Any, Any, list[str], 
     return (fn, out), p, codes, new
 
 
-def run_row(row: Any, device: str, rounds: int) -> dict:
+def _dump(meta_paths: list[str], path: str) -> None:
+    """The TTIR, TTGIR and PTX of each compiled kernel (Triton's cache entries beside its metadata), into one file."""
+    with open(path, "w") as out:
+        for meta in meta_paths:
+            for ext in (".ttir", ".ttgir", ".ptx"):
+                ir = meta[:-len(".json")] + ext
+                if os.path.exists(ir):
+                    with open(ir) as f:
+                        out.write(f"// ===== {os.path.basename(os.path.dirname(ir))}/{os.path.basename(ir)}\n")
+                        out.write(f.read())
+
+
+def run_row(row: Any, device: str, rounds: int, dump: str | None = None) -> dict:
     torch.manual_seed(0)
     args = row.make(device)
     floor_args = row.floor(args)
@@ -143,6 +159,9 @@ def run_row(row: Any, device: str, rounds: int) -> dict:
                 "decorators": decorators,
                 "graph": [], "do_bench": [],
             }
+            if dump:
+                os.makedirs(dump, exist_ok=True)
+                _dump(new, os.path.join(dump, f"{re.sub(r'[^A-Za-z0-9]+', '_', row.name)}.{v}.ir"))
         fns["floor"] = lambda: [t.clone() for t in floor_args]
         if device == "cuda":
             for _ in range(rounds):
@@ -168,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="alternating timing rounds")
     ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (the smoke test)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--dump", default=None, help="write each variant's compiled kernel (TTIR, TTGIR, PTX) here")
     args = ap.parse_args(argv)
     if not args.quick and not device_check.gpu_present():
         return device_check.no_gpu("benchmarks.node_launch", "python -m benchmarks.node_launch --quick")
@@ -178,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     device_check.announce(device, result)
     rows = [r for r in kb.coverage_rows(args.quick) if r.name in args.rows]
     for row in rows:
-        rec = run_row(row, device, args.rounds)
+        rec = run_row(row, device, args.rounds, args.dump)
         result["rows"].append(rec)
         kb.write_json(args.out, result)
         print(json.dumps(rec, indent=1, default=str))
