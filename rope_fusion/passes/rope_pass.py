@@ -29,7 +29,7 @@ from .analysis.grouping import pair_up
 from .analysis.padded_sums import merge_padded_sums
 from .analysis.provenance import dtype_name, named_values, role, rotation_source, source_line, tensor_name
 from .analysis.sites import find_sites
-from .analysis.symbolic_sizes import check_none_needed, hold_symbolic, site_roots
+from .analysis.symbolic_sizes import ReadsSymbolicSize, check_group, check_none_needed, hold_symbolic, site_roots
 from .auto import auto_budget, auto_timing
 from .auto.choosers import AUTO_CHOOSER, Choice, Chooser, GraphFacts
 from .auto.site_costs import graph_host_bound
@@ -203,6 +203,7 @@ class RopeFusionPass(PassBase):
             try:
                 p = emission.plan_group(em, group, nodes, anchor, lambda spec: self._choose(spec, facts),
                                         acc.depends_on)
+                check_group(group, nodes, acc.interp.values)  # never a guard: what planning read is checked too
                 if known is not None:
                     fusion_check.verify_group(p, known, f"graph {index}: the fused {p.op_name} of {group[0].node}")
                 planned.append(p)
@@ -210,7 +211,8 @@ class RopeFusionPass(PassBase):
                 emission.erase_between(graph, start, anchor)
                 em.joins.clear()
                 em.joins.update(joins)  # a refused group's writes into a join are not there
-                reason = str(e) if isinstance(e, fusion_check.FusionDisagreed) else f"left to Inductor: {e}"
+                reason = (str(e) if isinstance(e, (fusion_check.FusionDisagreed, ReadsSymbolicSize))
+                          else f"left to Inductor: {e}")
                 for m in group:
                     self.report.misses.append(Miss(index, m.node.name, reason, rotation_source(m.node),
                                                    tensor_name(m.node)))

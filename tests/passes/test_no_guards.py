@@ -170,6 +170,39 @@ def test_a_symbolic_head_dim_is_left_not_guarded():
             and "L['q'].size()[3]" in m.reason, m.reason
 
 
+def packed_halves(q, cos_sin):
+    """A packed [n, D] table whose sin half is cut from its end (`cos_sin[..., -h:]`), heads split by a view, the
+    rotation written by strided halves into a fresh tensor: under dynamic=True the half's start is `s - h` of the
+    table's symbolic width, which only the table's gather in planning reads."""
+    c, s = cos_sin[..., :4][:, None, :], cos_sin[..., -4:][:, None, :]
+    x = q.view(*q.shape[:-1], 4, 8)
+    x1, x2 = x[..., :4], x[..., 4:]
+    out = torch.empty_like(x)
+    out[..., :4] = x1 * c - x2 * s
+    out[..., 4:] = x2 * c + x1 * s
+    return out
+
+
+def _packed(n):
+    s = (5, 9)[n]
+    angles = torch.arange(s, dtype=torch.float32)[:, None] * torch.rand(4)
+    return torch.randn(2, s, 32), torch.cat((angles.cos(), angles.sin()), -1)
+
+
+def test_a_table_window_read_while_planning_is_a_near_miss():
+    """The sin half's start read at its example value while the group is planned (its tables' gather), after the
+    sites were chosen: the group is left and reported with the size's reason, the graph compiles as plain
+    compile's does, and the pass adds no guard (it was an internal error that left the whole graph unchanged and
+    reported nothing)."""
+    torch.manual_seed(6)
+    plain, _ = compiled_graphs(packed_halves, _packed, with_pass=False, sizes=range(2))
+    fused, p = compiled_graphs(packed_halves, _packed, with_pass=True, sizes=range(2))
+    assert fused == plain == 1, (fused, plain)
+    assert _guards_and_sites(p)[0] == 0 and not p.report.errors and not p.report.kernels, p.report.table()
+    assert p.report.misses and all(m.reason.startswith("it reads a symbolic size as a constant: ")
+                                   for m in p.report.misses), p.report.table()
+
+
 def _marked(dims: dict, shape):
     """make_args with dims marked dynamic ({argument index: dim}); `shape(n)` gives the nth call's (S, D)."""
     def make_args(n):

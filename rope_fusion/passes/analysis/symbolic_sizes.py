@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from ...fx_sizes import hint_reads_needed_by
+from ...ops.backends import LeftToInductor
 
 
 def site_roots(m, nodes: dict) -> list:
@@ -78,6 +79,21 @@ def hold_symbolic(matches: list, nodes: dict, computed: dict) -> tuple[list, lis
         else:
             held.append((m, why))
     return kept, held
+
+
+class ReadsSymbolicSize(LeftToInductor):
+    """A group whose planning read a symbolic size its sites depend on (a table's lane window cut at `s - 4`, say,
+    read as a constant offset): the group is left as plain compile has it, a near miss with `symbolic_reason`'s
+    text, and the other groups still fuse."""
+
+
+def check_group(group: Iterable, nodes: dict, computed: dict) -> None:
+    """Raise ReadsSymbolicSize where a planned group's sites depend on a size read at its hint, by the matcher or
+    while the group was planned (its tables' windows, a fold's offsets), which `hold_symbolic` could not see."""
+    for m in group:
+        why = symbolic_reason(m, nodes, computed)
+        if why is not None:
+            raise ReadsSymbolicSize(why)
 
 
 def check_none_needed(roots: Iterable[fx.Node], computed: dict) -> None:
