@@ -11,7 +11,9 @@ joint attention (M13) where the op had measured 1.175-1.237x in earlier runs. Th
   compiles use too): its compile options (num_warps, num_stages, debug, ...), the arguments Triton took as
   16-divisible (its TTIR's `tt.divisibility`), its PTX instructions by opcode, and whether the two variants ran the
   same binary;
-- the user-kernel node's decorator in Inductor's generated code (its configs and triton_meta).
+- the user-kernel node's decorator in Inductor's generated code (its configs and triton_meta) and its call line;
+- each variant's planned launch (grid, scalars, constants: the node's planned on fake values when traced, the op's
+  on the call's tensors) and where its outputs lie (strides, address modulo 2 MiB).
 
     python -m benchmarks.node_launch --out $OUT/node_launch.json            # M13 (GPU)
     python -m benchmarks.node_launch --quick                                # CPU smoke test (nothing timed)
@@ -102,6 +104,40 @@ def _decorators(codes: list[str]) -> list[str]:
     return found
 
 
+def _planned_launches() -> Any:
+    """A context that records every launch the cat kernel's planner returns (its grid, scalars and the
+    compile-time constants that are numbers), the node's planned on fake values at trace time, the op's on the
+    call's tensors: where the two variants' launches of one plan could differ."""
+    import contextlib
+
+    from rope_fusion.kernels import triton_cat
+
+    @contextlib.contextmanager
+    def record() -> Any:
+        seen: list = []
+        real = triton_cat.plan_cat
+
+        def plan_cat(*a: Any, **kw: Any) -> Any:
+            out = real(*a, **kw)
+            if isinstance(out, triton_cat.CatLaunch):
+                seen.append({"grid": [str(g) for g in out.grid], "scalars": [str(v) for v in out.scalars],
+                             "meta": {k: v for k, v in out.meta.items() if isinstance(v, (bool, int, float))}})
+            return out
+        triton_cat.plan_cat = plan_cat
+        try:
+            yield seen
+        finally:
+            triton_cat.plan_cat = real
+    return record()
+
+
+def _placement(out: Any) -> list[dict]:
+    """Each output tensor's geometry and where it lies: its address modulo 2 MiB and its storage's size."""
+    return [{"shape": list(t.shape), "stride": list(t.stride()), "offset": t.storage_offset(),
+             "ptr_mod_2MiB": t.data_ptr() % (2 << 20), "storage_bytes": t.untyped_storage().nbytes()}
+            for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+
+
 def _compile(row: Any, variant: str, args: tuple) -> tuple[Any, Any, list[str], list[str]]:
     """The row's function compiled with backend="triton" as the variant emits the fold; its output, the pass, the
     generated code and the rotary kernels it compiled (new cache entries)."""
@@ -111,16 +147,21 @@ def _compile(row: Any, variant: str, args: tuple) -> tuple[Any, Any, list[str], 
 
     saved = device_registry.NODE_DEVICES
     device_registry.NODE_DEVICES = saved if variant == "node" else ()
+    import rope_fusion
+
+    rope_fusion.clear_caches()  # each variant plans its own launch
     before = _cache_entries()
     try:
-        fn, p = kb.compiled(row.fn, "triton+cg")
-        out, codes = run_and_get_code(fn, *args)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        out = fn(*args)  # the op's first calls go through the JIT launcher: let them compile here
+        with _planned_launches() as planned:
+            fn, p = kb.compiled(row.fn, "triton+cg")
+            out, codes = run_and_get_code(fn, *args)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            out = fn(*args)  # the op's first calls go through the JIT launcher: let them compile here
     finally:
         device_registry.NODE_DEVICES = saved
     new = sorted(set(_cache_entries()) - set(before))
+    p.planned_launches = planned
     return (fn, out), p, codes, new
 
 
@@ -157,6 +198,10 @@ def run_row(row: Any, device: str, rounds: int, dump: str | None = None) -> dict
                 "err_vs_fp64": kb.max_err(out, want),
                 "compiled": [_describe(m) for m in new],
                 "decorators": decorators,
+                "planned": p.planned_launches[:4],
+                "outputs": _placement(out),
+                "call_lines": [line.strip()[:600] for code in codes for line in code.splitlines()
+                               if re.search(rf"{KERNEL}\w*\.run\(", line)],
                 "graph": [], "do_bench": [],
             }
             if dump:
