@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import json
 import os
@@ -104,31 +105,27 @@ def _decorators(codes: list[str]) -> list[str]:
     return found
 
 
+@contextlib.contextmanager
 def _planned_launches() -> Any:
-    """A context that records every launch the cat kernel's planner returns (its grid, scalars and the
-    compile-time constants that are numbers), the node's planned on fake values at trace time, the op's on the
-    call's tensors: where the two variants' launches of one plan could differ."""
-    import contextlib
-
+    """Records every launch the cat kernel's planner returns (its grid, scalars and the compile-time constants that
+    are numbers), the node's planned on fake values at trace time, the op's on the call's tensors: where the two
+    variants' launches of one plan could differ."""
     from rope_fusion.kernels import triton_cat
 
-    @contextlib.contextmanager
-    def record() -> Any:
-        seen: list = []
-        real = triton_cat.plan_cat
+    seen: list = []
+    real = triton_cat.plan_cat
 
-        def plan_cat(*a: Any, **kw: Any) -> Any:
-            out = real(*a, **kw)
-            if isinstance(out, triton_cat.CatLaunch):
-                seen.append({"grid": [str(g) for g in out.grid], "scalars": [str(v) for v in out.scalars],
-                             "meta": {k: v for k, v in out.meta.items() if isinstance(v, (bool, int, float))}})
-            return out
-        triton_cat.plan_cat = plan_cat
-        try:
-            yield seen
-        finally:
-            triton_cat.plan_cat = real
-    return record()
+    def plan_cat(*a: Any, **kw: Any) -> Any:
+        out = real(*a, **kw)
+        if isinstance(out, triton_cat.CatLaunch):
+            seen.append({"grid": [str(g) for g in out.grid], "scalars": [str(v) for v in out.scalars],
+                         "meta": {k: v for k, v in out.meta.items() if isinstance(v, (bool, int, float))}})
+        return out
+    triton_cat.plan_cat = plan_cat
+    try:
+        yield seen
+    finally:
+        triton_cat.plan_cat = real
 
 
 def _placement(out: Any) -> list[dict]:

@@ -81,6 +81,8 @@ class HintReads:
         whether a node's lanes were computed by a rule, whose inputs are then followed; a source's are its own),
         and those read outside any node whose symbols are sizes of the roots or of what they are computed from
         (on the safe side: a read of the matcher counts for every site that shares a symbol with it)."""
+        if not self.reads:  # static shapes: nothing was read, so no walk of the roots' upstream
+            return []
         roots = list(roots)
         exprs: set = set()
         for n in upstream(roots, lanes_of):
