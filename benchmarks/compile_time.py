@@ -46,6 +46,7 @@ import contextlib
 import gc
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -216,6 +217,15 @@ def run_model(name: str, args: argparse.Namespace, device: str, cudagraphs: bool
                 rec["s"][step], outs[step] = _profiled(
                     f"{name} {step}", top,
                     lambda d=d, p=p, c=caches: _compile_seconds(m, inputs, dirs[d], cudagraphs, device, p, c), dump)
+                if step.endswith("restart") and args.restarts > 1:
+                    # a restart is a second or less: one run's difference is noise (plain's own spread says how much)
+                    seconds = [rec["s"][step]] + [
+                        _compile_seconds(m, inputs, dirs[d], cudagraphs, device,
+                                         rope_fusion.RopeFusionPass(measure=MEASURE[args.measure]) if with_pass
+                                         else None, caches)[0]
+                        for _ in range(args.restarts - 1)]
+                    rec.setdefault("s_all", {})[step] = [round(x, 3) for x in seconds]
+                    rec["s"][step] = statistics.median(seconds)
             except Exception as e:  # a failing step is reported, the others still run
                 rec["errors"][step] = f"{type(e).__name__}: {e}"[:400]
                 traceback.print_exc(limit=3)
@@ -258,7 +268,8 @@ def isolated(name: str, cudagraphs: bool, args: argparse.Namespace) -> dict:
             js, pt = os.path.join(tmp, f"{variant}.json"), os.path.join(tmp, f"{variant}.pt")
             cmd = [sys.executable, "-m", "benchmarks.compile_time", "--child", variant, "--models", name,
                    "--modes", "graphs" if cudagraphs else "launches", "--layers", str(args.layers),
-                   "--measure", args.measure, "--profile", str(args.profile), "--out", js, "--save-outs", pt]
+                   "--measure", args.measure, "--profile", str(args.profile), "--restarts", str(args.restarts),
+                   "--out", js, "--save-outs", pt]
             cmd += ["--quick"] if args.quick else []
             done = subprocess.run(cmd, cwd=os.path.dirname(_HERE), capture_output=True, text=True)
             sys.stdout.write("".join(f"  [{variant}] {line}\n" for line in done.stdout.splitlines()
@@ -267,7 +278,7 @@ def isolated(name: str, cudagraphs: bool, args: argparse.Namespace) -> dict:
                 rec["errors"][variant] = f"child exited {done.returncode}: {done.stderr.strip()[-300:]}"
                 continue
             (child,) = json.load(open(js))["records"]
-            for key in ("s", "pass_s", "errors", "auto", "choices", "sites", "caches"):
+            for key in ("s", "s_all", "pass_s", "errors", "auto", "choices", "sites", "caches"):
                 rec.setdefault(key, {}).update(child.get(key, {}))
             if "import_s" in child:
                 rec["import_s"] = child["import_s"]
@@ -294,6 +305,12 @@ def _num(x: Any, fmt: str = ".1f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _spread(rec: dict, step: str) -> str:
+    """The step's runs as "min-max" (a step run once: "-")."""
+    runs = rec.get("s_all", {}).get(step)
+    return f"{min(runs):.2f}-{max(runs):.2f}" if runs else "-"
+
+
 def _served(counts: dict | None) -> str:
     """"hit" where the graph caches served every graph of the step, else what they did ("2 miss", "1 bypass")."""
     counts = counts or {}
@@ -312,7 +329,7 @@ def summary(records: list[dict]) -> None:
                      _num(r.get("ratio_cold"), ".2f"), _num(ps.get("pass cold"), ".2f"), _num(s.get("plain warm")),
                      _num(s.get("pass warm")), _num(r.get("ratio_warm"), ".2f"), _num(ps.get("pass warm"), ".2f"),
                      _num(s.get("plain restart"), ".2f"), _num(s.get("pass restart"), ".2f"),
-                     _num(r.get("ratio_restart"), ".2f"),
+                     _num(r.get("ratio_restart"), ".2f"), _spread(r, "plain restart"), _spread(r, "pass restart"),
                      f"{_served(c.get('plain restart'))} / {_served(c.get('pass restart'))}",
                      a.get("timed", 0), a.get("cached", 0), a.get("clear", 0), a.get("over allowance", 0),
                      a.get("table", 0),
@@ -321,11 +338,13 @@ def summary(records: list[dict]) -> None:
                      "; ".join(f"{k}: {v[:60]}" for k, v in r["errors"].items()) or "-"])
     print_table("compile seconds (first call): plain and with the pass; cold (empty caches, graph caches on), warm "
                 "(Inductor's kernels cached, graph caches off: everything compiles, the pass reads its decisions), "
-                "restart (graph caches on again: what cold wrote serves it); the pass's own seconds; the graph caches "
-                "at the restart (plain / pass); auto: signatures timed, decisions read, sites left unmeasured "
-                "(clear-cut, or beyond the compile's allowance for measuring), table",
+                "restart (graph caches on again: what cold wrote serves it; the median of --restarts, and their "
+                "range); the pass's own seconds; the graph caches at the restart (plain / pass); auto: signatures "
+                "timed, decisions read, sites left unmeasured (clear-cut, or beyond the compile's allowance for "
+                "measuring), table",
                 rows, ["model", "mode", "plain cold", "pass cold", "x", "pass's own", "plain warm", "pass warm", "x",
-                       "pass's own", "plain restart", "pass restart", "x", "restart caches", "timed", "cached",
+                       "pass's own", "plain restart", "pass restart", "x",
+                       "plain restarts", "pass restarts", "restart caches", "timed", "cached",
                        "clear-cut", "over allowance", "table", "out rel err", "import s", "errors"])
     for r in records:
         for step in ("pass cold", "pass warm"):
@@ -346,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure", choices=list(MEASURE), default="auto",
                     help="the pass's measure policy: auto (its default), all (every site), off (the table)")
     ap.add_argument("--quick", action="store_true", help="tiny configs on the CPU (smoke test: nothing measures)")
+    ap.add_argument("--restarts", type=int, default=3,
+                    help="restarts per variant (the median is reported, each one kept: plain's spread is the noise)")
     ap.add_argument("--isolate", action="store_true",
                     help="each model's plain and pass variants in a fresh process of their own")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the cold steps: print this many functions")

@@ -18,6 +18,15 @@ joint attention (M13) where the op had measured 1.175-1.237x in earlier runs. Th
     python -m benchmarks.node_launch --out $OUT/node_launch.json            # M13 (GPU)
     python -m benchmarks.node_launch --quick                                # CPU smoke test (nothing timed)
     python -m benchmarks.node_launch --dump $OUT/ir   # and each variant's compiled kernel as text, for a diff
+    python -m benchmarks.node_launch --placement      # and the op's launch into outputs placed as the node's are
+
+`--placement` asks whether where the outputs lie is the node's difference. Each variant's call is captured in a CUDA
+graph of its own, where its outputs' addresses are read (do_bench_cudagraph allocates in a pool of its own, so the
+placement read outside capture need not be the one timed), and its replay timed. Then the op's replayed launch
+(`_CatRunner.replay`, the same binary) writes into outputs at chosen offsets of one 2 MiB-aligned arena: apart on
+page boundaries (the op's own), back to back as Inductor places its two buffers, and the node's placement in
+capture; each timed in graph replay and by the profiler, alternating rounds. Each compiled binary's cubin hash is
+recorded too: the same PTX can still assemble differently.
 
 `--dump DIR` writes `<row>.<variant>.ir` per variant: the TTIR, TTGIR and PTX of each rotary kernel it compiled,
 one after the other, so that `diff` shows where two binaries of one plan differ line by line.
@@ -29,6 +38,7 @@ import argparse
 import collections
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import re
@@ -65,6 +75,10 @@ def _describe(meta_path: str) -> dict:
     with open(meta_path) as f:
         meta = json.load(f)
     out = {k: v for k, v in meta.items() if isinstance(v, (bool, int, float, str, type(None)))}
+    cubin = meta_path[:-len(".json")] + ".cubin"
+    if os.path.exists(cubin):
+        with open(cubin, "rb") as f:
+            out["cubin_sha1"] = hashlib.sha1(f.read()).hexdigest()[:16]
     ptx = meta_path[:-len(".json")] + ".ptx"
     if os.path.exists(ptx):
         with open(ptx) as f:
@@ -128,10 +142,99 @@ def _planned_launches() -> Any:
         triton_cat.plan_cat = real
 
 
+@contextlib.contextmanager
+def _runner_calls() -> Any:
+    """Records each call of the cat op's replayed runner (`_CatRunner.run_sources`: the runner and the call's
+    sources), for `--placement` to launch the op's plan into outputs placed at will."""
+    from rope_fusion.kernels import triton_cat
+
+    seen: list = []
+    real = triton_cat._CatRunner.run_sources
+
+    def run_sources(self: Any, sources: list) -> list:
+        seen.append((self, list(sources)))
+        return real(self, sources)
+    triton_cat._CatRunner.run_sources = run_sources
+    try:
+        yield seen
+    finally:
+        triton_cat._CatRunner.run_sources = real
+
+
+MIB = 1 << 20
+PAGE = 2 * MIB
+
+
+def _captured(call: Any) -> list[dict]:
+    """Where the outputs of the call lie when it is captured in a CUDA graph of its own (a fresh private pool, as
+    each of do_bench_cudagraph's captures is)."""
+    call()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = call()
+    torch.cuda.synchronize()
+    return _placement(out)
+
+
+def _arena_layouts(nbytes: int, node_at: list[int] | None) -> dict[str, list[int]]:
+    """Named byte offsets of q's and k's outputs in one 2 MiB-aligned arena: the op's placement (each on a page
+    boundary), Inductor's (back to back), each shifted by 1 MiB, and the node's placement in capture relative to
+    its first output, where it was read."""
+    apart = -(-nbytes // PAGE) * PAGE
+    layouts = {"apart, page-aligned": [0, apart], "back to back": [0, nbytes],
+               "apart, both 1 MiB in": [MIB, apart + MIB], "apart, k 1 MiB in": [0, apart + MIB]}
+    if node_at and max(node_at) - min(node_at) < 256 * MIB:  # in one arena of this process's size
+        lo = min(node_at)
+        layouts["the node's in capture"] = [lo % PAGE + p - lo for p in node_at]
+    return layouts
+
+
+def placement_study(op_calls: list, node_call: Any, op_call: Any, rounds: int) -> dict:
+    """Each variant's placement in graph capture, and the op's replayed launch timed into each arena layout."""
+    if not op_calls:
+        return {"error": "the op variant made no replayed-runner call"}
+    runner, sources = op_calls[-1]
+    for _ in range(2):  # the first use checks the replay against the JIT launcher
+        runner.run_sources(sources)
+    if not runner.checked:
+        return {"error": "the op's runner kept the JIT launcher (no replay to time)"}
+    rec: dict = {"shapes": [list(s) for s in runner.shapes], "variants": {}}
+    node_place, op_place = _captured(node_call), _captured(op_call)
+    rec["variants"]["node"] = {"in_capture": node_place}
+    rec["variants"]["op"] = {"in_capture": op_place}
+    nbytes = torch.empty(runner.shapes[0], dtype=runner.dtype, device="meta").untyped_storage().nbytes()
+    node_ptrs = [p["ptr"] for p in node_place] if len(node_place) == 2 else None
+    layouts = _arena_layouts(nbytes, node_ptrs)
+    size = max(off for offs in layouts.values() for off in offs) + nbytes + PAGE
+    arena = torch.empty(size, dtype=torch.uint8, device=sources[0].device)
+    start = (-arena.data_ptr()) % PAGE  # the arena's first page boundary
+    calls = {"node (compiled)": node_call, "op (compiled)": op_call}
+    for name, offs in layouts.items():
+        outs = [arena[start + off:start + off + nbytes].view(runner.dtype).view(shape)
+                for off, shape in zip(offs, runner.shapes)]
+        tensors = [[*sources, *outs][i] for i in runner.picks]
+        calls[f"op launch, {name}"] = (lambda t=tensors: runner.replay(t))
+        rec["variants"][f"op launch, {name}"] = {"offsets_MiB": [o / MIB for o in offs],
+                                                 "ptr_mod_2MiB": [(arena.data_ptr() + start + o) % PAGE
+                                                                  for o in offs]}
+    times: dict = {k: {"graph_us": [], "kernel_us": []} for k in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            times[name]["graph_us"].append(1e3 * kb.graph_ms(call, "cuda"))
+            per = kb.kernel_times(call, device="cuda")
+            times[name]["kernel_us"].append(sum(us for k, (n, us) in per.items() if KERNEL in k))
+    for name, t in times.items():
+        r = rec["variants"].setdefault(name, {})
+        r.update({k: round(statistics.median(v), 2) for k, v in t.items()})
+        r["kernel_us_all"] = [round(v, 2) for v in t["kernel_us"]]
+    return rec
+
+
 def _placement(out: Any) -> list[dict]:
     """Each output tensor's geometry and where it lies: its address modulo 2 MiB and its storage's size."""
     return [{"shape": list(t.shape), "stride": list(t.stride()), "offset": t.storage_offset(),
-             "ptr_mod_2MiB": t.data_ptr() % (2 << 20), "storage_bytes": t.untyped_storage().nbytes()}
+             "ptr": t.data_ptr(), "ptr_mod_2MiB": t.data_ptr() % PAGE, "storage_bytes": t.untyped_storage().nbytes()}
             for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
 
 
@@ -149,7 +252,7 @@ def _compile(row: Any, variant: str, args: tuple) -> tuple[Any, Any, list[str], 
     rope_fusion.clear_caches()  # each variant plans its own launch
     before = _cache_entries()
     try:
-        with _planned_launches() as planned:
+        with _planned_launches() as planned, _runner_calls() as calls:
             fn, p = kb.compiled(row.fn, "triton+cg")
             out, codes = run_and_get_code(fn, *args)
             if torch.cuda.is_available():
@@ -158,7 +261,7 @@ def _compile(row: Any, variant: str, args: tuple) -> tuple[Any, Any, list[str], 
     finally:
         device_registry.NODE_DEVICES = saved
     new = sorted(set(_cache_entries()) - set(before))
-    p.planned_launches = planned
+    p.planned_launches, p.runner_calls = planned, calls
     return (fn, out), p, codes, new
 
 
@@ -174,16 +277,17 @@ def _dump(meta_paths: list[str], path: str) -> None:
                         out.write(f.read())
 
 
-def run_row(row: Any, device: str, rounds: int, dump: str | None = None) -> dict:
+def run_row(row: Any, device: str, rounds: int, dump: str | None = None, placement: bool = False) -> dict:
     torch.manual_seed(0)
     args = row.make(device)
     floor_args = row.floor(args)
     rec: dict = {"row": row.name, "shape": row.shape, "variants": {}}
     with torch.no_grad():
         want = row.fn(*(a.double() if a.is_floating_point() else a for a in args))
-        fns = {}
+        fns, runner_calls = {}, []
         for v in VARIANTS:
             (fn, out), p, codes, new = _compile(row, v, args)
+            runner_calls = p.runner_calls if v == "op" else runner_calls
             fns[v] = (lambda fn=fn: fn(*args))
             decorators = _decorators(codes)
             emitted = "node" if decorators else "op"
@@ -218,6 +322,8 @@ def run_row(row: Any, device: str, rounds: int, dump: str | None = None) -> dict
             for v in VARIANTS:
                 r = rec["variants"][v]
                 r["x_floor"] = {k: round(statistics.median(r[k]) / floor[k], 3) for k in ("graph", "do_bench")}
+            if placement:
+                rec["placement"] = placement_study(runner_calls, fns["node"], fns["op"], rounds)
     node, op = (rec["variants"][v]["compiled"] for v in VARIANTS)
     rec["same_binary"] = bool(node) and not op  # the op's launch found the node's compile in the cache: one binary
     return rec
@@ -230,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (the smoke test)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--dump", default=None, help="write each variant's compiled kernel (TTIR, TTGIR, PTX) here")
+    ap.add_argument("--placement", action="store_true",
+                    help="time the op's launch into outputs placed as each variant's are (GPU only)")
     args = ap.parse_args(argv)
     if not args.quick and not device_check.gpu_present():
         return device_check.no_gpu("benchmarks.node_launch", "python -m benchmarks.node_launch --quick")
@@ -240,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     device_check.announce(device, result)
     rows = [r for r in kb.coverage_rows(args.quick) if r.name in args.rows]
     for row in rows:
-        rec = run_row(row, device, args.rounds, args.dump)
+        rec = run_row(row, device, args.rounds, args.dump, args.placement)
         result["rows"].append(rec)
         kb.write_json(args.out, result)
         print(json.dumps(rec, indent=1, default=str))
