@@ -16,9 +16,10 @@ order:
    everything compiles again (a changed graph whose kernels are known);
 5. `pass warm`: the pass's dir again: its decisions and kernels cached, the graph caches off, so the pass runs,
    reads its decisions and times nothing;
-6. `plain restart`: plain's dir, torch.compile's defaults again: a process's second start, served by the graph
-   caches that cold wrote;
-7. `pass restart`: the same for the pass, whose cache key the decisions its cold compile wrote leave as it was.
+6. the restarts: plain's dir and the pass's, torch.compile's defaults again, each served by the graph caches its
+   cold compile wrote (the pass's cache key is left as it was by the decisions its cold compile wrote): one of each
+   (a process's second start, kept apart), then `--restarts` rounds alternating which goes first, whose median
+   is the figure and whose range is plain's noise (`_alternating_restarts`).
 
 Each step records Inductor's FX graph and AOTAutograd cache counters (hits, misses, bypasses), so a restart that
 compiled again shows as such. Printed per model: the seconds of each, the pass's over plain's for each kind, the
@@ -32,10 +33,11 @@ agree (the restart's against cold's too). Models run with CUDA graphs where the 
     python -m benchmarks.compile_time --models ltx-video flux --isolate --profile 30
 
 `--isolate` compiles each model's plain and pass variants in a fresh process of their own (cold, then warm in the
-same cache dir): in one process the variant compiled first pays for the model's and the pass's first use (its
-imports, Dynamo's first trace of the model's code), which on the CPU made plain cold 2-4x pass cold on every model
-after the first. `import rope_fusion` is then timed apart and reported. `--profile N` runs the cold steps under
-cProfile and prints the N functions with the most cumulative and the most own time.
+same cache dir), then restarts both in a third process from those dirs: in one process the variant compiled first
+pays for the model's and the pass's first use (its imports, Dynamo's first trace of the model's code), which on the
+CPU made plain cold 2-4x pass cold on every model after the first. `import rope_fusion` is then timed apart and
+reported. `--profile N` runs the cold steps under cProfile and prints the N functions with the most cumulative and
+the most own time.
 """
 
 from __future__ import annotations
@@ -183,26 +185,38 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-# (step, its cache dir, with the pass, the graph caches on)
-STEPS = {v: [(f"{v} cold", v, v == "pass", True), (f"{v} warm", v, v == "pass", False),
-             (f"{v} restart", v, v == "pass", True)] for v in ("plain", "pass")}
+# (step, its cache dir, with the pass, the graph caches on); the restarts are `_alternating_restarts`'
+STEPS = {v: [(f"{v} cold", v, v == "pass", True), (f"{v} warm", v, v == "pass", False)] for v in ("plain", "pass")}
+RESTARTS = (("plain restart", "plain", False), ("pass restart", "pass", True))
 KINDS = ("cold", "warm", "restart")
 
 
+def _cache_dirs(cache_root: str | None) -> dict[str, str]:
+    """Each variant's cache dir: fresh ones of this process's own, or those under `cache_root` that the children of
+    --isolate share (the restarts' child reads what the cold children wrote)."""
+    if cache_root is None:
+        return {v: tempfile.mkdtemp(prefix=f"compile_time_{v}_") for v in ("warm-up", "plain", "pass")}
+    dirs = {v: os.path.join(cache_root, v) for v in ("warm-up", "plain", "pass")}
+    for d in dirs.values():
+        os.makedirs(d, exist_ok=True)
+    return dirs
+
+
 def run_model(name: str, args: argparse.Namespace, device: str, cudagraphs: bool, first: bool,
-              variant: str | None = None) -> dict:
-    """One model's compiles in this process: every step below, or only `variant`'s ("plain" or "pass")."""
+              variant: str | None = None, cache_root: str | None = None) -> dict:
+    """One model's compiles in this process: every step below and the alternating restarts, or only `variant`'s
+    ("plain" or "pass": its cold and warm steps; "restarts": the restarts, from what the others wrote)."""
     rec: dict = {"model": name, "mode": "CUDA graphs" if cudagraphs else "launches", "layers": args.layers,
                  "s": {}, "pass_s": {}, "errors": {}}
-    dirs = {v: tempfile.mkdtemp(prefix=f"compile_time_{v}_") for v in ("warm-up", "plain", "pass")}
+    dirs = _cache_dirs(cache_root)
     try:
         m, inputs = build(name, args.quick, device, torch.bfloat16, layers=args.layers)
         if variant is not None:
-            steps = STEPS[variant]
+            steps = STEPS.get(variant, [])
         else:
             steps = [("plain warm-up", "warm-up", False, False)] if first else []
             steps += [step for pair in zip(STEPS["plain"], STEPS["pass"]) for step in pair]
-        if any(with_pass for _, _, with_pass, _ in steps):
+        if variant != "plain":
             t0 = time.perf_counter()
             import rope_fusion
             rec["import_s"] = round(time.perf_counter() - t0, 3)
@@ -217,15 +231,6 @@ def run_model(name: str, args: argparse.Namespace, device: str, cudagraphs: bool
                 rec["s"][step], outs[step] = _profiled(
                     f"{name} {step}", top,
                     lambda d=d, p=p, c=caches: _compile_seconds(m, inputs, dirs[d], cudagraphs, device, p, c), dump)
-                if step.endswith("restart") and args.restarts > 1:
-                    # a restart is a second or less: one run's difference is noise (plain's own spread says how much)
-                    seconds = [rec["s"][step]] + [
-                        _compile_seconds(m, inputs, dirs[d], cudagraphs, device,
-                                         rope_fusion.RopeFusionPass(measure=MEASURE[args.measure]) if with_pass
-                                         else None, caches)[0]
-                        for _ in range(args.restarts - 1)]
-                    rec.setdefault("s_all", {})[step] = [round(x, 3) for x in seconds]
-                    rec["s"][step] = statistics.median(seconds)
             except Exception as e:  # a failing step is reported, the others still run
                 rec["errors"][step] = f"{type(e).__name__}: {e}"[:400]
                 traceback.print_exc(limit=3)
@@ -238,6 +243,8 @@ def run_model(name: str, args: argparse.Namespace, device: str, cudagraphs: bool
                 rec.setdefault("choices", {})[step] = _choices(p)
                 rec.setdefault("sites", {})[step] = len(p.report.sites)
             _free(device)
+        if variant in (None, "restarts"):
+            _alternating_restarts(rec, m, inputs, dirs, args, device, cudagraphs, outs)
         if args.save_outs:  # a child of --isolate: its parent compares the two variants' outputs
             torch.save({k: v.cpu() for k, v in outs.items() if v is not None}, args.save_outs)
         if outs.get("plain cold") is not None and outs.get("pass cold") is not None:
@@ -249,14 +256,54 @@ def run_model(name: str, args: argparse.Namespace, device: str, cudagraphs: bool
         rec["errors"]["build"] = f"{type(e).__name__}: {e}"[:400]
         traceback.print_exc(limit=3)
     finally:
-        for d in dirs.values():
-            shutil.rmtree(d, ignore_errors=True)
+        if cache_root is None:
+            for d in dirs.values():
+                shutil.rmtree(d, ignore_errors=True)
         _free(device)
     return rec
 
 
+def _alternating_restarts(rec: dict, m: torch.nn.Module, inputs: dict, dirs: dict, args: argparse.Namespace,
+                          device: str, cudagraphs: bool, outs: dict) -> None:
+    """plain's and the pass's restarts (torch.compile's defaults, each variant's own cache dir, which its cold
+    compile wrote), one of each first, then `args.restarts` rounds alternating which goes first. A restart is a
+    second or less, where a process's load drifts by a tenth: run one after the other, the variant run later read
+    up to 1.2x the other on the CPU, where alternating in one process put the pass at 0.99-1.03x plain. The first
+    pair is a process's second start (under --isolate, its own new process) and is kept apart (`first_restart_s`);
+    the rounds' median is the restart figure, their range plain's noise."""
+    import rope_fusion
+
+    runs: dict = {step: [] for step, _, _ in RESTARTS}
+    counts: dict = {step: collections.Counter() for step, _, _ in RESTARTS}
+    for i in range(args.restarts + 1):
+        for step, d, with_pass in (RESTARTS if i % 2 == 0 else RESTARTS[::-1]):
+            p = rope_fusion.RopeFusionPass(measure=MEASURE[args.measure]) if with_pass else None
+            counted = _cache_counters()
+            try:
+                seconds, out = _compile_seconds(m, inputs, dirs[d], cudagraphs, device, p, True)
+            except Exception as e:  # reported; the other variant's restarts still run
+                rec["errors"][step] = f"{type(e).__name__}: {e}"[:400]
+                traceback.print_exc(limit=3)
+                continue
+            counts[step].update(_cache_counters() - counted)
+            if i == 0:
+                rec.setdefault("first_restart_s", {})[step] = round(seconds, 3)
+                outs[step] = out
+            else:
+                runs[step].append(seconds)
+            if p is not None:
+                rec["pass_s"][step] = round(_pass_seconds(p), 3)
+            _free(device)
+    for step, seconds in runs.items():
+        rec.setdefault("caches", {})[step] = dict(counts[step])
+        if seconds:
+            rec.setdefault("s_all", {})[step] = [round(x, 3) for x in seconds]
+            rec["s"][step] = statistics.median(seconds)
+
+
 def isolated(name: str, cudagraphs: bool, args: argparse.Namespace) -> dict:
-    """The model's plain and pass variants, each in a fresh process (cold, then warm), merged into one record."""
+    """The model's plain and pass variants, each in a fresh process (cold, then warm), then a third process that
+    restarts both from the caches they wrote, alternating (`_alternating_restarts`); merged into one record."""
     import json
     import subprocess
 
@@ -264,12 +311,13 @@ def isolated(name: str, cudagraphs: bool, args: argparse.Namespace) -> dict:
                  "s": {}, "pass_s": {}, "errors": {}, "isolated": True}
     outs: dict = {}
     with tempfile.TemporaryDirectory(prefix="compile_time_child_") as tmp:
-        for variant in ("plain", "pass"):
+        root = os.path.join(tmp, "caches")
+        for variant in ("plain", "pass", "restarts"):
             js, pt = os.path.join(tmp, f"{variant}.json"), os.path.join(tmp, f"{variant}.pt")
             cmd = [sys.executable, "-m", "benchmarks.compile_time", "--child", variant, "--models", name,
                    "--modes", "graphs" if cudagraphs else "launches", "--layers", str(args.layers),
                    "--measure", args.measure, "--profile", str(args.profile), "--restarts", str(args.restarts),
-                   "--out", js, "--save-outs", pt]
+                   "--cache-root", root, "--out", js, "--save-outs", pt]
             cmd += ["--quick"] if args.quick else []
             done = subprocess.run(cmd, cwd=os.path.dirname(_HERE), capture_output=True, text=True)
             sys.stdout.write("".join(f"  [{variant}] {line}\n" for line in done.stdout.splitlines()
@@ -278,9 +326,9 @@ def isolated(name: str, cudagraphs: bool, args: argparse.Namespace) -> dict:
                 rec["errors"][variant] = f"child exited {done.returncode}: {done.stderr.strip()[-300:]}"
                 continue
             (child,) = json.load(open(js))["records"]
-            for key in ("s", "s_all", "pass_s", "errors", "auto", "choices", "sites", "caches"):
+            for key in ("s", "s_all", "first_restart_s", "pass_s", "errors", "auto", "choices", "sites", "caches"):
                 rec.setdefault(key, {}).update(child.get(key, {}))
-            if "import_s" in child:
+            if "import_s" in child and variant == "pass":
                 rec["import_s"] = child["import_s"]
             if os.path.exists(pt):
                 outs.update(torch.load(pt))
@@ -366,11 +414,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the pass's measure policy: auto (its default), all (every site), off (the table)")
     ap.add_argument("--quick", action="store_true", help="tiny configs on the CPU (smoke test: nothing measures)")
     ap.add_argument("--restarts", type=int, default=3,
-                    help="restarts per variant (the median is reported, each one kept: plain's spread is the noise)")
+                    help="rounds of alternating restarts after the first (their median is reported, each one kept: "
+                         "plain's range is the noise)")
     ap.add_argument("--isolate", action="store_true",
                     help="each model's plain and pass variants in a fresh process of their own")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the cold steps: print this many functions")
-    ap.add_argument("--child", choices=sorted(STEPS), help=argparse.SUPPRESS)  # one variant, for --isolate
+    ap.add_argument("--child", choices=[*STEPS, "restarts"], help=argparse.SUPPRESS)  # one part, for --isolate
+    ap.add_argument("--cache-root", help=argparse.SUPPRESS)  # the cache dirs the children of --isolate share
     ap.add_argument("--save-outs", help=argparse.SUPPRESS)
     ap.add_argument("--out", help="write the records as JSON here (rewritten after every model)")
     args = ap.parse_args(argv)
@@ -395,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.isolate and not args.child:
                 rec = isolated(name, cg, args)
             else:
-                rec = run_model(name, args, device, cg, first=i == 0, variant=args.child)
+                rec = run_model(name, args, device, cg, first=i == 0, variant=args.child, cache_root=args.cache_root)
             result["records"].append(rec)
             write_json(args.out, result, quiet=True)
             print(f"[{time.perf_counter() - t_start:6.1f}s] {name} ({rec['mode']}): {rec['s']}, pass's own "
