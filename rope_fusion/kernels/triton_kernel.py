@@ -269,7 +269,7 @@ def _copy_rows(src, dst, src_sh, dst_sh, heads_n, first, nsplit, eps, w_ptr, w_s
 def rotary_kernel(
     q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, cos_ptr, sin_ptr, pos_ptr, wq_ptr, wk_ptr, wv_ptr,
     tokens_1, tokens_2, q_heads, k_heads, v_heads, nsplit, cos_stride_row, sin_stride_row, cache_rows,
-    wq_stride_head, wk_stride_head, wv_stride_head, eps,
+    wq_stride_head, wk_stride_head, wv_stride_head, eps_bits,
     q_stride_t0, q_stride_t1, q_stride_t2, q_stride_head, qo_stride_t0, qo_stride_t1, qo_stride_t2, qo_stride_head,
     k_stride_t0, k_stride_t1, k_stride_t2, k_stride_head, ko_stride_t0, ko_stride_t1, ko_stride_t2, ko_stride_head,
     v_stride_t0, v_stride_t1, v_stride_t2, v_stride_head, vo_stride_t0, vo_stride_t1, vo_stride_t2, vo_stride_head,
@@ -346,8 +346,10 @@ def rotary_kernel(
         cdt = tl.float64
     else:
         cdt = tl.float32
-    # Inductor's launcher types a float argument as fp64 (a direct launch: fp32); left so, eps would promote
-    # the norm's scale and with it every product of the tile to fp64, 1.4-1.6x the fp32 kernel's time.
+    # eps comes as its fp32 bits (`triton_plan.eps_bits`): a float argument is fp32 to Triton's launcher and fp64 to
+    # Inductor's, so a user-kernel node and a direct launch of one plan compiled two binaries, whose instruction
+    # schedules differed and the node's ran 4-7% slower (the Flux joint cat). An int is i32 to both.
+    eps = tl.cast(tl.cast(eps_bits, tl.int32), tl.float32, bitcast=True)
     eps = tl.cast(eps, cdt)
     tok = tl.program_id(0).to(tl.int64)
     if TOKS > 1:  # TOKS single-row tokens a program, as a (TOKS, lanes) tile (one head: MLA's k_pe)

@@ -12,6 +12,8 @@ sizes included (hence `is_true`: a fact known without adding a guard).
 from __future__ import annotations
 
 import dataclasses
+import math
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -611,9 +613,20 @@ def plan_tiles(p: Plan, xs: list, tables: Tables, params: RotaryParams, *, block
     return t
 
 
+def eps_bits(eps: float) -> int:
+    """The norm's eps as the kernel takes it: its fp32 bit pattern as a signed 32-bit int. A Python float is fp32 to
+    Triton's launcher and fp64 to Inductor's (its user-kernel nodes), so one plan compiled two binaries; an int is
+    i32 to both, and both specialise it alike (a 1, a multiple of 16)."""
+    try:
+        packed = struct.pack("<f", float(eps))
+    except OverflowError:  # beyond fp32's range: inf, as the launchers' conversion of a float gives
+        packed = struct.pack("<f", math.copysign(math.inf, eps))
+    return struct.unpack("<i", packed)[0]
+
+
 def _scalar_args(p: Plan, xs: list, tables: Tables, params: RotaryParams, t: Tiling, w_strides: tuple) -> tuple:
     """The kernel's runtime scalars, in its parameter order: token sizes, head counts, splits, table rows, weight
-    head strides, eps, then the strides of each side (absent sides zero) and of the tables."""
+    head strides, eps (`eps_bits`), then the strides of each side (absent sides zero) and of the tables."""
     none = [0, 0, 0, 0]
     sk, sv = (p.x_strides[i] if len(xs) > i else none for i in (1, 2))
     sko, svo = (p.o_strides[i] if len(xs) > i else none for i in (1, 2))
@@ -621,7 +634,7 @@ def _scalar_args(p: Plan, xs: list, tables: Tables, params: RotaryParams, t: Til
     cos, sin = tables.cos, tables.sin
     # with positions: the row strides and the rows that a position may pick (the kernel asserts 0 <= row < rows)
     rows = (cos.stride(0), sin.stride(0), cache_rows(cos, sin)) if tables.rows else (0, 0, 0)
-    return (p.tokens[1], p.tokens[2], p.heads[0], hk, hv, t.nsplit, *rows, *w_strides, float(params.norm_eps),
+    return (p.tokens[1], p.tokens[2], p.heads[0], hk, hv, t.nsplit, *rows, *w_strides, eps_bits(params.norm_eps),
             *p.x_strides[0], *p.o_strides[0], *sk, *sko, *sv, *svo, *p.c_strides[:3], *p.s_strides[:3])
 
 
