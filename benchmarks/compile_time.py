@@ -36,8 +36,10 @@ agree (the restart's against cold's too). Models run with CUDA graphs where the 
 same cache dir), then restarts both in a third process from those dirs: in one process the variant compiled first
 pays for the model's and the pass's first use (its imports, Dynamo's first trace of the model's code), which on the
 CPU made plain cold 2-4x pass cold on every model after the first. `import rope_fusion` is then timed apart and
-reported. `--profile N` runs the cold steps under cProfile and prints the N functions with the most cumulative and
-the most own time.
+reported. `--repeats N` runs the plain and pass processes N times, alternating which goes first, each pair in fresh
+dirs, and reports each cold and warm step's median (every run kept): one cold compile a variant moved by up to 1.5x
+between runs on one host kind. `--profile N` runs the cold steps under cProfile and prints the N functions with the
+most cumulative and the most own time.
 """
 
 from __future__ import annotations
@@ -302,18 +304,26 @@ def _alternating_restarts(rec: dict, m: torch.nn.Module, inputs: dict, dirs: dic
 
 
 def isolated(name: str, cudagraphs: bool, args: argparse.Namespace) -> dict:
-    """The model's plain and pass variants, each in a fresh process (cold, then warm), then a third process that
-    restarts both from the caches they wrote, alternating (`_alternating_restarts`); merged into one record."""
+    """The model's plain and pass variants, each in a fresh process (cold, then warm), `--repeats` times alternating
+    which goes first, each pair in fresh cache dirs; then a third process that restarts both from the caches the
+    last pair wrote, alternating (`_alternating_restarts`); merged into one record. A cold or warm figure is the
+    median of its repeats, each kept in `s_all`: a cold compile's seconds moved by up to 1.5x between runs on one
+    host kind where the pass's graph was plain's."""
     import json
     import subprocess
 
     rec: dict = {"model": name, "mode": "CUDA graphs" if cudagraphs else "launches", "layers": args.layers,
-                 "s": {}, "pass_s": {}, "errors": {}, "isolated": True}
+                 "s": {}, "pass_s": {}, "errors": {}, "isolated": True, "repeats": args.repeats}
     outs: dict = {}
+    runs: dict = collections.defaultdict(list)
     with tempfile.TemporaryDirectory(prefix="compile_time_child_") as tmp:
-        root = os.path.join(tmp, "caches")
-        for variant in ("plain", "pass", "restarts"):
-            js, pt = os.path.join(tmp, f"{variant}.json"), os.path.join(tmp, f"{variant}.pt")
+        children = []
+        for r in range(args.repeats):
+            pair = ("plain", "pass") if r % 2 == 0 else ("pass", "plain")
+            children += [(variant, os.path.join(tmp, f"caches{r}")) for variant in pair]
+        children.append(("restarts", children[-1][1]))
+        for n, (variant, root) in enumerate(children):
+            js, pt = os.path.join(tmp, f"{variant}{n}.json"), os.path.join(tmp, f"{variant}.pt")
             cmd = [sys.executable, "-m", "benchmarks.compile_time", "--child", variant, "--models", name,
                    "--modes", "graphs" if cudagraphs else "launches", "--layers", str(args.layers),
                    "--measure", args.measure, "--profile", str(args.profile), "--restarts", str(args.restarts),
@@ -328,10 +338,17 @@ def isolated(name: str, cudagraphs: bool, args: argparse.Namespace) -> dict:
             (child,) = json.load(open(js))["records"]
             for key in ("s", "s_all", "first_restart_s", "pass_s", "errors", "auto", "choices", "sites", "caches"):
                 rec.setdefault(key, {}).update(child.get(key, {}))
+            if variant != "restarts":
+                for step, seconds in child.get("s", {}).items():
+                    runs[step].append(round(seconds, 3))
             if "import_s" in child and variant == "pass":
                 rec["import_s"] = child["import_s"]
-            if os.path.exists(pt):
-                outs.update(torch.load(pt))
+            if os.path.exists(pt) and not outs.keys() & {f"{variant} cold", f"{variant} restart"}:
+                outs.update(torch.load(pt))  # the first repeat's outputs
+        if args.repeats > 1:
+            for step, seconds in runs.items():
+                rec.setdefault("s_all", {})[step] = seconds
+                rec["s"][step] = statistics.median(seconds)
         profiles = [os.path.join(tmp, f"{v}.pt.{v}.prof") for v in ("plain", "pass")]
         if args.profile and all(os.path.exists(f) for f in profiles):
             profile_difference(*profiles, top=args.profile)
@@ -401,6 +418,8 @@ def summary(records: list[dict]) -> None:
                 print(f"    {line}")
         if r.get("restart_vs_cold"):
             print(f"  {r['model']} ({r['mode']}) pass restart against pass cold: {r['restart_vs_cold']}")
+        if r.get("s_all"):
+            print(f"  {r['model']} ({r['mode']}) every run (s): {r['s_all']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--restarts", type=int, default=3,
                     help="rounds of alternating restarts after the first (their median is reported, each one kept: "
                          "plain's range is the noise)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="with --isolate: cold and warm compiles per variant, alternating (the median is reported)")
     ap.add_argument("--isolate", action="store_true",
                     help="each model's plain and pass variants in a fresh process of their own")
     ap.add_argument("--profile", type=int, default=0, help="cProfile the cold steps: print this many functions")
