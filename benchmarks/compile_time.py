@@ -38,8 +38,8 @@ pays for the model's and the pass's first use (its imports, Dynamo's first trace
 CPU made plain cold 2-4x pass cold on every model after the first. `import rope_fusion` is then timed apart and
 reported. `--repeats N` runs the plain and pass processes N times, alternating which goes first, each pair in fresh
 dirs, and reports each cold and warm step's median (every run kept): one cold compile a variant moved by up to 1.5x
-between runs on one host kind. `--profile N` runs the cold steps under cProfile and prints the N functions with the
-most cumulative and the most own time.
+between runs on one host kind. `--profile N` runs the cold and warm steps under cProfile and prints the N functions
+with the most own time, and under --isolate the N whose cumulative seconds grew most from plain's to the pass's.
 """
 
 from __future__ import annotations
@@ -136,8 +136,9 @@ def _profiled(step: str, top: int, run: Any, dump: str | None = None) -> Any:
             prof.dump_stats(dump)
 
 
-def profile_difference(plain: str, with_pass: str, top: int) -> None:
-    """The functions whose cumulative seconds grew most from plain's cold compile to the pass's (cProfile dumps)."""
+def profile_difference(plain: str, with_pass: str, top: int, kind: str = "cold") -> None:
+    """The functions whose cumulative seconds grew most from plain's `kind` compile to the pass's (cProfile
+    dumps)."""
     import pstats
 
     root = os.path.dirname(_HERE) + os.sep  # the checkout's own files by their paths in it
@@ -154,7 +155,7 @@ def profile_difference(plain: str, with_pass: str, top: int) -> None:
     whole = max((d for d, k in rows if "contextlib" not in k), default=0.0)
     # the frames that hold the whole difference (Dynamo's and Inductor's entry points, decorators) say nothing
     rows = [(d, k) for d, k in rows if d < 0.8 * whole and "contextlib" not in k]
-    print(f"--- cumulative seconds, pass cold minus plain cold (cProfile; {whole:+.2f} s in all; the {top} largest "
+    print(f"--- cumulative seconds, pass {kind} minus plain {kind} (cProfile; {whole:+.2f} s in all; the {top} largest "
           "parts under the entry points)")
     for diff, k in rows[:top]:
         (ca, oa, na), (cb, ob, nb) = a.get(k, (0, 0, 0)), b.get(k, (0, 0, 0))
@@ -226,10 +227,11 @@ def run_model(name: str, args: argparse.Namespace, device: str, cudagraphs: bool
         for step, d, with_pass, caches in steps:
             p = rope_fusion.RopeFusionPass(measure=MEASURE[args.measure]) if with_pass else None
             before = _stats() if with_pass else collections.Counter()
-            top = args.profile if step.endswith("cold") else 0
+            kind = step.rsplit(" ", 1)[-1]
+            top = args.profile if kind in ("cold", "warm") else 0
             counted = _cache_counters()
             try:
-                dump = f"{args.save_outs}.{d}.prof" if args.save_outs else None
+                dump = f"{args.save_outs}.{d}.{kind}.prof" if args.save_outs else None
                 rec["s"][step], outs[step] = _profiled(
                     f"{name} {step}", top,
                     lambda d=d, p=p, c=caches: _compile_seconds(m, inputs, dirs[d], cudagraphs, device, p, c), dump)
@@ -349,9 +351,10 @@ def isolated(name: str, cudagraphs: bool, args: argparse.Namespace) -> dict:
             for step, seconds in runs.items():
                 rec.setdefault("s_all", {})[step] = seconds
                 rec["s"][step] = statistics.median(seconds)
-        profiles = [os.path.join(tmp, f"{v}.pt.{v}.prof") for v in ("plain", "pass")]
-        if args.profile and all(os.path.exists(f) for f in profiles):
-            profile_difference(*profiles, top=args.profile)
+        for kind in ("cold", "warm"):
+            profiles = [os.path.join(tmp, f"{v}.pt.{v}.{kind}.prof") for v in ("plain", "pass")]
+            if args.profile and all(os.path.exists(f) for f in profiles):
+                profile_difference(*profiles, top=args.profile, kind=kind)
     if "plain cold" in outs and "pass cold" in outs:
         rec["pass_vs_plain"] = compare(outs["pass cold"], outs["plain cold"])
     if "pass restart" in outs and "pass cold" in outs:  # the graph a restart is served computes what cold's did
@@ -439,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --isolate: cold and warm compiles per variant, alternating (the median is reported)")
     ap.add_argument("--isolate", action="store_true",
                     help="each model's plain and pass variants in a fresh process of their own")
-    ap.add_argument("--profile", type=int, default=0, help="cProfile the cold steps: print this many functions")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="cProfile the cold and warm steps: print this many functions")
     ap.add_argument("--child", choices=[*STEPS, "restarts"], help=argparse.SUPPRESS)  # one part, for --isolate
     ap.add_argument("--cache-root", help=argparse.SUPPRESS)  # the cache dirs the children of --isolate share
     ap.add_argument("--save-outs", help=argparse.SUPPRESS)
