@@ -120,45 +120,44 @@ def _decorators(codes: list[str]) -> list[str]:
 
 
 @contextlib.contextmanager
+def _recording(owner: Any, name: str, record: Any) -> Any:
+    """`owner.name` wrapped for the block: each call runs the original, and `record(seen, args, result)` notes it in
+    the list the block gets."""
+    seen: list = []
+    real = getattr(owner, name)
+
+    def wrapped(*a: Any, **kw: Any) -> Any:
+        out = real(*a, **kw)
+        record(seen, a, out)
+        return out
+    setattr(owner, name, wrapped)
+    try:
+        yield seen
+    finally:
+        setattr(owner, name, real)
+
+
 def _planned_launches() -> Any:
     """Records every launch the cat kernel's planner returns (its grid, scalars and the compile-time constants that
     are numbers), the node's planned on fake values at trace time, the op's on the call's tensors: where the two
     variants' launches of one plan could differ."""
     from rope_fusion.kernels import triton_cat
 
-    seen: list = []
-    real = triton_cat.plan_cat
-
-    def plan_cat(*a: Any, **kw: Any) -> Any:
-        out = real(*a, **kw)
+    def record(seen: list, args: tuple, out: Any) -> None:
         if isinstance(out, triton_cat.CatLaunch):
             seen.append({"grid": [str(g) for g in out.grid], "scalars": [str(v) for v in out.scalars],
                          "meta": {k: v for k, v in out.meta.items() if isinstance(v, (bool, int, float))}})
-        return out
-    triton_cat.plan_cat = plan_cat
-    try:
-        yield seen
-    finally:
-        triton_cat.plan_cat = real
+    return _recording(triton_cat, "plan_cat", record)
 
 
-@contextlib.contextmanager
 def _runner_calls() -> Any:
     """Records each call of the cat op's replayed runner (`_CatRunner.run_sources`: the runner and the call's
     sources), for `--placement` to launch the op's plan into outputs placed at will."""
     from rope_fusion.kernels import triton_cat
 
-    seen: list = []
-    real = triton_cat._CatRunner.run_sources
-
-    def run_sources(self: Any, sources: list) -> list:
-        seen.append((self, list(sources)))
-        return real(self, sources)
-    triton_cat._CatRunner.run_sources = run_sources
-    try:
-        yield seen
-    finally:
-        triton_cat._CatRunner.run_sources = real
+    def record(seen: list, args: tuple, out: Any) -> None:
+        seen.append((args[0], list(args[1])))  # (the runner, the call's sources)
+    return _recording(triton_cat._CatRunner, "run_sources", record)
 
 
 MIB = 1 << 20
